@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The test command: installs deps, brings up the local Kafka broker if it is not running,
+# runs the whole suite (unit + integration against the real broker), stops what it started.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+scripts/bootstrap.sh test
+started_broker=0
+if ! deploy/kafka.sh status >/dev/null 2>&1; then
+  deploy/kafka.sh up
+  started_broker=1
+fi
+cleanup() { if [ "$started_broker" = 1 ]; then deploy/kafka.sh down || true; fi; }
+trap cleanup EXIT
+export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:-9092}}"
+.venv/bin/python -m pytest "$@"

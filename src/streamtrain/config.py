@@ -1,0 +1,189 @@
+"""Every setting of the service, validated once at start-up.
+
+Sources, strongest first: explicit keyword arguments, environment variables
+``STREAMTRAIN_<NAME>``, a TOML file (``--config FILE``), then the defaults below. The
+defaults work against a local broker on ``localhost:9092``. A bad value stops start-up
+with one line that names the setting (:func:`load_settings`).
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+ENV_PREFIX = "STREAMTRAIN_"
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; ``str(error)`` is one line naming it."""
+
+
+class Settings(BaseSettings):
+    """The outside contract's settings (SPEC section 4) plus tuning knobs."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        case_sensitive=False,
+        extra="forbid",
+        validate_default=True,
+    )
+    _toml_path: ClassVar[Path | None] = None
+
+    # --- Kafka -------------------------------------------------------------------------
+    kafka_bootstrap: str = Field("localhost:9092", description="Kafka bootstrap servers, comma separated")
+    topic: str = Field("sensor-events", min_length=1, max_length=200, description="Topic with sensor events")
+    group_id: str = Field("streamtrain", min_length=1, description="Kafka consumer group")
+    topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
+    poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
+    max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
+
+    # --- HTTP ----------------------------------------------------------------------------
+    http_host: str = Field("0.0.0.0", description="HTTP bind address")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP port")
+    max_predict_batch: int = Field(256, ge=1, le=10_000, description="Instances per /v1/predict request")
+    max_request_bytes: int = Field(8 << 20, ge=1024, description="Request bodies above this answer 413")
+    predict_concurrency: int = Field(4, ge=1, le=256, description="Predict requests served at once; more wait")
+    predict_queue: int = Field(16, ge=0, le=10_000, description="Predict requests that may wait; beyond: 503")
+    admin_token: SecretStr | None = Field(None, description="Bearer token for /v1/admin; unset = admin routes off")
+
+    # --- Events and window ---------------------------------------------------------------------
+    window_capacity: int = Field(100_000, ge=1, le=50_000_000, description="Reservoir window size W")
+    half_life_s: float = Field(3600.0, gt=0, description="Recency half-life in event time; inf = uniform")
+    max_age_s: float | None = Field(None, gt=0, description="Reject and evict events older than this")
+    max_future_skew_s: float = Field(300.0, ge=0, description="Events further ahead of the clock are rejected")
+    max_len: int = Field(512, ge=1, le=1_000_000, description="Most time steps per event")
+    channels: int = Field(1, ge=1, le=4096, description="Numbers per time step")
+    n_classes: int = Field(0, ge=0, le=100_000, description="Label classes; 0 = no classification head")
+
+    # --- Data pipeline -------------------------------------------------------------------------
+    token_budget: int = Field(8192, ge=1, description="Padded tokens per batch (sequences x padded length)")
+    max_batch_sequences: int = Field(1024, ge=1, description="Cap on sequences per batch")
+    pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
+    pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
+    shuffle: Literal["seeded", "crypto"] = Field("seeded", description="seeded (reproducible) or crypto (OS CSPRNG)")
+    seed: int = Field(0, ge=0, description="Base seed for seeded mode")
+
+    # --- Model and training --------------------------------------------------------------------
+    d_model: int = Field(64, ge=8, le=4096)
+    n_heads: int = Field(4, ge=1, le=64)
+    n_layers: int = Field(2, ge=1, le=48)
+    learning_rate: float = Field(1e-3, gt=0, le=1.0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(50, ge=0)
+    grad_clip_norm: float = Field(1.0, gt=0)
+    min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
+    publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
+    torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+
+    # --- Checkpoints ---------------------------------------------------------------------------
+    checkpoint_dir: Path = Field(Path("var/checkpoints"), description="Where checkpoints go")
+    checkpoint_interval_s: float = Field(60.0, gt=0, description="Seconds between checkpoints")
+    checkpoint_keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept")
+
+    # --- Differential privacy ------------------------------------------------------------------
+    dp: Literal["on", "off"] = Field("off", description="DP-SGD training (needs shuffle=crypto)")
+    dp_noise_multiplier: float = Field(1.0, description="Gaussian noise multiplier sigma")
+    dp_clip_norm: float = Field(1.0, description="Per-sample gradient clip norm C")
+    dp_q0: float = Field(0.05, description="Sampling probability of a fresh eligible event")
+    dp_half_life_steps: float = Field(math.inf, description="Recency half-life of q_j in steps; inf = constant")
+    dp_eligible_steps: int = Field(100, description="K: steps an admitted event stays eligible")
+    dp_admit_per_step: int = Field(64, description="R: events admitted per public-clock step")
+    dp_step_rate_hz: float = Field(2.0, description="Public clock: DP steps per second")
+    dp_delta: float = Field(1e-6, description="delta of the per-event guarantee")
+    dp_target_epsilon: float = Field(8.0, description="Per-event epsilon the configuration must not exceed")
+
+    # --- Logging -------------------------------------------------------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_path))
+        return tuple(sources)
+
+    @field_validator("half_life_s", mode="before")
+    @classmethod
+    def _half_life_accepts_inf(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
+            return math.inf
+        return value
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_has_port(cls, value: str) -> str:
+        for server in value.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Settings:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def uniform_window(self) -> bool:
+        return math.isinf(self.half_life_s)
+
+    @property
+    def dlq_topic(self) -> str:
+        return f"{self.topic}.dlq"
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings as plain JSON values, secrets masked (for logs and /v1/model)."""
+        out = self.model_dump(mode="json")
+        out["admin_token"] = "***" if self.admin_token else None
+        return out
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build settings from defaults, an optional TOML file, env and ``overrides``.
+
+    Raises :class:`SettingsError` whose message is one line naming the bad setting.
+    """
+    path = Path(config_file) if config_file else None
+    if path is not None:
+        if not path.is_file():
+            raise SettingsError(f"config file {path} does not exist")
+        try:
+            tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    Settings._toml_path = path
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(_one_line(exc)) from None
+    finally:
+        Settings._toml_path = None
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first error as ``invalid setting NAME (STREAMTRAIN_NAME)=value: why``."""
+    err = exc.errors()[0]
+    name = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) or given is None else f"={given!r}"
+    env = f" ({ENV_PREFIX}{name.upper()})" if name != "settings" else ""
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"invalid setting {name}{env}{shown}: {err['msg']}{more}"

@@ -1,0 +1,318 @@
+"""Kafka ingest: consumer thread, validation, dead letters, offsets the window covers.
+
+One thread owns the kafka-python consumer (it is not thread-safe) and does everything
+that touches it: poll, seek, commit, lag. Other threads talk to it through
+:meth:`Ingestor.request_commit`. Rebalance callbacks run on kafka-python's IO thread,
+where blocking consumer calls raise; they only call the local, non-blocking ``seek``.
+
+Offsets: the window stores, under its own lock, the next offset per partition that its
+state covers. A checkpoint saves that state; on restart each partition is sought to the
+stored offset, so the window is exactly-once with respect to the topic. Offsets are
+committed to the consumer group only after a checkpoint made them durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter as TallyCounter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.structs import OffsetAndMetadata
+
+from streamtrain.config import Settings
+from streamtrain.events import REASONS, EventLimits, decode_batch
+from streamtrain.serve.metrics import Metrics
+from streamtrain.window import RecencyWindow
+
+log = logging.getLogger(__name__)
+
+_RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+
+
+def ensure_topics(bootstrap: str, topics: Mapping[str, int], timeout_s: float = 10.0) -> None:
+    """Create missing topics (name -> partitions); existing ones are left alone."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    try:
+        existing = set(admin.list_topics())
+        wanted = [NewTopic(name, num_partitions=p, replication_factor=1) for name, p in topics.items() if name not in existing]
+        if wanted:
+            try:
+                admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+@dataclass
+class IngestStats:
+    """Counters for ``GET /v1/window`` (the window adds its own)."""
+
+    seen_total: int = 0
+    accepted_total: int = 0
+    rejected: TallyCounter[str] = field(default_factory=TallyCounter)
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+
+class _SeekOnAssign(ConsumerRebalanceListener):
+    """Runs on kafka-python's IO thread: only local, non-blocking calls here."""
+
+    def __init__(self, ingestor: Ingestor) -> None:
+        self._ingestor = ingestor
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        consumer = self._ingestor._consumer
+        stored = self._ingestor.window.next_offsets
+        for tp in assigned:
+            if tp.partition in stored and consumer is not None:
+                consumer.seek(tp, stored[tp.partition])
+        log.info(
+            "partitions assigned: %s (resuming from stored offsets for %s)",
+            sorted(tp.partition for tp in assigned),
+            sorted(tp.partition for tp in assigned if tp.partition in stored),
+        )
+
+
+class Ingestor:
+    """Consumes the topic into the window on a thread of its own; never crashes on input."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        window: RecencyWindow,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.window = window
+        self.metrics = metrics
+        self.limits = EventLimits.from_settings(settings)
+        self.stats = IngestStats()
+        self._clock = clock
+        self._consumer: KafkaConsumer | None = None
+        self._producer: KafkaProducer | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._commits: queue.Queue[tuple[dict[int, int], threading.Event]] = queue.Queue()
+        self._dlq_failures = 0
+        self._dlq_lock = threading.Lock()
+        self._connected = False
+        self._reported_evicted = 0
+        self._last_gauges = 0.0
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ingest", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def connected(self) -> bool:
+        """True while the consumer holds a live connection to a broker."""
+        return self._connected and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ called from other threads
+    def flush_dead_letters(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every dead letter sent so far is acknowledged; False if any failed."""
+        producer = self._producer
+        if producer is None:
+            return True
+        try:
+            producer.flush(timeout=timeout_s)
+        except KafkaError as err:
+            log.warning("dead-letter flush failed: %s", err)
+            return False
+        with self._dlq_lock:
+            failed, self._dlq_failures = self._dlq_failures, 0
+        return failed == 0
+
+    def request_commit(self, offsets: Mapping[int, int], timeout_s: float = 10.0) -> bool:
+        """Ask the consumer thread to commit ``offsets`` to the group; True once done."""
+        if not self.running or not offsets:
+            return False
+        done = threading.Event()
+        self._commits.put((dict(offsets), done))
+        return done.wait(timeout_s)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                self._connect()
+                attempt = 0
+                self._consume()
+            except Exception as err:  # noqa: BLE001 - the ingest thread must survive anything
+                self._connected = False
+                self.metrics.kafka_connected.set(0)
+                self.last_error = f"{type(err).__name__}: {err}"
+                delay = _RETRY_BACKOFF_S[min(attempt, len(_RETRY_BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning("kafka ingest error (%s); retrying in %.1fs", self.last_error, delay)
+                self._close_clients()
+                self._stop.wait(delay)
+        self._close_clients()
+
+    def _connect(self) -> None:
+        s = self.settings
+        ensure_topics(s.kafka_bootstrap, {s.topic: s.topic_partitions, s.dlq_topic: s.topic_partitions})
+        self._producer = KafkaProducer(
+            bootstrap_servers=s.kafka_bootstrap,
+            acks="all",
+            linger_ms=20,
+            retries=2147483647,
+            max_request_size=max(s.max_message_bytes + 65536, 1 << 20),
+            client_id="streamtrain-dlq",
+        )
+        consumer = KafkaConsumer(
+            bootstrap_servers=s.kafka_bootstrap,
+            group_id=s.group_id,
+            client_id="streamtrain-ingest",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=s.poll_max_records,
+            max_partition_fetch_bytes=max(8 << 20, s.max_message_bytes + 65536),
+            fetch_max_bytes=64 << 20,
+            reconnect_backoff_max_ms=2000,
+            request_timeout_ms=30000,
+        )
+        self._consumer = consumer
+        consumer.subscribe([s.topic], listener=_SeekOnAssign(self))
+        log.info("ingest connected to %s, topic %s, group %s", s.kafka_bootstrap, s.topic, s.group_id)
+
+    def _consume(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        while not self._stop.is_set():
+            records = consumer.poll(timeout_ms=250)
+            self._connected = self._broker_connected(consumer)
+            self.metrics.kafka_connected.set(1 if self._connected else 0)
+            if records:
+                self._process(records)
+            self._serve_commits(consumer)
+            self._update_gauges(consumer)
+
+    def _process(self, records: Mapping[TopicPartition, list[Any]]) -> None:
+        """Decode, dead-letter and insert one poll batch; the window records its offsets."""
+        messages = [m for batch in records.values() for m in batch]
+        decoded = decode_batch(
+            [m.value for m in messages],
+            self.limits,
+            self._clock(),
+            partitions=[m.partition for m in messages],
+            offsets=[m.offset for m in messages],
+        )
+        for position, rejection in decoded.rejections:
+            self._dead_letter(messages[position], rejection.reason)
+        next_offsets = {tp.partition: batch[-1].offset + 1 for tp, batch in records.items() if batch}
+        if len(decoded.events):
+            self.window.insert_batch(decoded.events, next_offsets)
+        else:
+            self.window.advance_offsets(next_offsets)
+        reasons = TallyCounter(r.reason for _, r in decoded.rejections)
+        self.stats.seen_total += len(messages)
+        self.stats.accepted_total += len(decoded.events)
+        self.stats.rejected.update(reasons)
+        self.metrics.events_consumed.inc(len(messages))
+        self.metrics.events_accepted.inc(len(decoded.events))
+        for reason, count in reasons.items():
+            self.metrics.events_rejected.labels(reason).inc(count)
+
+    def _dead_letter(self, message: Any, reason: str) -> None:
+        """Forward the raw message unchanged to ``<topic>.dlq`` with the four headers."""
+        assert self._producer is not None and reason in REASONS
+        headers = [
+            ("reason", reason.encode()),
+            ("source_topic", message.topic.encode()),
+            ("source_partition", str(message.partition).encode()),
+            ("source_offset", str(message.offset).encode()),
+        ]
+        future = self._producer.send(self.settings.dlq_topic, key=message.key, value=message.value, headers=headers)
+        future.add_errback(self._on_dead_letter_failed)
+
+    def _on_dead_letter_failed(self, err: Exception) -> None:
+        log.warning("dead-letter send failed: %s", err)
+        self.metrics.dead_letters_failed.inc()
+        with self._dlq_lock:
+            self._dlq_failures += 1
+
+    def _serve_commits(self, consumer: KafkaConsumer) -> None:
+        while True:
+            try:
+                offsets, done = self._commits.get_nowait()
+            except queue.Empty:
+                return
+            assigned = {tp.partition: tp for tp in consumer.assignment()}
+            to_commit = {
+                assigned[p]: OffsetAndMetadata(o, "", -1) for p, o in offsets.items() if p in assigned
+            }
+            try:
+                if to_commit:
+                    consumer.commit(to_commit)
+            except KafkaError as err:
+                log.warning("offset commit failed (checkpoint offsets stay authoritative): %s", err)
+            finally:
+                done.set()
+
+    def _update_gauges(self, consumer: KafkaConsumer) -> None:
+        now = time.monotonic()
+        evicted = self.window.evicted_total
+        if evicted > self._reported_evicted:
+            self.metrics.window_evicted.inc(evicted - self._reported_evicted)
+            self._reported_evicted = evicted
+        self.metrics.window_size.set(len(self.window))
+        if now - self._last_gauges < 1.0:
+            return
+        self._last_gauges = now
+        self.metrics.window_tokens.set(self.window.tokens)
+        positions = self.window.next_offsets
+        lag = 0
+        for tp in consumer.assignment():
+            end = consumer.highwater(tp)
+            if end is not None:
+                lag += max(0, end - positions.get(tp.partition, 0))
+        self.metrics.consumer_lag.set(lag)
+
+    @staticmethod
+    def _broker_connected(consumer: KafkaConsumer) -> bool:
+        client = consumer._client  # kafka-python exposes connection state only on its client
+        try:
+            return any(client.connected(broker.node_id) for broker in client.cluster.brokers())
+        except Exception:  # noqa: BLE001 - a diagnostics probe must not break ingest
+            return False
+
+    def _close_clients(self) -> None:
+        for client in (self._consumer, self._producer):
+            if client is None:
+                continue
+            try:
+                client.close(timeout=2) if isinstance(client, KafkaProducer) else client.close(autocommit=False)
+            except Exception:  # noqa: BLE001
+                pass
+        self._consumer = None
+        self._producer = None

@@ -1,0 +1,134 @@
+"""Every Prometheus metric of the service, declared once (SPEC section 3).
+
+One :class:`Metrics` instance per service, on its own registry, so tests can build as
+many services as they like. Names: ``streamtrain_`` prefix, base units, counters end in
+``_total``, labels bounded (reasons and HTTP codes only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from streamtrain.events import REASONS
+
+disable_created_metrics()  # no *_created series: dashboards never use them
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_AGE_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 86400)
+
+
+class _WindowAgeCollector(Collector):
+    """``streamtrain_window_age_seconds{quantile}``, computed from the window at scrape time."""
+
+    def __init__(self, source: Callable[[], tuple[float, float]]) -> None:
+        self._source = source
+
+    def collect(self):  # type: ignore[override]
+        family = GaugeMetricFamily(
+            "streamtrain_window_age_seconds", "Age of window items by quantile", labels=["quantile"]
+        )
+        p50, p90 = self._source()
+        family.add_metric(["0.5"], p50)
+        family.add_metric(["0.9"], p90)
+        yield family
+
+
+class Metrics:
+    """The service's metrics on a private registry."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        # Ingest
+        self.events_consumed = Counter(
+            "streamtrain_events_consumed", "Messages read from Kafka", registry=registry
+        )
+        self.events_accepted = Counter(
+            "streamtrain_events_accepted", "Events put into the window", registry=registry
+        )
+        self.events_rejected = Counter(
+            "streamtrain_events_rejected", "Messages refused, by reason", ["reason"], registry=registry
+        )
+        for reason in REASONS:
+            self.events_rejected.labels(reason)
+        self.dead_letters_failed = Counter(
+            "streamtrain_dead_letters_failed", "Dead-letter sends that failed and were retried", registry=registry
+        )
+        self.consumer_lag = Gauge(
+            "streamtrain_consumer_lag_messages",
+            "Sum over assigned partitions of end offset minus position",
+            registry=registry,
+        )
+        self.kafka_connected = Gauge(
+            "streamtrain_kafka_connected", "1 while the consumer has a live broker connection", registry=registry
+        )
+        # Window
+        self.window_size = Gauge("streamtrain_window_size", "Items in the window", registry=registry)
+        self.window_capacity = Gauge("streamtrain_window_capacity", "Most items the window holds", registry=registry)
+        self.window_tokens = Gauge("streamtrain_window_tokens", "Sum of lengths in the window", registry=registry)
+        self.window_evicted = Counter(
+            "streamtrain_window_evicted", "Items pushed out of the window", registry=registry
+        )
+        # Training
+        self.train_steps = Counter("streamtrain_train_steps", "Optimizer steps", registry=registry)
+        self.train_tokens = Counter(
+            "streamtrain_train_tokens", "Real (unpadded) tokens trained on", registry=registry
+        )
+        self.train_padding_tokens = Counter(
+            "streamtrain_train_padding_tokens", "Pad positions in trained batches", registry=registry
+        )
+        self.train_loss = Gauge("streamtrain_train_loss", "Smoothed training loss", registry=registry)
+        self.train_step_seconds = Histogram(
+            "streamtrain_train_step_seconds", "Wall time of one step", buckets=_STEP_BUCKETS, registry=registry
+        )
+        self.train_batch_sequences = Histogram(
+            "streamtrain_train_batch_sequences", "Sequences per batch", buckets=_SEQ_BUCKETS, registry=registry
+        )
+        self.train_skipped_steps = Counter(
+            "streamtrain_train_skipped_steps", "Steps refused, by reason", ["reason"], registry=registry
+        )
+        for reason in ("non_finite_loss", "non_finite_grad"):
+            self.train_skipped_steps.labels(reason)
+        self.train_data_wait_seconds = Counter(
+            "streamtrain_train_data_wait_seconds", "Time the trainer waited for batches", registry=registry
+        )
+        self.train_sample_age_seconds = Histogram(
+            "streamtrain_train_sample_age_seconds",
+            "Age (event time to training) of trained samples",
+            buckets=_AGE_BUCKETS,
+            registry=registry,
+        )
+        self.train_passes = Counter("streamtrain_train_passes", "Completed passes over the window", registry=registry)
+        self.model_version = Gauge("streamtrain_model_version", "Version of the model that serves", registry=registry)
+        self.dp_epsilon = Gauge(
+            "streamtrain_dp_epsilon", "Largest per-event epsilon spent so far (DP mode only)", registry=registry
+        )
+        # Checkpoints
+        self.checkpoints_written = Counter(
+            "streamtrain_checkpoints_written", "Checkpoints written", registry=registry
+        )
+        self.checkpoint_failures = Counter(
+            "streamtrain_checkpoint_failures", "Checkpoint writes that failed", registry=registry
+        )
+        self.checkpoints_corrupt = Counter(
+            "streamtrain_checkpoints_corrupt", "Checkpoints skipped on load as corrupt", registry=registry
+        )
+        # Serving
+        self.predict_requests = Counter(
+            "streamtrain_predict_requests", "Predict requests by HTTP status", ["code"], registry=registry
+        )
+        self.predict_latency = Histogram(
+            "streamtrain_predict_latency_seconds", "Predict request latency", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+
+    def watch_window_age(self, source: Callable[[], tuple[float, float]]) -> None:
+        """Serve the window-age quantiles from ``source`` at every scrape."""
+        self.registry.register(_WindowAgeCollector(source))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,459 @@
+"""The recency-weighted reservoir window the trainer samples from.
+
+Efraimidis–Spirakis weighted reservoir sampling in the log domain: an event with
+event time ``ts`` gets the key ``λ·(ts − L) − ln E`` with ``E ~ Exp(1)`` and
+``λ = ln 2 / half_life``; the window keeps the W largest keys ever seen. This is the
+exponential race (``E / w`` smallest wins, ``w = exp(λ·ts)``) written in logs, so it
+never computes ``exp(λ·t)``, never overflows and never needs rescaling. With an
+infinite half-life ``λ = 0`` and it is a uniform reservoir. Keys never change once
+drawn, so the window is exactly the top W of the whole stream, whatever the batching.
+
+Batch inserts are vectorized and amortized: the store may overshoot W by a slack S of
+extra items; one ``argpartition`` over W + S items then cuts it back to the top W. Keys
+below the last cut's threshold can never enter again, so most of a uniform stream is
+dropped by one comparison. Readers always see the cut state (a cut runs first), so the
+window they observe is exactly the top W. Readings are kept as the poll batches' own
+arrays (no copy on insert) and compacted at cuts once garbage dominates.
+
+Counting convention: every valid event offered is ``accepted``; one that loses the
+race at once counts as ``evicted`` too, so ``size == accepted_total − evicted_total``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from streamtrain.events import EventBatch
+
+_LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class WindowSnapshot:
+    """A consistent, immutable view of the window for readers (one training pass).
+
+    Readings stay in one flat float32 array ``flat_values [T, C]``; item ``i`` is
+    ``flat_values[starts[i] : starts[i] + lengths[i]]``. ``values`` gives the same as a
+    list of views, built on first use.
+    """
+
+    flat_values: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    ts: np.ndarray
+    labels: np.ndarray
+    keys: np.ndarray
+    sensor_ids: np.ndarray
+    partitions: np.ndarray
+    offsets: np.ndarray
+    next_offsets: dict[int, int] = field(default_factory=dict)
+    version: int = 0
+    taken_at: float = 0.0
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @cached_property
+    def values(self) -> list[np.ndarray]:
+        flat = self.flat_values
+        return [flat[a:b] for a, b in zip(self.starts.tolist(), (self.starts + self.lengths).tolist())]
+
+    def gather_values(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Readings of items ``index`` back to back, and their lengths (vectorized)."""
+        lengths = self.lengths[index]
+        return gather_tokens(self.flat_values, self.starts[index], lengths), lengths
+
+
+def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for every item, without a Python loop.
+
+    A running sum of steps: +1 inside an item, a jump to the next item's start at its
+    first token (about 2 ns a token, half of ``repeat`` + ``arange``).
+    """
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    steps = np.ones(total, dtype=np.int64)
+    first = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=first[1:])
+    steps[0] = starts[0]
+    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
+
+
+def gather_tokens(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Readings of items ``(starts, lengths)`` of ``flat`` back to back."""
+    return np.take(flat, token_positions(starts, lengths), axis=0)
+
+
+@dataclass(frozen=True)
+class InsertReport:
+    """What one batch insert did."""
+
+    offered: int
+    entered: int
+    evicted: int
+    expired: int
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    min: float
+    p50: float
+    p90: float
+    max: float
+    mean: float
+
+    @classmethod
+    def of(cls, data: np.ndarray) -> Quantiles | None:
+        if data.size == 0:
+            return None
+        p50, p90 = np.quantile(data, [0.5, 0.9])
+        return cls(float(data.min()), float(p50), float(p90), float(data.max()), float(data.mean()))
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    size: int
+    capacity: int
+    accepted_total: int
+    evicted_total: int
+    half_life_s: float
+    tokens: int
+    sensors: int
+    age_s: Quantiles | None
+    length: Quantiles | None
+
+
+class RecencyWindow:
+    """Bounded reservoir of sensor events with recency weighting by event time.
+
+    Thread-safe: one writer (the ingest thread) and any number of readers taking
+    snapshots. ``rng`` supplies the key randomness; pass a seeded generator in tests,
+    leave it None in production for OS entropy. ``slack`` is the overshoot S between
+    cuts (default W): more slack, fewer cuts, more memory.
+    """
+
+    _COLUMNS = (
+        ("keys", np.float64),
+        ("ts", np.float64),
+        ("labels", np.int64),
+        ("lengths", np.int64),
+        ("starts", np.int64),
+        ("chunks", np.int64),
+        ("partitions", np.int32),
+        ("offsets", np.int64),
+        ("sensor_ids", object),
+    )
+
+    def __init__(
+        self,
+        capacity: int,
+        half_life_s: float = math.inf,
+        *,
+        channels: int = 1,
+        max_age_s: float | None = None,
+        slack: int | None = None,
+        rng: np.random.Generator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"window capacity must be >= 1, got {capacity}")
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0 (inf for a uniform reservoir), got {half_life_s}")
+        self.capacity = int(capacity)
+        self.half_life_s = float(half_life_s)
+        self.channels = int(channels)
+        self.max_age_s = max_age_s
+        self.slack = self.capacity if slack is None else max(1, int(slack))
+        self._decay = 0.0 if math.isinf(half_life_s) else _LN2 / half_life_s
+        self._rng = rng if rng is not None else np.random.default_rng()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reference_ts: float | None = None
+        self._next_offsets: dict[int, int] = {}
+        self.accepted_total = 0
+        self.version = 0
+        self._reset_storage(0)
+
+    def _reset_storage(self, rows: int) -> None:
+        self._cols = {name: np.empty(max(rows, 1024), dtype=dtype) for name, dtype in self._COLUMNS}
+        self._n = 0  # stored rows; the window is their top `capacity` keys
+        self._threshold = -math.inf  # keys at or below it can never enter again
+        self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them
+        self._expired_total = 0
+
+    # ------------------------------------------------------------------ sizes and counters
+    def __len__(self) -> int:
+        return min(self._n, self.capacity)
+
+    @property
+    def evicted_total(self) -> int:
+        """Every accepted event is either in the window or was pushed out (or expired)."""
+        return self.accepted_total - len(self)
+
+    @property
+    def tokens(self) -> int:
+        with self._lock:
+            self._cut_locked()
+            return int(self._cols["lengths"][: self._n].sum())
+
+    @property
+    def next_offsets(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._next_offsets)
+
+    # ------------------------------------------------------------------ writing
+    def draw_keys(self, ts: np.ndarray) -> np.ndarray:
+        """Reservoir keys ``λ·(ts − L) − ln E`` for events with times ``ts``."""
+        if self._reference_ts is None and ts.size:
+            self._reference_ts = float(ts[0])
+        exp_draws = self._rng.standard_exponential(ts.shape[0])
+        return self._decay * (ts - (self._reference_ts or 0.0)) - np.log(exp_draws)
+
+    def insert_batch(self, batch: EventBatch, next_offsets: Mapping[int, int] | None = None) -> InsertReport:
+        """Offer a batch of valid events; record the Kafka offsets the new state covers.
+
+        ``next_offsets`` is the next offset per partition once this batch is in; it is
+        stored under the same lock as the items, so every state knows what it covers.
+        """
+        if batch.values.ndim != 2 or batch.values.shape[1] != self.channels:
+            raise ValueError(f"batch values must be [tokens, {self.channels}], got {batch.values.shape}")
+        n = len(batch)
+        keys = self.draw_keys(batch.ts)
+        with self._lock:
+            contenders = np.flatnonzero(keys > self._threshold)
+            if contenders.size:
+                self._append_locked(batch, keys, contenders)
+            if self._n > self.capacity + self.slack:
+                self._cut_locked()
+            if next_offsets:
+                self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
+            self.accepted_total += n
+            self.version += 1
+        return InsertReport(offered=n, entered=int(contenders.size), evicted=n - int(contenders.size), expired=0)
+
+    def advance_offsets(self, next_offsets: Mapping[int, int]) -> None:
+        """Record offsets consumed without valid events (all dead-lettered)."""
+        with self._lock:
+            self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
+            self.version += 1
+
+    def forget_partitions(self, partitions: Sequence[int]) -> None:
+        """Drop offset bookkeeping for partitions this instance no longer owns."""
+        with self._lock:
+            for p in partitions:
+                self._next_offsets.pop(int(p), None)
+
+    def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
+        k = rows.shape[0]
+        lengths = batch.lengths[rows]
+        if int(lengths.sum()) * 2 >= batch.values.shape[0]:
+            chunk, starts = batch.values, batch.starts[rows]  # share the batch's array: no copy
+        else:
+            chunk = gather_tokens(batch.values, batch.starts[rows], lengths)
+            starts = np.zeros(k, dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
+        self._chunk_arrays.append(chunk)
+        self._grow_locked(self._n + k)
+        at = slice(self._n, self._n + k)
+        cols = self._cols
+        cols["keys"][at] = keys[rows]
+        cols["ts"][at] = batch.ts[rows]
+        cols["labels"][at] = batch.labels[rows]
+        cols["lengths"][at] = lengths
+        cols["starts"][at] = starts
+        cols["chunks"][at] = len(self._chunk_arrays) - 1
+        cols["partitions"][at] = batch.partitions[rows]
+        cols["offsets"][at] = batch.offsets[rows]
+        cols["sensor_ids"][at] = batch.sensor_ids[rows]
+        self._n += k
+
+    def _grow_locked(self, rows: int) -> None:
+        size = self._cols["keys"].shape[0]
+        if rows <= size:
+            return
+        new_size = max(rows, 2 * size)
+        for name, dtype in self._COLUMNS:
+            grown = np.empty(new_size, dtype=dtype)
+            grown[: self._n] = self._cols[name][: self._n]
+            self._cols[name] = grown
+
+    def _cut_locked(self) -> None:
+        """Keep the top ``capacity`` keys (and drop expired rows); compact readings if sparse."""
+        n = self._n
+        keep = np.arange(n)
+        if self.max_age_s is not None and n:
+            fresh = self._cols["ts"][:n] >= self._clock() - self.max_age_s
+            if not fresh.all():
+                keep = keep[fresh]
+                self._expired_total += n - keep.size  # counted as evicted through len()
+        if keep.size > self.capacity:
+            keys = self._cols["keys"][keep]
+            top = np.argpartition(keys, keep.size - self.capacity)[keep.size - self.capacity :]
+            keep = np.sort(keep[top])
+            if self.max_age_s is None:
+                self._threshold = float(self._cols["keys"][keep].min())
+        if keep.size == n:
+            return
+        for name, _ in self._COLUMNS:
+            column = self._cols[name]
+            column[: keep.size] = column[keep]
+        self._n = keep.size
+        self._compact_chunks_locked()
+
+    def _compact_chunks_locked(self) -> None:
+        """Drop dead chunks; gather live readings of mostly-dead chunks into one new chunk."""
+        n, cols = self._n, self._cols
+        chunk_ids, lengths = cols["chunks"][:n], cols["lengths"][:n]
+        live_tokens = np.bincount(chunk_ids, weights=lengths, minlength=len(self._chunk_arrays))
+        sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.float64)
+        alive = live_tokens > 0
+        # Compact only when garbage dominates (held > 3x live), then only chunks under 1/3 live:
+        # memory stays within a few times the live tokens, copies stay rare.
+        if sizes[alive].sum() > 3 * live_tokens.sum() + 65536:
+            sparse = alive & (live_tokens * 3 < sizes)
+        else:
+            sparse = np.zeros_like(alive)
+        new_index = np.full(len(self._chunk_arrays), -1, dtype=np.int64)
+        kept = np.flatnonzero(alive & ~sparse)
+        new_index[kept] = np.arange(kept.size)
+        arrays = [self._chunk_arrays[i] for i in kept.tolist()]
+        if sparse.any() and sizes[sparse].sum() > 0:
+            rows = np.flatnonzero(sparse[chunk_ids])
+            merged = np.concatenate([self._chunk_arrays[i] for i in np.flatnonzero(sparse).tolist()])
+            base = np.zeros(len(self._chunk_arrays), dtype=np.int64)
+            base[sparse] = np.concatenate([[0], np.cumsum(sizes[sparse])[:-1]]).astype(np.int64)
+            row_lengths = lengths[rows]
+            gathered = gather_tokens(merged, base[chunk_ids[rows]] + cols["starts"][rows], row_lengths)
+            new_starts = np.zeros(rows.size, dtype=np.int64)
+            np.cumsum(row_lengths[:-1], out=new_starts[1:])
+            cols["starts"][rows] = new_starts
+            arrays.append(gathered)
+            new_index[sparse] = len(arrays) - 1
+        cols["chunks"][:n] = new_index[chunk_ids]
+        self._chunk_arrays = arrays
+
+    # ------------------------------------------------------------------ reading
+    def snapshot(self) -> WindowSnapshot:
+        """A consistent copy of the window (after a cut), in insertion order.
+
+        Cost: O(W) column copies plus one concatenation of the live readings.
+        """
+        with self._lock:
+            self._cut_locked()
+            n, cols = self._n, self._cols
+            sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.int64)
+            base = np.zeros(sizes.size, dtype=np.int64)
+            np.cumsum(sizes[:-1], out=base[1:])
+            flat = (
+                np.concatenate(self._chunk_arrays)
+                if self._chunk_arrays
+                else np.zeros((0, self.channels), np.float32)
+            )
+            return WindowSnapshot(
+                flat_values=flat,
+                starts=base[cols["chunks"][:n]] + cols["starts"][:n],
+                lengths=cols["lengths"][:n].copy(),
+                ts=cols["ts"][:n].copy(),
+                labels=cols["labels"][:n].copy(),
+                keys=cols["keys"][:n].copy(),
+                sensor_ids=cols["sensor_ids"][:n].copy(),
+                partitions=cols["partitions"][:n].copy(),
+                offsets=cols["offsets"][:n].copy(),
+                next_offsets=dict(self._next_offsets),
+                version=self.version,
+                taken_at=self._clock(),
+            )
+
+    def stats(self, now: float | None = None) -> WindowStats:
+        """Statistics for ``GET /v1/window``: O(W) numpy work on columns, no reading copies."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._cut_locked()
+            n, cols = self._n, self._cols
+            ts = cols["ts"][:n].copy()
+            lengths = cols["lengths"][:n].copy()
+            sensor_ids = cols["sensor_ids"][:n].copy()
+            accepted = self.accepted_total
+        return WindowStats(
+            size=n,
+            capacity=self.capacity,
+            accepted_total=accepted,
+            evicted_total=accepted - n,
+            half_life_s=self.half_life_s,
+            tokens=int(lengths.sum()),
+            sensors=len(set(sensor_ids.tolist())),
+            age_s=Quantiles.of(np.maximum(now - ts, 0.0)),
+            length=Quantiles.of(lengths.astype(np.float64)),
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: items, keys, offsets, counters, RNG."""
+        snap = self.snapshot()
+        flat, _ = snap.gather_values(np.arange(len(snap)))
+        return {
+            "capacity": self.capacity,
+            "half_life_s": self.half_life_s,
+            "channels": self.channels,
+            "reference_ts": self._reference_ts,
+            "values": flat,
+            "lengths": snap.lengths,
+            "ts": snap.ts,
+            "labels": snap.labels,
+            "keys": snap.keys,
+            "sensor_ids": snap.sensor_ids,
+            "partitions": snap.partitions,
+            "offsets": snap.offsets,
+            "next_offsets": {str(p): o for p, o in snap.next_offsets.items()},
+            "accepted_total": self.accepted_total,
+            "version": snap.version,
+            "rng_state": self._rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict`. A smaller capacity keeps the top keys."""
+        lengths = np.asarray(state["lengths"], dtype=np.int64)
+        flat = np.asarray(state["values"], dtype=np.float32).reshape(-1, self.channels)
+        if int(lengths.sum()) != flat.shape[0]:
+            raise ValueError("window state is inconsistent: lengths do not sum to the stored values")
+        batch = EventBatch(
+            sensor_ids=np.asarray(state["sensor_ids"], dtype=object).reshape(-1),
+            ts=np.asarray(state["ts"], dtype=np.float64),
+            labels=np.asarray(state["labels"], dtype=np.int64),
+            lengths=lengths,
+            values=flat,
+            partitions=np.asarray(state["partitions"], dtype=np.int32),
+            offsets=np.asarray(state["offsets"], dtype=np.int64),
+        )
+        keys = np.asarray(state["keys"], dtype=np.float64)
+        with self._lock:
+            self._reset_storage(len(batch))
+            if len(batch):
+                self._append_locked(batch, keys, np.arange(len(batch)))
+            self._cut_locked()
+            if self._n == self.capacity and self.max_age_s is None:
+                self._threshold = float(self._cols["keys"][: self._n].min())
+            self._reference_ts = state.get("reference_ts")
+            self._next_offsets = {int(p): int(o) for p, o in dict(state.get("next_offsets", {})).items()}
+            self.accepted_total = int(state.get("accepted_total", self._n))
+            self.version = int(state.get("version", 0))
+            rng_state = state.get("rng_state")
+            if rng_state is not None and rng_state.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
+                self._rng.bit_generator.state = rng_state
