@@ -403,6 +403,16 @@ class RecencyWindow:
             length=Quantiles.of(lengths.astype(np.float64)),
         )
 
+    def age_quantiles(self, quantiles: Sequence[float], now: float | None = None) -> list[float]:
+        """Item ages (now − event time) at the given quantiles; zeros for an empty window."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._cut_locked()
+            ts = self._cols["ts"][: self._n].copy()
+        if ts.size == 0:
+            return [0.0 for _ in quantiles]
+        return [float(q) for q in np.quantile(np.maximum(now - ts, 0.0), list(quantiles))]
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: items, keys, offsets, counters, RNG."""

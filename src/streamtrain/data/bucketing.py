@@ -1,0 +1,377 @@
+"""Token-budget batch planning: shuffled pools, sorted by length, cut greedily, batch order shuffled.
+
+One pass over a window snapshot is planned in a handful of vectorized numpy calls:
+
+1. a uniformly random permutation of the snapshot;
+2. consecutive runs of that order form pools of (about) ``pool_size`` items, so each pool
+   is a uniform random sample of the window; there is no global sort;
+3. each pool is sorted by padded length; equal lengths keep their (random) permuted
+   order, which is the random tie-break;
+4. each pool is cut greedily into batches with ``sequences * cost(padded length) <=
+   max_tokens`` (and at most ``max_sequences``); an item that does not fit on its own
+   gets a batch of its own and is counted as oversize, never dropped;
+5. the batch order is shuffled, so short batches do not all come first.
+
+The greedy cut needs no Python loop per item. Within a sorted pool the capacity
+``cap[j] = budget // cost(len[j])`` is non-increasing, so ``g[j] = j + 1 - cap[j]`` is
+strictly increasing, and the batch that starts at ``i`` ends at the largest ``j`` of the
+same pool with ``g[j] <= i`` -- one ``searchsorted`` for all ``i`` at once, then a walk
+over batch starts (a Python step per batch, not per item).
+
+For data-parallel training every rank plans the same pass from the same seed and takes
+every ``world_size``-th batch; the batch count is first made a multiple of
+``world_size`` (see :func:`equalize_batch_count`) so ranks stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from streamtrain.data.randomness import Randomness
+
+#: Default pool size, in batches: padding falls roughly as 1 / (batches per pool) because
+#: each batch covers a narrower length range; 128 gives about 1.6% on the lognormal mix
+#: (bench/batching.py) while a 100k-item window still splits into several pools.
+DEFAULT_BATCHES_PER_POOL: Final = 128
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """How much one batch may hold, as lhotse's constraint objects express it.
+
+    A batch of ``n`` sequences padded to length ``L`` costs ``n * cost(L)`` with
+    ``cost(L) = L + L**2 / quadratic_length`` (the second term only when set, to charge
+    attention's quadratic work as lhotse's ``quadratic_duration`` does). An empty
+    sequence is charged as length 1: it still takes a row.
+    """
+
+    max_tokens: int
+    max_sequences: int | None = None
+    pad_to_multiple_of: int = 1
+    quadratic_length: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"TokenBudget.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_sequences is not None and (
+            isinstance(self.max_sequences, bool) or not isinstance(self.max_sequences, int) or self.max_sequences < 1
+        ):
+            raise ValueError(f"TokenBudget.max_sequences must be None or an integer >= 1, got {self.max_sequences!r}")
+        if (
+            isinstance(self.pad_to_multiple_of, bool)
+            or not isinstance(self.pad_to_multiple_of, int)
+            or self.pad_to_multiple_of < 1
+        ):
+            raise ValueError(f"TokenBudget.pad_to_multiple_of must be an integer >= 1, got {self.pad_to_multiple_of!r}")
+        if self.quadratic_length is not None and not (
+            np.isfinite(self.quadratic_length) and self.quadratic_length > 0
+        ):
+            raise ValueError(
+                f"TokenBudget.quadratic_length must be None or a positive finite number, got {self.quadratic_length!r}"
+            )
+
+    def padded_length(self, lengths: ArrayLike) -> np.ndarray:
+        """Lengths rounded up to ``pad_to_multiple_of`` (int64)."""
+        multiple = self.pad_to_multiple_of
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return lengths if multiple == 1 else -(-lengths // multiple) * multiple
+
+    def cost(self, padded_lengths: ArrayLike) -> np.ndarray:
+        """Budget cost of one sequence at each (already padded) length, float64."""
+        length = np.asarray(padded_lengths, dtype=np.float64)
+        if self.quadratic_length is None:
+            return length
+        return length + length * length / self.quadratic_length
+
+    def capacity(self, padded_lengths: ArrayLike) -> np.ndarray:
+        """How many sequences of each padded length fit in one batch (0: too long alone)."""
+        padded = np.maximum(np.asarray(padded_lengths, dtype=np.int64), 1)  # an empty item still takes a row
+        if self.quadratic_length is None:
+            fit = self.max_tokens // padded
+        else:
+            cost = self.cost(padded)
+            fit = np.floor(self.max_tokens / cost).astype(np.int64)
+            fit -= fit * cost > self.max_tokens  # a quotient rounded up to an integer
+
+        if self.max_sequences is not None:
+            fit = np.minimum(fit, self.max_sequences)
+        return fit
+
+    def fits(self, n_sequences: int, max_length: int) -> bool:
+        """Whether ``n_sequences`` items whose longest is ``max_length`` fit in one batch."""
+        if self.max_sequences is not None and n_sequences > self.max_sequences:
+            return False
+        return n_sequences <= int(self.capacity(self.padded_length(max_length)))
+
+
+@dataclass(frozen=True)
+class PassDiagnostics:
+    """What one pass looked like; every field is a number ready to export as a metric."""
+
+    items: int  # items in the snapshot
+    emitted_items: int  # items placed in a batch this pass (items - withheld_items)
+    batches: int
+    real_tokens: int
+    padded_tokens: int  # sum over batches of sequences * padded length
+    padding_share: float  # 1 - real / padded
+    mean_sequences_per_batch: float
+    min_sequences_per_batch: int
+    max_sequences_per_batch: int
+    oversize_items: int  # emitted items too long for the budget even alone (a batch of their own)
+    adjacent_length_corr: float  # Pearson corr of consecutive batches' mean lengths (NaN < 3 batches)
+    order_rank_corr: float  # Spearman corr of window position vs emitted position (NaN < 2 items)
+    # What the planner knows beyond the batches themselves:
+    partial_batches: int = 0  # batches ended by the end of their pool rather than by the budget
+    split_batches: int = 0  # extra batches made by splitting so ranks get equal counts
+    withheld_items: int = 0  # items left for the next pass because ranks could not be evened
+    pool_size: int = 0  # items per pool (0: not a pooled plan)
+    plan_seconds: float = 0.0
+    pass_index: int | None = None
+    snapshot_version: int | None = None
+
+    def as_metrics(self) -> dict[str, float]:
+        """Every field as a float, for gauges (None becomes NaN)."""
+        return {name: float("nan") if value is None else float(value) for name, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One pass: batches of snapshot indices in the order they are emitted, plus diagnostics."""
+
+    batches: list[np.ndarray] = field(repr=False)
+    diagnostics: PassDiagnostics
+    world_size: int = 1
+
+    def for_rank(self, rank: int) -> list[np.ndarray]:
+        """This rank's share: every ``world_size``-th batch, the same count on every rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+        return self.batches[rank :: self.world_size]
+
+
+def _sort_by_pool_then_length(pool_sizes: np.ndarray, padded: np.ndarray) -> np.ndarray:
+    """Stable order by (pool, padded length) of positions whose pools are consecutive runs.
+
+    numpy's stable argsort is a radix sort for 16-bit keys, so (pool, length) goes into one
+    16-bit key when it fits (it does for windows of a few hundred pools), else two passes.
+    """
+    n_pools = pool_sizes.size
+    length_span = int(padded.max()) + 1
+    if n_pools * length_span <= 2**16:
+        pool_base = np.repeat((np.arange(n_pools) * length_span).astype(np.uint16), pool_sizes)
+        return np.argsort(pool_base + padded.astype(np.uint16), kind="stable")
+    by_length = np.argsort(padded, kind="stable")
+    pool_of_position = np.repeat(np.arange(n_pools), pool_sizes)
+    return by_length[np.argsort(pool_of_position[by_length], kind="stable")]
+
+
+def _capacity_by_table(padded: np.ndarray, budget: TokenBudget) -> np.ndarray:
+    """``budget.capacity(padded)``; few distinct lengths, so a table lookup replaces n divisions."""
+    return budget.capacity(np.arange(int(padded.max()) + 1))[padded]
+
+
+def auto_pool_size(lengths: ArrayLike, budget: TokenBudget, batches_per_pool: int = DEFAULT_BATCHES_PER_POOL) -> int:
+    """Items per pool so that a pool cuts into about ``batches_per_pool`` batches.
+
+    An item of capacity ``c`` takes ``1 / c`` of a batch (a whole one when it does not fit).
+    """
+    padded = budget.padded_length(lengths)
+    if padded.size == 0:
+        return 1
+    batches_per_item = float(np.mean(1.0 / np.maximum(_capacity_by_table(padded, budget), 1)))
+    return max(1, math.ceil(batches_per_pool / batches_per_item))
+
+
+def _batch_ends(padded_sorted: np.ndarray, pool_start: np.ndarray, budget: TokenBudget) -> np.ndarray:
+    """For every position ``i`` of the pool-sorted order, the last position of a batch starting at ``i``."""
+    n = padded_sorted.size
+    positions = np.arange(n)
+    capacity = _capacity_by_table(padded_sorted, budget)
+    # Strictly increasing inside a pool; clamping to the pool start makes it non-decreasing
+    # over the whole array and keeps a batch from reaching into the next pool.
+    first_feasible_start = np.maximum(positions + 1 - capacity, pool_start)
+    # ends[i] = (number of j with first_feasible_start[j] <= i) - 1: a counting sort's prefix sum.
+    ends = np.cumsum(np.bincount(first_feasible_start, minlength=n + 1)[:n]) - 1
+    return np.maximum(ends, positions)  # an oversize item (capacity 0) ends its own batch
+
+
+def _walk_batch_starts(ends: np.ndarray) -> list[int]:
+    starts = []
+    position, n = 0, ends.size
+    while position < n:
+        starts.append(position)
+        position = int(ends[position]) + 1
+    return starts
+
+
+def equalize_batch_count(
+    batches: list[np.ndarray], world_size: int, rng: Randomness
+) -> tuple[list[np.ndarray], int, int]:
+    """Make the batch count a multiple of ``world_size`` without repeating or silently dropping items.
+
+    Splitting the largest multi-item batch in two keeps every batch within budget and every
+    item exactly once. When splits cannot reach a multiple (fewer items than the next
+    multiple, e.g. fewer items than ranks), ``count % world_size`` randomly chosen batches
+    among the smallest are withheld from this pass instead and counted; the window still
+    holds them for the next pass. Returns (batches, extra batches from splits, withheld items).
+    """
+    remainder = len(batches) % world_size
+    if remainder == 0:
+        return batches, 0, 0
+    total_items = sum(len(batch) for batch in batches)
+    splits_needed = world_size - remainder
+    if len(batches) + splits_needed <= total_items:
+        batches = list(batches)
+        for _ in range(splits_needed):
+            largest = max(range(len(batches)), key=lambda k: len(batches[k]))
+            half = len(batches[largest]) // 2
+            batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        return batches, splits_needed, 0
+    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+    # Smallest first, random among equals: the withheld batches cost the fewest items.
+    withheld = np.lexsort((rng.random(len(batches)), sizes))[:remainder]
+    keep = np.ones(len(batches), dtype=bool)
+    keep[withheld] = False
+    return [batch for batch, kept in zip(batches, keep, strict=True) if kept], 0, int(sizes[withheld].sum())
+
+
+def _correlation(x: np.ndarray, y: np.ndarray) -> float:
+    if x.size < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def describe_plan(
+    batches: list[np.ndarray], lengths: np.ndarray, budget: TokenBudget, **planner_facts: Any
+) -> PassDiagnostics:
+    """Diagnostics of any list of index batches over ``lengths`` (baselines use it too).
+
+    ``planner_facts`` fill the fields only the planner knows (``oversize_items``, ...).
+    """
+    n_items = int(lengths.size)
+    if not batches:
+        nan = float("nan")
+        return PassDiagnostics(
+            items=n_items, emitted_items=0, batches=0, real_tokens=0, padded_tokens=0, padding_share=0.0,
+            mean_sequences_per_batch=0.0, min_sequences_per_batch=0, max_sequences_per_batch=0, oversize_items=0,
+            adjacent_length_corr=nan, order_rank_corr=nan, **planner_facts,
+        )  # fmt: skip
+    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    emitted = np.concatenate(batches)
+    emitted_lengths = lengths[emitted]
+    batch_width = budget.padded_length(np.maximum.reduceat(emitted_lengths, offsets))
+    fits_alone = np.flatnonzero(budget.capacity(budget.padded_length(np.arange(int(emitted_lengths.max()) + 1))))
+    longest_fitting = int(fits_alone[-1]) if fits_alone.size else -1  # capacity falls with length
+    oversize_items = int(np.count_nonzero(emitted_lengths > longest_fitting))
+    real_tokens = int(emitted_lengths.sum())
+    padded_tokens = int((sizes * batch_width).sum())
+    mean_lengths = np.add.reduceat(emitted_lengths, offsets) / sizes
+    adjacent = _correlation(mean_lengths[:-1], mean_lengths[1:]) if len(batches) >= 3 else float("nan")
+
+    # Spearman between window order and emitted order. Both sides are ranks 0..m-1 without
+    # ties, so rho = 1 - 6 * sum(d**2) / (m * (m**2 - 1)).
+    if emitted.size == n_items:
+        window_rank = emitted
+    else:  # some items withheld: rank the emitted ones among themselves
+        in_pass = np.zeros(n_items, dtype=bool)
+        in_pass[emitted] = True
+        window_rank = (np.cumsum(in_pass) - 1)[emitted]
+    m = float(emitted.size)
+    rank_gap = (window_rank - np.arange(emitted.size)).astype(np.float64)
+    order_corr = 1.0 - 6.0 * float(rank_gap @ rank_gap) / (m * (m * m - 1.0)) if m >= 2 else float("nan")
+    return PassDiagnostics(
+        items=n_items,
+        emitted_items=int(emitted.size),
+        batches=len(batches),
+        real_tokens=real_tokens,
+        padded_tokens=padded_tokens,
+        padding_share=1.0 - real_tokens / padded_tokens if padded_tokens else 0.0,
+        mean_sequences_per_batch=float(sizes.mean()),
+        min_sequences_per_batch=int(sizes.min()),
+        max_sequences_per_batch=int(sizes.max()),
+        oversize_items=oversize_items,
+        adjacent_length_corr=adjacent,
+        order_rank_corr=order_corr,
+        **planner_facts,
+    )
+
+
+def plan_batches(
+    lengths: ArrayLike,
+    budget: TokenBudget,
+    rng: Randomness,
+    *,
+    pool_size: int | None = None,
+    world_size: int = 1,
+) -> BatchPlan:
+    """Plan one pass over items of the given ``lengths``; batches hold indices into ``lengths``.
+
+    ``pool_size`` is in items; ``None`` picks :func:`auto_pool_size` for this snapshot.
+
+    Every item appears exactly once over all batches, except items counted in
+    ``diagnostics.withheld_items`` (only possible with ``world_size > 1``).
+    """
+    started = time.perf_counter()
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not (lengths.size == 0 or np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError(f"lengths must be a 1-D integer array, got dtype {lengths.dtype} and shape {lengths.shape}")
+    if lengths.size and lengths.min() < 0:
+        raise ValueError(f"lengths must be >= 0, got minimum {lengths.min()}")
+    if pool_size is not None and (isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1):
+        raise ValueError(f"pool_size must be None (automatic) or an integer >= 1, got {pool_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    lengths = lengths.astype(np.int64, copy=False)
+    n = lengths.size
+    if n == 0:
+        return BatchPlan([], describe_plan([], lengths, budget, plan_seconds=time.perf_counter() - started), world_size)
+
+    if pool_size is None:
+        pool_size = auto_pool_size(lengths, budget)
+    permutation = rng.permutation(n)
+    padded = budget.padded_length(lengths[permutation])
+    n_pools = -(-n // pool_size)
+    pool_starts = -(-np.arange(n_pools) * n // n_pools)  # equal pools (sizes differ by at most one)
+    pool_sizes = np.diff(np.append(pool_starts, n))
+    order = _sort_by_pool_then_length(pool_sizes, padded)
+    items = permutation[order]
+    padded_sorted = padded[order]
+    pool_sorted = np.repeat(np.arange(n_pools), pool_sizes)  # pools stay consecutive runs
+
+    ends = _batch_ends(padded_sorted, np.repeat(pool_starts, pool_sizes), budget)
+    starts = _walk_batch_starts(ends)
+    start_array = np.asarray(starts, dtype=np.int64)
+    end_array = ends[start_array]
+
+    capacity_at_end = budget.capacity(padded_sorted[end_array])
+    pool_last = np.append(pool_starts[1:], n) - 1
+    partial_batches = int(
+        np.count_nonzero(
+            (end_array == pool_last[pool_sorted[end_array]])
+            & (end_array - start_array + 1 < capacity_at_end)
+        )
+    )
+
+    in_plan_order = np.split(items, starts[1:])
+    batch_order = rng.permutation(len(in_plan_order))
+    batches = [in_plan_order[k] for k in batch_order]
+    batches, split_batches, withheld_items = equalize_batch_count(batches, world_size, rng)
+
+    diagnostics = describe_plan(
+        batches,
+        lengths,
+        budget,
+        partial_batches=partial_batches,
+        split_batches=split_batches,
+        withheld_items=withheld_items,
+        pool_size=pool_size,
+        plan_seconds=time.perf_counter() - started,
+    )
+    return BatchPlan(batches, diagnostics, world_size)

@@ -1,0 +1,142 @@
+"""Collate ragged sensor sequences into one padded batch with a mask.
+
+The dataset hands over raw, unpadded items; padding happens here, once per batch, to the
+batch's longest item (rounded up to ``pad_to_multiple_of``). The pad value is 0.0, but
+0.0 is also a real sensor reading, so the boolean mask, never the pad value, says which
+positions are real. The copy is vectorized: one concatenation of the ragged values and
+one masked scatter into the padded buffer, with no Python loop over elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from numpy.typing import ArrayLike
+
+from streamtrain.events import NO_LABEL
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A padded batch; real positions come first in each row and ``mask`` marks them."""
+
+    values: torch.Tensor  # float32 [B, L, C], pad value 0.0 (the mask is authoritative)
+    mask: torch.Tensor  # bool [B, L], True at real positions
+    lengths: torch.Tensor  # int64 [B]
+    labels: torch.Tensor  # int64 [B], NO_LABEL (-1) where the event had no label
+    ts: torch.Tensor  # float64 [B], event time (Unix s); NaN where unknown
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.values.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Positions the model computes over, real or padding: ``B * L``."""
+        return int(self.values.shape[0] * self.values.shape[1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
+    def pin_memory(self) -> Batch:
+        """Called by ``DataLoader(pin_memory=True)`` on custom batch types."""
+        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+
+def padded_length(max_length: int, pad_to_multiple_of: int) -> int:
+    """``max_length`` rounded up to a multiple of ``pad_to_multiple_of``."""
+    return -(-max_length // pad_to_multiple_of) * pad_to_multiple_of
+
+
+def _describe_bad_item(values: Sequence[np.ndarray]) -> str:
+    """Only on the error path: name the first item whose shape breaks the [L, C] rule."""
+    channels = None
+    for index, item in enumerate(values):
+        shape = np.shape(item)
+        if len(shape) != 2:
+            return f"item {index} has shape {shape}; every item must be a 2-D [length, channels] array"
+        if channels is None:
+            channels = shape[1]
+        elif shape[1] != channels:
+            return f"item {index} has {shape[1]} channels but item 0 has {channels}; all items need the same C"
+    return "the items could not be concatenated along the length axis"
+
+
+def collate(
+    values: Sequence[np.ndarray],
+    labels: ArrayLike | None = None,
+    ts: ArrayLike | None = None,
+    pad_to_multiple_of: int = 1,
+) -> Batch:
+    """Pad ``values`` (each float32 ``[L_i, C]``) into a :class:`Batch`.
+
+    ``labels`` defaults to NO_LABEL for every item and ``ts`` to NaN (unknown).
+    """
+    if len(values) == 0:
+        raise ValueError("collate needs at least one sequence, got an empty list")
+    try:
+        flat = np.concatenate(values, axis=0, dtype=np.float32)
+    except ValueError as error:
+        raise ValueError(f"collate: {_describe_bad_item(values)}") from error
+    if flat.ndim != 2:
+        raise ValueError(f"collate: {_describe_bad_item(values)}")
+    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    return collate_flat(flat, lengths, labels, ts, pad_to_multiple_of)
+
+
+def collate_flat(
+    flat_values: np.ndarray,
+    lengths: ArrayLike,
+    labels: ArrayLike | None = None,
+    ts: ArrayLike | None = None,
+    pad_to_multiple_of: int = 1,
+) -> Batch:
+    """Like :func:`collate` for readings already back to back (``[sum(lengths), C]``).
+
+    The window stores readings this way, so a batch is one gather plus one scatter.
+    """
+    lengths = np.array(lengths, dtype=np.int64, copy=True).reshape(-1)
+    batch_size = lengths.shape[0]
+    if batch_size == 0:
+        raise ValueError("collate needs at least one sequence, got an empty list")
+    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be an integer >= 1, got {pad_to_multiple_of!r}")
+    if lengths.min() < 0:
+        raise ValueError(f"collate: lengths must be >= 0, got {lengths.min()}")
+    flat = np.asarray(flat_values, dtype=np.float32)
+    if flat.ndim != 2 or flat.shape[0] != int(lengths.sum()):
+        raise ValueError(
+            f"collate: flat values of shape {flat.shape} do not hold sum(lengths) = {int(lengths.sum())} "
+            "rows of [channels]; pass readings back to back as [tokens, C]"
+        )
+    label_array = _per_item(labels, batch_size, np.int64, NO_LABEL, "labels")
+    ts_array = _per_item(ts, batch_size, np.float64, np.nan, "ts")
+
+    width = padded_length(int(lengths.max()), pad_to_multiple_of)
+    mask = np.arange(width) < lengths[:, None]
+    padded = np.zeros((batch_size, width, flat.shape[1]), dtype=np.float32)
+    # Row-major order of the mask is (item, position): the order the readings are stored in.
+    padded[mask] = flat
+    return Batch(
+        values=torch.from_numpy(padded),
+        mask=torch.from_numpy(mask),
+        lengths=torch.from_numpy(lengths),
+        labels=torch.from_numpy(label_array),
+        ts=torch.from_numpy(ts_array),
+    )
+
+
+def _per_item(given: ArrayLike | None, batch_size: int, dtype: type, fill: float, name: str) -> np.ndarray:
+    if given is None:
+        return np.full(batch_size, fill, dtype=dtype)
+    array = np.array(given, dtype=dtype, copy=True).reshape(-1)
+    if array.shape[0] != batch_size:
+        raise ValueError(f"collate: {name} has {array.shape[0]} entries for {batch_size} sequences; give one per item")
+    return array

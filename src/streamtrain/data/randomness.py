@@ -1,0 +1,189 @@
+"""One randomness interface with two modes: reproducible (seeded) and unpredictable (crypto).
+
+Every random decision the pipeline makes (item order, length tie-breaks, batch order, and
+the DP path's Poisson sampling) goes through a :class:`Randomness`. Both modes share one
+implementation of every draw on top of a single primitive, a vector of uniform 64-bit
+words, so the two modes differ only in where the bits come from:
+
+* ``seeded``: numpy's PCG64, keyed by a :class:`numpy.random.SeedSequence` derived from
+  ``(seed, pass, rank, worker)``. Same inputs, same stream; different ranks, workers or
+  passes get statistically independent streams (``SeedSequence`` hashes the spawn key).
+* ``crypto``: every bit comes from the OS CSPRNG (``os.urandom``). Not reproducible by
+  design: differential privacy needs sampling and order an adversary cannot predict.
+
+Why the derived draws are exact (no modulo or rounding bias), given uniform words:
+
+* :meth:`Randomness.integers` rejects words at or above the largest multiple of ``high``
+  below 2**64, so every residue has exactly the same number of accepted preimages.
+* :meth:`Randomness.bernoulli` compares an infinite uniform binary fraction ``U`` with
+  ``p`` 64 bits at a time and only draws more bits on an exact tie, so
+  ``P(U < p) == p`` for every float64 ``p`` (floats are dyadic rationals), not just to
+  2**-53.
+* :meth:`CryptoRandomness.permutation` argsorts i.i.d. uniform 64-bit keys. An i.i.d.
+  vector's law does not change when its coordinates are permuted, and "all keys
+  distinct" is a permutation-invariant event, so conditioned on it every ordering of
+  the keys is equally likely; a draw with any tie (probability about n**2 / 2**65) is
+  rejected as a whole and redrawn, which is exactly that conditioning.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import ClassVar, Final, Literal, get_args
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+ShuffleMode = Literal["seeded", "crypto"]
+SHUFFLE_MODES: Final[tuple[str, ...]] = get_args(ShuffleMode)
+
+_TWO_POW_64: Final = 2**64
+_TWO_POW_64_FLOAT: Final = float(2**64)
+_TWO_POW_MINUS_53: Final = 2.0**-53
+
+
+def _check_count(n: int, name: str = "n") -> int:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
+    return int(n)
+
+
+class Randomness(ABC):
+    """Draws built on one primitive, :meth:`raw_uint64`; subclasses only supply the bits."""
+
+    mode: ClassVar[ShuffleMode]
+    reproducible: ClassVar[bool]
+
+    @abstractmethod
+    def raw_uint64(self, n: int) -> np.ndarray:
+        """``n`` independent uniform 64-bit words (``uint64 [n]``)."""
+
+    def random(self, n: int) -> np.ndarray:
+        """``n`` uniform float64 in [0, 1) on the 2**-53 grid (top 53 bits of a word)."""
+        words = self.raw_uint64(_check_count(n))
+        return (words >> np.uint64(11)).astype(np.float64) * _TWO_POW_MINUS_53
+
+    def integers(self, high: int, n: int) -> np.ndarray:
+        """``n`` uniform int64 in ``[0, high)`` by rejection (no modulo bias)."""
+        n = _check_count(n)
+        if isinstance(high, bool) or not isinstance(high, int | np.integer) or not 1 <= high < 2**63:
+            raise ValueError(f"high must be an integer in [1, 2**63), got {high!r}")
+        high = int(high)
+        accept_below = _TWO_POW_64 - _TWO_POW_64 % high  # a multiple of high, <= 2**64
+        out = np.empty(n, dtype=np.int64)
+        pending = np.arange(n)
+        while pending.size:
+            words = self.raw_uint64(pending.size)
+            if accept_below < _TWO_POW_64:
+                ok = words < np.uint64(accept_below)
+            else:
+                ok = np.ones(pending.size, dtype=bool)
+            out[pending[ok]] = (words[ok] % np.uint64(high)).astype(np.int64)
+            pending = pending[~ok]
+        return out
+
+    def bernoulli(self, p: ArrayLike) -> np.ndarray:
+        """One exact Bernoulli(p[i]) draw per element of ``p``: bool, same shape as ``p``.
+
+        Compares a uniform binary fraction with ``p`` in 64-bit chunks; element ``i`` needs
+        another chunk only when the first 64 bits equal ``p``'s exactly (chance 2**-64).
+        """
+        probs = np.asarray(p, dtype=np.float64)
+        if not np.all(np.isfinite(probs)) or np.any((probs < 0.0) | (probs > 1.0)):
+            raise ValueError("bernoulli probabilities must be finite and within [0, 1]")
+        flat = probs.ravel()
+        out = flat >= 1.0  # p == 1 is certain; p == 0 falls out of the loop as False
+        pending = np.flatnonzero((flat > 0.0) & (flat < 1.0))
+        remainder = flat[pending]  # the part of p not yet decided, as a fraction in [0, 1)
+        while pending.size:
+            scaled = remainder * _TWO_POW_64_FLOAT  # exact: scaling by a power of two
+            whole = np.floor(scaled)
+            words = self.raw_uint64(pending.size)
+            threshold = whole.astype(np.uint64)  # exact: an integer float below 2**64
+            out[pending[words < threshold]] = True
+            # On an exact tie the outcome depends on the next chunk versus the fraction left.
+            tie = (words == threshold) & (scaled > whole)
+            pending, remainder = pending[tie], (scaled - whole)[tie]
+        return out.reshape(probs.shape)
+
+    def permutation(self, n: int) -> np.ndarray:
+        """A uniformly random permutation of ``range(n)`` as int64 (see module docstring)."""
+        n = _check_count(n)
+        while True:
+            keys = self.raw_uint64(n)
+            order = np.argsort(keys, kind="stable")
+            sorted_keys = keys[order]
+            if n < 2 or not np.any(sorted_keys[1:] == sorted_keys[:-1]):
+                return order.astype(np.int64, copy=False)
+
+
+class SeededRandomness(Randomness):
+    """Reproducible PCG64 stream for one ``(seed, pass, rank, worker)`` coordinate.
+
+    ``rank=None`` / ``worker=None`` mean "shared by all ranks / workers": the batch plan
+    uses that coordinate so every rank plans the same pass and then takes its own shard.
+    """
+
+    mode: ClassVar[ShuffleMode] = "seeded"
+    reproducible: ClassVar[bool] = True
+
+    def __init__(self, seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None):
+        self.seed_sequence = derive_seed_sequence(seed, pass_index, rank, worker)
+        self.generator = np.random.Generator(np.random.PCG64(self.seed_sequence))
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        return self.generator.bit_generator.random_raw(_check_count(n))
+
+    def permutation(self, n: int) -> np.ndarray:
+        # numpy's Fisher-Yates with unbiased bounded integers: same law, fewer draws.
+        return self.generator.permutation(_check_count(n)).astype(np.int64, copy=False)
+
+
+class CryptoRandomness(Randomness):
+    """Unpredictable draws: every bit from the OS CSPRNG; accepts no seed on purpose."""
+
+    mode: ClassVar[ShuffleMode] = "crypto"
+    reproducible: ClassVar[bool] = False
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        n = _check_count(n)
+        return np.frombuffer(bytearray(os.urandom(8 * n)), dtype="<u8").astype(np.uint64, copy=False)
+
+
+def _check_coordinate(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def derive_seed_sequence(
+    seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None
+) -> np.random.SeedSequence:
+    """The SeedSequence of one stream: entropy ``seed``, spawn key ``(pass, rank, worker)``.
+
+    ``None`` (shared by all ranks or workers) is encoded as 0 and index ``i`` as ``i + 1``,
+    so a shared stream never coincides with rank 0's or worker 0's own stream.
+    """
+    seed = _check_coordinate(seed, "seed")
+    pass_index = _check_coordinate(pass_index, "pass_index")
+    rank_key = 0 if rank is None else _check_coordinate(rank, "rank") + 1
+    worker_key = 0 if worker is None else _check_coordinate(worker, "worker") + 1
+    return np.random.SeedSequence(entropy=seed, spawn_key=(pass_index, rank_key, worker_key))
+
+
+def derive_seed(seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None) -> int:
+    """A 63-bit integer seed for libraries that take one (``torch.manual_seed``), per stream."""
+    word = derive_seed_sequence(seed, pass_index, rank, worker).generate_state(1, dtype=np.uint64)[0]
+    return int(word >> np.uint64(1))
+
+
+def make_randomness(
+    mode: ShuffleMode, seed: int = 0, pass_index: int = 0, rank: int | None = None, worker: int | None = None
+) -> Randomness:
+    """The randomness for one stream; ``crypto`` ignores the coordinates by design."""
+    if mode == "seeded":
+        return SeededRandomness(seed, pass_index, rank, worker)
+    if mode == "crypto":
+        return CryptoRandomness()
+    raise ValueError(f"shuffle mode must be one of {SHUFFLE_MODES}, got {mode!r}; set STREAMTRAIN_SHUFFLE accordingly")

@@ -1,0 +1,431 @@
+"""The network: a small causal Transformer over variable-length sensor sequences.
+
+Everything here is per instance. No BatchNorm or other op that mixes examples, positions
+are a fixed sinusoidal buffer and attention is written with ``nn.Linear`` projections, so
+that (a) an instance's output never depends on its batch company or on padding, which the
+no-shuffle predict endpoint relies on, and (b) per-sample gradients exist for every
+parameter, which DP-SGD relies on (``torch.func`` and Opacus hooks both work).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamtrain.data.collate import collate
+from streamtrain.events import NO_LABEL
+
+ForecastReduction = Literal["tokens", "per_sample"]
+
+
+# --------------------------------------------------------------------------------------------
+# Normalization
+# --------------------------------------------------------------------------------------------
+
+
+class RunningNorm:
+    """Per-channel running mean and variance over real tokens.
+
+    Batch statistics are merged with Chan's parallel formula in float64, so the result
+    equals the statistics of everything seen so far regardless of how it was batched.
+    The variance has a floor so that ``std`` is never 0 (a constant channel normalizes
+    to 0, not to NaN). Before any data, mean is 0 and std is 1 (identity).
+    """
+
+    def __init__(self, channels: int, var_floor: float = 1e-6) -> None:
+        if channels < 1:
+            raise ValueError(f"RunningNorm: channels must be >= 1, got {channels}")
+        if not var_floor > 0:
+            raise ValueError(f"RunningNorm: var_floor must be > 0, got {var_floor}")
+        self.channels = channels
+        self.var_floor = float(var_floor)
+        self.count = 0
+        self._mean = torch.zeros(channels, dtype=torch.float64)
+        self._m2 = torch.zeros(channels, dtype=torch.float64)  # sum of squared deviations
+        self.frozen = False
+
+    @classmethod
+    def from_public(cls, mean: Sequence[float], std: Sequence[float]) -> RunningNorm:
+        """A frozen norm from public constants (DP mode: statistics of private data leak)."""
+        mean_t = torch.as_tensor(mean, dtype=torch.float64).reshape(-1)
+        std_t = torch.as_tensor(std, dtype=torch.float64).reshape(-1)
+        if mean_t.shape != std_t.shape or not bool((std_t > 0).all()):
+            raise ValueError("RunningNorm.from_public: mean and std need one entry per channel, std > 0")
+        norm = cls(int(mean_t.numel()), var_floor=float(std_t.min()) ** 2 * 1e-6)
+        norm.count = 1
+        norm._mean = mean_t.clone()
+        norm._m2 = std_t.square().clone()  # count 1 → var = m2
+        norm.frozen = True
+        return norm
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._mean.clone()
+
+    @property
+    def var(self) -> torch.Tensor:
+        if self.count == 0:
+            return torch.ones(self.channels, dtype=torch.float64)
+        return (self._m2 / self.count).clamp_min(self.var_floor)
+
+    @property
+    def std(self) -> torch.Tensor:
+        return self.var.sqrt()
+
+    def update(self, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Merge the statistics of the real tokens of ``values [B, L, C]`` (``mask [B, L]``)."""
+        if self.frozen:
+            raise RuntimeError("RunningNorm.update: this norm is frozen (public constants); do not update it")
+        if values.dim() != 3 or values.shape[-1] != self.channels or values.shape[:2] != mask.shape:
+            raise ValueError(
+                f"RunningNorm.update: expected values [B, L, {self.channels}] and mask [B, L], "
+                f"got {tuple(values.shape)} and {tuple(mask.shape)}"
+            )
+        real = values.detach()[mask.bool()].to(torch.float64)  # [N, C]
+        n = int(real.shape[0])
+        if n == 0:
+            return
+        batch_mean = real.mean(dim=0)
+        batch_m2 = (real - batch_mean).square().sum(dim=0)
+        total = self.count + n
+        delta = batch_mean - self._mean
+        self._mean = self._mean + delta * (n / total)
+        self._m2 = self._m2 + batch_m2 + delta.square() * (self.count * n / total)
+        self.count = total
+
+    def _as_float(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._mean.to(x.dtype), self.std.to(x.dtype)
+
+    def normalize(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        if isinstance(x, np.ndarray):
+            return (x - self._mean.numpy()) / self.std.numpy()
+        mean, std = self._as_float(x)
+        return (x - mean) / std
+
+    def denormalize(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x * self.std.numpy() + self._mean.numpy()
+        mean, std = self._as_float(x)
+        return x * std + mean
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "channels": self.channels,
+            "var_floor": self.var_floor,
+            "count": self.count,
+            "mean": self._mean.clone(),
+            "m2": self._m2.clone(),
+            "frozen": self.frozen,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["channels"]) != self.channels:
+            raise ValueError(
+                f"RunningNorm.load_state_dict: checkpoint has {state['channels']} channels, "
+                f"this norm {self.channels}; use the same CHANNELS setting"
+            )
+        self.var_floor = float(state["var_floor"])
+        self.count = int(state["count"])
+        self._mean = torch.as_tensor(state["mean"], dtype=torch.float64).clone()
+        self._m2 = torch.as_tensor(state["m2"], dtype=torch.float64).clone()
+        self.frozen = bool(state.get("frozen", False))
+
+
+# --------------------------------------------------------------------------------------------
+# Network
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    forecast: torch.Tensor  # [B, L, C]: at position t, the prediction of x[t+1]
+    logits: torch.Tensor | None  # [B, n_classes] or None when n_classes == 0
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
+    """The fixed encoding of "Attention Is All You Need"; [max_len, d_model]."""
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * div)
+    table[:, 1::2] = torch.cos(position * div)[:, : d_model // 2]
+    return table.float()
+
+
+def attention_allowed(mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool: query t may attend key s when s <= t and s is real.
+
+    A row with no allowed key (only for a length-0 sequence) would turn softmax into NaN;
+    such rows are opened to all keys. Their output is masked away later anyway.
+    """
+    length = mask.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    allowed = causal & mask[..., None, :]  # [B, L, L]
+    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+    return allowed[:, None]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be a multiple of n_heads ({n_heads})")
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.query = nn.Linear(d_model, d_model)
+        self.key = nn.Linear(d_model, d_model)
+        self.value = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        batch, length, d_model = x.shape
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, p=self.dropout)
+        mixed = (weights @ v).transpose(1, 2).reshape(batch, length, d_model)
+        return self.out(mixed)
+
+
+class Block(nn.Module):
+    """Pre-LN Transformer block: x + attn(LN(x)), then x + ffn(LN(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, ff_mult: int, dropout: float) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ff_norm = nn.LayerNorm(d_model)
+        self.ff_in = nn.Linear(d_model, ff_mult * d_model)
+        self.ff_out = nn.Linear(ff_mult * d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), allowed))
+        return x + self.dropout(self.ff_out(F.gelu(self.ff_in(self.ff_norm(x)))))
+
+
+class SensorModel(nn.Module):
+    """Causal Transformer encoder: forecasts the next reading and optionally classifies."""
+
+    def __init__(
+        self,
+        channels: int,
+        n_classes: int = 0,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        ff_mult: int = 4,
+        max_len: int = 512,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if channels < 1 or n_classes < 0 or n_layers < 1 or max_len < 1:
+            raise ValueError(
+                f"SensorModel: need channels >= 1, n_classes >= 0, n_layers >= 1, max_len >= 1; "
+                f"got {channels}, {n_classes}, {n_layers}, {max_len}"
+            )
+        self.channels = channels
+        self.n_classes = n_classes
+        self.max_len = max_len
+        self.config = {
+            "channels": channels, "n_classes": n_classes, "d_model": d_model, "n_heads": n_heads,
+            "n_layers": n_layers, "ff_mult": ff_mult, "max_len": max_len, "dropout": dropout,
+        }  # fmt: skip
+        self.input = nn.Linear(channels, d_model)
+        self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, ff_mult, dropout) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(d_model)
+        self.forecast_head = nn.Linear(d_model, channels)
+        self.class_head = nn.Linear(d_model, n_classes) if n_classes > 0 else None
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        batch, length, channels = x_norm.shape
+        if channels != self.channels or mask.shape != (batch, length):
+            raise ValueError(
+                f"SensorModel.forward: expected x_norm [B, L, {self.channels}] and mask [B, L], "
+                f"got {tuple(x_norm.shape)} and {tuple(mask.shape)}"
+            )
+        if length > self.max_len:
+            raise ValueError(f"SensorModel.forward: length {length} exceeds max_len {self.max_len}")
+        mask = mask.bool()
+        real = mask[..., None]
+        # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
+        x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
+        hidden = self.input(x) + self.positions[:length]
+        allowed = attention_allowed(mask)
+        for block in self.blocks:
+            hidden = block(hidden, allowed)
+        hidden = self.final_norm(hidden)
+        forecast = self.forecast_head(hidden) * real
+        logits = None
+        if self.class_head is not None:
+            last = (mask.sum(dim=1) - 1).clamp_min(0)  # real positions come first
+            last_hidden = hidden[torch.arange(batch, device=hidden.device), last]
+            logits = self.class_head(last_hidden)
+        return ModelOutput(forecast=forecast, logits=logits)
+
+
+def build_model(settings: Any) -> SensorModel:
+    """A SensorModel from a Settings object (channels, n_classes, d_model, ...)."""
+    return SensorModel(
+        channels=settings.channels,
+        n_classes=settings.n_classes,
+        d_model=getattr(settings, "d_model", 64),
+        n_heads=getattr(settings, "n_heads", 4),
+        n_layers=getattr(settings, "n_layers", 2),
+        max_len=settings.max_len,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------
+
+
+def _one_step_errors(forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L-1] each."""
+    mask = mask.bool()
+    valid = mask[:, :-1] & mask[:, 1:]
+    error = (forecast[:, :-1] - x_norm[:, 1:]).square().mean(dim=-1)
+    error = torch.where(valid, error, torch.zeros((), dtype=error.dtype, device=error.device))
+    return error, valid
+
+
+def _reduce(error: torch.Tensor, valid: torch.Tensor, reduction: ForecastReduction) -> torch.Tensor:
+    if reduction == "tokens":
+        return error.sum() / valid.sum().clamp_min(1)
+    if reduction == "per_sample":
+        return error.sum(dim=1) / valid.sum(dim=1).clamp_min(1)
+    raise ValueError(f"reduction must be 'tokens' or 'per_sample', got {reduction!r}")
+
+
+def forecast_loss(
+    output: ModelOutput, x_norm: torch.Tensor, mask: torch.Tensor, reduction: ForecastReduction = "tokens"
+) -> torch.Tensor:
+    """One-step-ahead MSE over positions where t and t+1 are both real.
+
+    ``tokens``: sum over the batch / number of real target tokens (a scalar; non-DP).
+    ``per_sample``: each example's own mean (a [B] tensor; 0 for a length-1 sequence) —
+    DP-SGD needs a loss in which no example's term depends on the batch.
+    """
+    error, valid = _one_step_errors(output.forecast, x_norm, mask)
+    return _reduce(error, valid, reduction)
+
+
+def naive_last_value_loss(
+    x_norm: torch.Tensor, mask: torch.Tensor, reduction: ForecastReduction = "tokens"
+) -> torch.Tensor:
+    """The MSE of predicting x[t+1] = x[t]: the baseline a forecaster has to beat."""
+    error, valid = _one_step_errors(x_norm, x_norm, mask)
+    return _reduce(error, valid, reduction)
+
+
+def classification_loss(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: ForecastReduction = "tokens"
+) -> torch.Tensor:
+    """Cross-entropy over labelled examples (labels == -1 are ignored).
+
+    ``tokens`` (the name is shared with forecast_loss): mean over labelled examples, 0 if
+    none. ``per_sample``: [B], 0 for unlabelled examples.
+    """
+    labelled = labels != NO_LABEL
+    per_example = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
+    per_example = torch.where(labelled, per_example, torch.zeros((), dtype=per_example.dtype, device=per_example.device))
+    if reduction == "per_sample":
+        return per_example
+    if reduction == "tokens":
+        return per_example.sum() / labelled.sum().clamp_min(1)
+    raise ValueError(f"reduction must be 'tokens' or 'per_sample', got {reduction!r}")
+
+
+def total_loss(
+    output: ModelOutput,
+    x_norm: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    reduction: ForecastReduction = "tokens",
+    class_weight: float = 1.0,
+) -> torch.Tensor:
+    """Forecast loss plus ``class_weight`` × classification loss (when there is a head)."""
+    loss = forecast_loss(output, x_norm, mask, reduction)
+    if output.logits is not None and labels is not None:
+        loss = loss + class_weight * classification_loss(output.logits, labels, reduction)
+    return loss
+
+
+# --------------------------------------------------------------------------------------------
+# Inference
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    next: list[float]  # forecast of the reading after the last one, in data units
+    anomaly_score: float  # mean squared one-step-ahead error, standardized by the running variance
+    probs: list[float] | None = None  # class probabilities when n_classes > 0
+
+
+def plan_predict_batches(lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
+    """Length-sorted index groups whose padded size (count × longest) fits the budget."""
+    order = np.argsort(-lengths, kind="stable")
+    groups: list[np.ndarray] = []
+    start = 0
+    while start < len(order):
+        longest = int(lengths[order[start]])  # sorted descending: the first is the longest
+        count = max(1, token_budget // max(longest, 1))
+        groups.append(order[start : start + count])
+        start += count
+    return groups
+
+
+def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:
+    """No-shuffle inference: one Prediction per input, in request order.
+
+    Instances are length-sorted into token-budget micro-batches for speed; since the model
+    has no cross-instance op and masks padding, an instance's answer does not depend on
+    its company or on the order of the request.
+    """
+    if not values:
+        return []
+    arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    if (lengths < 1).any():
+        raise ValueError("predict: every instance needs at least one reading")
+    results: list[Prediction | None] = [None] * len(arrays)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for group in plan_predict_batches(lengths, token_budget):
+                batch = collate([arrays[i] for i in group])
+                mask = batch.mask
+                x_norm = norm.normalize(batch.values).float() * mask[..., None]
+                output = model(x_norm, mask)
+                scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
+                last = mask.sum(dim=1) - 1
+                next_norm = output.forecast[torch.arange(len(group)), last]
+                next_values = norm.denormalize(next_norm.double()).tolist()
+                probs = torch.softmax(output.logits.double(), dim=-1).tolist() if output.logits is not None else None
+                for row, index in enumerate(group):
+                    results[int(index)] = Prediction(
+                        next=next_values[row],
+                        anomaly_score=float(scores[row]),
+                        probs=probs[row] if probs is not None else None,
+                    )
+    finally:
+        model.train(was_training)
+    return [r for r in results if r is not None]

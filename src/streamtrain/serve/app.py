@@ -1,0 +1,299 @@
+"""FastAPI application factory: one router per concern, the service injected, no globals.
+
+Inference runs off the event loop on a bounded pool; requests beyond the pool and its
+queue get 503 at once instead of piling up, so ``/healthz`` stays fast under load.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import threading
+import time
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from streamtrain import __version__
+from streamtrain.events import REASONS, EventError, parse_values
+from streamtrain.model import predict as model_predict
+from streamtrain.serve.schemas import (
+    CheckpointResult,
+    ErrorOut,
+    Health,
+    ModelReport,
+    PredictRequest,
+    PredictResponse,
+    Readiness,
+    WindowReport,
+)
+from streamtrain.service import Service
+
+
+def get_service(request: Request) -> Service:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]
+
+
+# ---------------------------------------------------------------------- health
+health = APIRouter(tags=["health"])
+
+
+@health.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    """200 while the process runs."""
+    return Health(status="ok")
+
+
+@health.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+def readyz(service: ServiceDep) -> Any:
+    """200 when the consumer is connected and a model is published, else 503 with reasons."""
+    ready, reasons = service.readiness()
+    if ready:
+        return Readiness(status="ok", reasons=reasons)
+    return JSONResponse(status_code=503, content={"status": "not_ready", "reasons": reasons})
+
+
+# ---------------------------------------------------------------------- window
+window_router = APIRouter(tags=["window"])
+
+
+@window_router.get("/v1/window", response_model=WindowReport)
+def window_report(service: ServiceDep) -> WindowReport:
+    """Window statistics; the ingest counters come with them."""
+    stats = service.window.stats()
+    ingest = service.ingest.stats
+    return WindowReport(
+        size=stats.size,
+        capacity=stats.capacity,
+        seen_total=ingest.seen_total,
+        accepted_total=stats.accepted_total,
+        rejected_total={reason: int(ingest.rejected.get(reason, 0)) for reason in REASONS},
+        evicted_total=stats.evicted_total,
+        half_life_s=None if math.isinf(stats.half_life_s) else stats.half_life_s,
+        tokens=stats.tokens,
+        sensors=stats.sensors,
+        age_s=None if stats.age_s is None else stats.age_s.__dict__,
+        length=None if stats.length is None else stats.length.__dict__,
+        next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
+    )
+
+
+# ---------------------------------------------------------------------- model
+model_router = APIRouter(tags=["model"])
+
+
+@model_router.get("/v1/model", response_model=ModelReport)
+def model_report(service: ServiceDep) -> ModelReport:
+    """The serving model's version, training progress and, in DP mode, the privacy spent."""
+    published = service.published
+    trainer = service.trainer
+    diagnostics = trainer.last_pass.as_metrics() if getattr(trainer, "last_pass", None) is not None else {}
+    busy = trainer.step_seconds + trainer.data_wait_seconds
+    training = {
+        "live_step": trainer.step,
+        "last_pass": diagnostics,
+        "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
+    }
+    dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
+    return ModelReport(
+        version=None if published is None else published.version,
+        step=trainer.step if published is None else published.step,
+        tokens_trained=trainer.tokens_trained if published is None else published.tokens_trained,
+        loss=None if published is None or published.loss is None else published.loss,
+        published_at=None if published is None else published.published_at,
+        dp=dp,
+        training=training,
+    )
+
+
+class PredictGate:
+    """At most ``concurrency`` predictions at once and ``queue`` waiting; the rest get 503."""
+
+    def __init__(self, concurrency: int, queue: int) -> None:
+        self.limiter = anyio.CapacityLimiter(concurrency)
+        self.admit = concurrency + queue
+        self._inside = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._inside >= self.admit:
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._inside -= 1
+
+
+def _unprocessable(message: str) -> HTTPException:
+    return HTTPException(status_code=422, detail=message)
+
+
+@model_router.post(
+    "/v1/predict",
+    response_model=PredictResponse,
+    response_model_exclude_none=True,
+    responses={422: {"model": ErrorOut}, 503: {"model": ErrorOut}},
+)
+async def predict(body: PredictRequest, request: Request, service: ServiceDep) -> PredictResponse:
+    """No-shuffle inference: one prediction per instance, in the order given.
+
+    An instance's answer never depends on the order or company of the others.
+    """
+    settings = service.settings
+    count = len(body.instances)
+    if not 1 <= count <= settings.max_predict_batch:
+        raise _unprocessable(f"instances: expected 1..{settings.max_predict_batch} instances, got {count}")
+    arrays = []
+    for i, instance in enumerate(body.instances):
+        try:
+            arrays.append(parse_values(instance.values, settings.channels, settings.max_len))
+        except EventError as err:
+            raise _unprocessable(f"instances[{i}].values: {err.reason}: {err.detail}") from None
+    published = service.published  # one model version for the whole request
+    if published is None:
+        raise HTTPException(status_code=503, detail="no model published yet: the window is still filling")
+    gate: PredictGate = request.app.state.predict_gate
+    if not gate.enter():
+        raise HTTPException(status_code=503, detail="overloaded: too many predictions in flight, retry later")
+    try:
+        predictions = await anyio.to_thread.run_sync(
+            model_predict, published.model, published.norm, arrays, settings.token_budget, limiter=gate.limiter
+        )
+    finally:
+        gate.leave()
+    return PredictResponse(
+        model_version=published.version,
+        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs} for p in predictions],
+    )
+
+
+# ---------------------------------------------------------------------- metrics
+metrics_router = APIRouter(tags=["metrics"])
+
+
+@metrics_router.get("/metrics", response_class=Response)
+def metrics(service: ServiceDep) -> Response:
+    """Prometheus text exposition (a plain route: no redirect to /metrics/)."""
+    return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---------------------------------------------------------------------- admin
+admin = APIRouter(tags=["admin"], prefix="/v1/admin")
+
+
+def require_admin(request: Request) -> None:
+    """Bearer token, compared in constant time; 401 without credentials, 403 with wrong ones."""
+    expected: str = request.app.state.admin_token
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise HTTPException(status_code=401, detail="admin token required", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise HTTPException(status_code=403, detail="admin token not accepted")
+
+
+@admin.post("/checkpoint", response_model=CheckpointResult, dependencies=[Depends(require_admin)],
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
+    """Write a checkpoint now."""
+    path = service.checkpoint()
+    if path is None:
+        raise HTTPException(status_code=503, detail=f"checkpoint failed: {service.checkpoint_error}")
+    return CheckpointResult(path=path.name, step=service.trainer.step)
+
+
+# ---------------------------------------------------------------------- middleware
+class BodySizeLimit:
+    """413 for request bodies over ``limit`` bytes, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._reject(send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = b'{"detail":"request body too large"}'
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _predict_metrics(app: FastAPI, service: Service) -> None:
+    @app.middleware("http")
+    async def count_predictions(request: Request, call_next: Any) -> Response:
+        if request.url.path != "/v1/predict":
+            return await call_next(request)
+        started = time.perf_counter()
+        response = await call_next(request)
+        service.metrics.predict_requests.labels(str(response.status_code)).inc()
+        service.metrics.predict_latency.observe(time.perf_counter() - started)
+        return response
+
+
+def create_app(service: Service) -> FastAPI:
+    """The HTTP API of SPEC section 2 over ``service``."""
+    settings = service.settings
+    app = FastAPI(
+        title="streamtrain",
+        version=__version__,
+        description="Continuous training from a Kafka stream of sensor events.",
+    )
+    app.state.service = service
+    app.state.predict_gate = PredictGate(settings.predict_concurrency, settings.predict_queue)
+    app.include_router(health)
+    app.include_router(window_router)
+    app.include_router(model_router)
+    app.include_router(metrics_router)
+    if settings.admin_token is not None and settings.admin_token.get_secret_value():
+        app.state.admin_token = settings.admin_token.get_secret_value()
+        app.include_router(admin)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming where and what, never 500, never echoing huge inputs back."""
+        problems = []
+        for error in exc.errors()[:10]:
+            where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+            problems.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
+        return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+
+    _predict_metrics(app, service)
+    app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
+    return app

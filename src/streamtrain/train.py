@@ -1,0 +1,295 @@
+"""The continuous trainer: its own thread, fed by the pipeline, publishing frozen models.
+
+The model surface is two verbs, River-style: :meth:`Trainer.train_step` on a
+:class:`~streamtrain.data.collate.Batch` and :func:`streamtrain.model.predict` on the
+published copy. The loop waits for a minimum window, trains on token-budget batches
+(loss normalized by real tokens, so variable batch sizes keep a steady gradient scale),
+refuses non-finite steps and publishes a frozen inference copy at a set interval.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamtrain.config import Settings
+from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
+from streamtrain.data.collate import Batch
+from streamtrain.data.dataset import WindowBatchDataset
+from streamtrain.data.prefetch import Prefetcher
+from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, total_loss
+from streamtrain.serve.metrics import Metrics
+from streamtrain.window import RecencyWindow
+
+log = logging.getLogger(__name__)
+
+_LOSS_SMOOTHING = 0.05
+
+
+@dataclass(frozen=True)
+class PublishedModel:
+    """A frozen inference copy: readers take the reference, nobody mutates it."""
+
+    model: SensorModel
+    norm: RunningNorm
+    version: int
+    step: int
+    tokens_trained: int
+    loss: float | None
+    published_at: float
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    applied: bool
+    loss: float
+    skipped_reason: str | None
+    real_tokens: int
+    padded_tokens: int
+    sequences: int
+    seconds: float
+
+
+def build_budget(settings: Settings) -> TokenBudget:
+    return TokenBudget(
+        max_tokens=settings.token_budget,
+        max_sequences=settings.max_batch_sequences,
+        pad_to_multiple_of=settings.pad_to_multiple_of,
+    )
+
+
+class Trainer:
+    """Owns the model, optimizer and normalization; trains from the window on a thread."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        window: RecencyWindow,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.window = window
+        self.metrics = metrics
+        self._clock = clock
+        torch.manual_seed(settings.seed)
+        self.model = build_model(settings)
+        self.model.train()
+        self.norm = RunningNorm(settings.channels)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
+        )
+        warmup = max(1, settings.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.dataset = WindowBatchDataset(
+            window.snapshot,
+            build_budget(settings),
+            pool_size=settings.pool_size,
+            shuffle=settings.shuffle,
+            seed=settings.seed,
+            min_items=settings.min_window_items,
+            idle_wait_s=0.2,
+            on_pass_end=self._on_pass_end,
+        )
+        self.step = 0
+        self.tokens_trained = 0
+        self.loss_ema: float | None = None
+        self.last_pass: PassDiagnostics | None = None
+        self.published: PublishedModel | None = None
+        self.data_wait_seconds = 0.0
+        self.step_seconds = 0.0
+        self._version = 0
+        self._last_publish = 0.0
+        self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None  # tests inject NaN here
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------------ the verbs
+    def train_step(self, batch: Batch) -> StepReport:
+        """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged."""
+        started = time.perf_counter()
+        with self.lock:
+            self.norm.update(batch.values, batch.mask)
+            x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
+            output = self.model(x_norm, batch.mask)
+            loss = total_loss(output, x_norm, batch.mask, batch.labels)
+            if self.fault_injector is not None:
+                loss = self.fault_injector(loss)
+            skipped = None
+            if not torch.isfinite(loss):
+                skipped = "non_finite_loss"
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip_norm)
+                if not torch.isfinite(grad_norm):
+                    skipped = "non_finite_grad"
+                else:
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.step += 1
+                    self.tokens_trained += batch.real_tokens
+            self.optimizer.zero_grad(set_to_none=True)
+            value = float(loss.detach())
+            if skipped is None:
+                self.loss_ema = value if self.loss_ema is None else (1 - _LOSS_SMOOTHING) * self.loss_ema + _LOSS_SMOOTHING * value
+        seconds = time.perf_counter() - started
+        self._record(batch, skipped, seconds)
+        return StepReport(
+            step=self.step,
+            applied=skipped is None,
+            loss=value,
+            skipped_reason=skipped,
+            real_tokens=batch.real_tokens,
+            padded_tokens=batch.padded_tokens,
+            sequences=batch.batch_size,
+            seconds=seconds,
+        )
+
+    def evaluate(self, batch: Batch) -> float:
+        """Forecast loss of the live model on ``batch`` (no update)."""
+        with self.lock, torch.no_grad():
+            x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
+            return float(forecast_loss(self.model(x_norm, batch.mask), x_norm, batch.mask))
+
+    def publish(self) -> PublishedModel:
+        """Freeze a copy of the model for inference and swap it in atomically (version + 1)."""
+        with self.lock:
+            frozen = copy.deepcopy(self.model).eval()
+            for parameter in frozen.parameters():
+                parameter.requires_grad_(False)
+            norm = RunningNorm(self.settings.channels)
+            norm.load_state_dict(self.norm.state_dict())
+            self._version += 1
+            published = PublishedModel(
+                model=frozen,
+                norm=norm,
+                version=self._version,
+                step=self.step,
+                tokens_trained=self.tokens_trained,
+                loss=self.loss_ema,
+                published_at=self._clock(),
+            )
+        self.published = published  # a single reference assignment: readers see old or new
+        self._last_publish = time.monotonic()
+        self.metrics.model_version.set(published.version)
+        return published
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.settings.torch_threads)
+        while not self._stop.is_set():
+            try:
+                self._train_until_stopped()
+            except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("trainer loop failed; restarting it in 1s")
+                self._stop.wait(1.0)
+
+    def _train_until_stopped(self) -> None:
+        prefetcher = Prefetcher(self.dataset, depth=4, name="trainer-prefetch")
+        try:
+            while not self._stop.is_set():
+                waited_before = prefetcher.data_wait_seconds
+                batch = next(prefetcher)
+                wait = prefetcher.data_wait_seconds - waited_before
+                if self._stop.is_set():
+                    break
+                self.train_step(batch)
+                self.data_wait_seconds += wait
+                self.metrics.train_data_wait_seconds.inc(wait)
+                if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
+                    self.publish()
+        finally:
+            prefetcher.close()
+
+    def _record(self, batch: Batch, skipped: str | None, seconds: float) -> None:
+        m = self.metrics
+        self.step_seconds += seconds
+        m.train_step_seconds.observe(seconds)
+        if skipped is not None:
+            m.train_skipped_steps.labels(skipped).inc()
+            log.warning("step skipped: %s", skipped)
+            return
+        m.train_steps.inc()
+        m.train_tokens.inc(batch.real_tokens)
+        m.train_padding_tokens.inc(batch.padded_tokens - batch.real_tokens)
+        m.train_batch_sequences.observe(batch.batch_size)
+        if self.loss_ema is not None:
+            m.train_loss.set(self.loss_ema)
+        ages = self._clock() - batch.ts.numpy()
+        ages = ages[np.isfinite(ages)]
+        if ages.size:
+            m.train_sample_age_seconds.observe(float(np.median(ages)))
+
+    def _on_pass_end(self, diagnostics: PassDiagnostics) -> None:
+        self.last_pass = diagnostics
+        self.metrics.train_passes.inc()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "model": self.model.state_dict(),
+                "model_config": dict(self.model.config),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "norm": self.norm.state_dict(),
+                "step": self.step,
+                "tokens_trained": self.tokens_trained,
+                "loss_ema": self.loss_ema,
+                "version": self._version,
+                "dataset": self.dataset.state_dict(),
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "numpy": np.random.get_state()[1],
+                    "python": random.getstate()[1],
+                },
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            if dict(state["model_config"]) != dict(self.model.config):
+                raise ValueError(
+                    f"checkpoint model {dict(state['model_config'])} does not match the configured "
+                    f"model {self.model.config}; use a fresh CHECKPOINT_DIR or the old settings"
+                )
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.norm.load_state_dict(state["norm"])
+            self.step = int(state["step"])
+            self.tokens_trained = int(state["tokens_trained"])
+            loss = state.get("loss_ema")
+            self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
+            self._version = int(state.get("version", 0))
+            self.dataset.load_state_dict(state["dataset"])
+            torch.set_rng_state(state["rng"]["torch"])
+        self.publish()

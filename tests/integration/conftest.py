@@ -1,0 +1,63 @@
+"""Integration fixtures: the real broker (deploy/kafka.sh up), unique topics, a service."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kafka_helpers import Broker, free_port
+from kafka.admin import KafkaAdminClient, NewTopic
+
+BOOTSTRAP = os.environ.get("STREAMTRAIN_TEST_KAFKA", "127.0.0.1:9092")
+
+
+def _reachable(bootstrap: str) -> bool:
+    host, _, port = bootstrap.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    if not _reachable(BOOTSTRAP):
+        pytest.fail(f"no Kafka broker at {BOOTSTRAP}: start it with deploy/kafka.sh up (scripts/test.sh does)")
+    return BOOTSTRAP
+
+
+@pytest.fixture()
+def make_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """Create uniquely named topics (and their .dlq); delete them afterwards."""
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, request_timeout_ms=15000)
+    created: list[str] = []
+
+    def create(partitions: int = 1, prefix: str = "it") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics(
+            [NewTopic(name, partitions, 1), NewTopic(f"{name}.dlq", partitions, 1)], timeout_ms=15000
+        )
+        created.extend([name, f"{name}.dlq"])
+        return name
+
+    yield create
+    try:
+        admin.delete_topics(created, timeout_ms=15000)
+    except Exception:  # noqa: BLE001 - cleanup is best effort
+        pass
+    admin.close()
+
+
+@pytest.fixture()
+def private_broker(tmp_path: Path) -> Iterator[Broker]:
+    broker = Broker(free_port(), tmp_path / "kafka")
+    try:
+        yield broker
+    finally:
+        broker.down()

@@ -1,0 +1,102 @@
+"""Collate: shapes, masks, lengths, padding and labels, checked against a per-item reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from streamtrain.data.collate import Batch, collate, collate_flat
+from streamtrain.events import NO_LABEL
+
+
+@st.composite
+def ragged_batches(draw: st.DrawFn) -> tuple[list[np.ndarray], list[int] | None, list[float] | None, int]:
+    channels = draw(st.integers(1, 3))
+    lengths = draw(st.lists(st.integers(0, 17), min_size=1, max_size=9))
+    # Zeros, negatives and huge readings: nothing about a value may mark it as padding.
+    readings = st.sampled_from([0.0, -0.0, 1.5, -3.25, 1e30])
+    values = [draw(hnp.arrays(np.float32, (length, channels), elements=readings)) for length in lengths]
+    labels = draw(st.none() | st.lists(st.integers(-1, 5), min_size=len(lengths), max_size=len(lengths)))
+    ts = draw(st.none() | st.lists(st.floats(0, 2e9), min_size=len(lengths), max_size=len(lengths)))
+    return values, labels, ts, draw(st.integers(1, 8))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_batches())
+def test_collate_matches_a_per_item_reference(case: tuple) -> None:
+    values, labels, ts, multiple = case
+    batch = collate(values, labels, ts, pad_to_multiple_of=multiple)
+    lengths = [len(v) for v in values]
+    width = -(-max(lengths) // multiple) * multiple
+    channels = values[0].shape[1]
+
+    assert batch.values.shape == (len(values), width, channels) and batch.values.dtype == torch.float32
+    assert batch.mask.shape == (len(values), width) and batch.mask.dtype == torch.bool
+    assert batch.lengths.tolist() == lengths and batch.lengths.dtype == torch.int64
+    assert batch.real_tokens == sum(lengths) and batch.padded_tokens == len(values) * width
+    for i, item in enumerate(values):
+        length = len(item)
+        assert batch.mask[i, :length].all() and not batch.mask[i, length:].any()
+        assert np.array_equal(batch.values[i, :length].numpy(), item)
+        assert not batch.values[i, length:].any(), "padding must be 0.0"
+    assert batch.labels.dtype == torch.int64 and batch.ts.dtype == torch.float64
+    assert batch.labels.tolist() == (labels if labels is not None else [NO_LABEL] * len(values))
+    if ts is None:
+        assert torch.isnan(batch.ts).all()
+    else:
+        assert batch.ts.tolist() == ts
+
+
+def test_zero_readings_are_real_and_only_the_mask_says_so() -> None:
+    batch = collate([np.zeros((3, 1), np.float32), np.ones((1, 1), np.float32)])
+    assert batch.mask.tolist() == [[True, True, True], [True, False, False]]
+    assert batch.values[0].eq(0).all() and batch.values[1, 1:].eq(0).all()
+
+
+def test_collate_flat_equals_collate_on_the_same_items() -> None:
+    rng = np.random.default_rng(0)
+    items = [rng.standard_normal((n, 2)).astype(np.float32) for n in (4, 1, 7)]
+    a = collate(items, [0, 1, -1], [1.0, 2.0, 3.0], pad_to_multiple_of=4)
+    b = collate_flat(np.concatenate(items), [4, 1, 7], [0, 1, -1], [1.0, 2.0, 3.0], pad_to_multiple_of=4)
+    for name in ("values", "mask", "lengths", "labels", "ts"):
+        assert torch.equal(getattr(a, name), getattr(b, name))
+
+
+def test_inputs_are_copied_not_aliased() -> None:
+    item = np.ones((2, 1), np.float32)
+    labels = np.array([3])
+    batch = collate([item], labels)
+    item[:] = 5.0
+    labels[:] = 4
+    assert batch.values.eq(1.0).sum() == 2 and batch.labels.tolist() == [3]
+
+
+def test_batch_moves_as_a_whole() -> None:
+    batch = collate([np.ones((2, 1), np.float32)], [1], [5.0])
+    moved = batch.to("cpu")
+    assert isinstance(moved, Batch) and torch.equal(moved.values, batch.values)
+
+
+@pytest.mark.parametrize(
+    "values, kwargs, message",
+    [
+        ([], {}, "at least one sequence"),
+        ([np.ones((2, 1)), np.ones((2, 2))], {}, "item 1 has 2 channels"),
+        ([np.ones((2, 1)), np.ones(3)], {}, "item 1 has shape"),
+        ([np.ones(3)], {}, "item 0 has shape"),
+        ([np.ones((2, 1))], {"labels": [1, 2]}, "labels has 2 entries for 1 sequences"),
+        ([np.ones((2, 1))], {"pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+    ],
+)
+def test_bad_input_names_the_item_and_the_rule(values: list, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        collate(values, **kwargs)
+
+
+def test_collate_flat_checks_lengths_against_the_readings() -> None:
+    with pytest.raises(ValueError, match="sum\\(lengths\\) = 5"):
+        collate_flat(np.ones((4, 1), np.float32), [2, 3])

@@ -1,0 +1,261 @@
+"""WindowBatchDataset: exactly once per pass (also under concurrent inserts), seeds, ranks, workers, state."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
+from streamtrain.data.collate import Batch
+from streamtrain.data.dataset import WindowBatchDataset
+from streamtrain.data.randomness import derive_seed
+from streamtrain.window import RecencyWindow, WindowSnapshot
+
+BUDGET = TokenBudget(max_tokens=1024, pad_to_multiple_of=4)
+
+
+def run_passes(
+    dataset: WindowBatchDataset, passes: int, between_passes: Callable[[PassDiagnostics], None] | None = None
+) -> list[list[Batch]]:
+    """Iterate ``passes`` passes and return the batches of each, cut where on_pass_end fires."""
+    per_pass: list[list[Batch]] = []
+    current: list[Batch] = []
+
+    def close_pass(diagnostics: PassDiagnostics) -> None:
+        nonlocal current
+        per_pass.append(current)
+        current = []
+        if between_passes is not None:
+            between_passes(diagnostics)
+
+    dataset.on_pass_end = close_pass
+    dataset.max_passes = passes
+    for batch in dataset:
+        current.append(batch)
+    return per_pass
+
+
+def item_ids(batches: list[Batch]) -> np.ndarray:
+    """Items are identified by their unique event time; masked-out rows are never counted."""
+    return np.concatenate([b.ts.numpy() for b in batches]) if batches else np.zeros(0)
+
+
+def test_each_pass_yields_every_item_exactly_once(make_snapshot: Callable, lognormal: Callable) -> None:
+    snapshot = make_snapshot(lognormal(3000), channels=2)
+    dataset = WindowBatchDataset(lambda: snapshot, BUDGET, seed=3)
+    for batches in run_passes(dataset, 3):
+        ids = item_ids(batches)
+        assert ids.size == len(snapshot) and np.array_equal(np.sort(ids), np.sort(snapshot.ts))
+        for batch in batches:
+            assert batch.padded_tokens <= BUDGET.max_tokens or batch.batch_size == 1
+            assert batch.values.shape[1] % 4 == 0
+    assert dataset.last_diagnostics is not None and dataset.last_diagnostics.pass_index == 2
+
+
+def test_batches_carry_the_snapshot_readings_labels_and_times(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.array([3, 1, 5, 2]), channels=3)
+    (batches,) = run_passes(WindowBatchDataset(lambda: snapshot, TokenBudget(64)), 1)
+    by_ts = {float(t): i for i, t in enumerate(snapshot.ts)}
+    for batch in batches:
+        for row in range(batch.batch_size):
+            item = by_ts[float(batch.ts[row])]
+            length = int(batch.lengths[row])
+            assert length == snapshot.lengths[item] and int(batch.labels[row]) == snapshot.labels[item]
+            assert np.array_equal(batch.values[row, :length].numpy(), snapshot.values[item])
+            assert int(batch.mask[row].sum()) == length
+
+
+def test_exactly_once_under_concurrent_inserts(make_event_batch: Callable, lognormal: Callable) -> None:
+    window = RecencyWindow(capacity=2000, half_life_s=600.0, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(2000, seed=1), first_id=0))
+    taken: list[WindowSnapshot] = []
+
+    def snapshot_fn() -> WindowSnapshot:
+        taken.append(window.snapshot())
+        return taken[-1]
+
+    stop = threading.Event()
+
+    def writer() -> None:
+        first_id = 10_000
+        while not stop.is_set():
+            window.insert_batch(make_event_batch(lognormal(50, seed=first_id), first_id=first_id))
+            first_id += 50
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        per_pass = run_passes(WindowBatchDataset(snapshot_fn, BUDGET, seed=1), 6)
+    finally:
+        stop.set()
+        thread.join()
+    assert len(taken) == 6
+    for batches, snapshot in zip(per_pass, taken, strict=True):
+        ids = item_ids(batches)
+        assert np.unique(ids).size == ids.size, "an item was yielded twice in one pass"
+        assert np.array_equal(np.sort(ids), np.sort(snapshot.ts)), "a pass must cover exactly its snapshot"
+    assert taken[0].version < taken[-1].version, "the writer never got in; the test proved nothing"
+
+
+def test_new_events_appear_in_the_next_pass(make_event_batch: Callable) -> None:
+    window = RecencyWindow(capacity=100)
+    window.insert_batch(make_event_batch(np.full(10, 4), first_id=0))
+
+    def insert_after_first_pass(diagnostics: PassDiagnostics) -> None:
+        if diagnostics.pass_index == 0:
+            window.insert_batch(make_event_batch(np.full(5, 4), first_id=500))
+
+    first, second = run_passes(WindowBatchDataset(window.snapshot, TokenBudget(64)), 2, insert_after_first_pass)
+    assert item_ids(first).size == 10
+    assert np.array_equal(np.sort(item_ids(second)), np.sort(window.snapshot().ts)) and item_ids(second).size == 15
+
+
+def test_seeded_passes_repeat_and_crypto_passes_do_not(make_snapshot: Callable, lognormal: Callable) -> None:
+    snapshot = make_snapshot(lognormal(800))
+
+    def orders(shuffle: str, seed: int) -> list[np.ndarray]:
+        return [item_ids(b) for b in run_passes(WindowBatchDataset(lambda: snapshot, BUDGET, shuffle=shuffle, seed=seed), 2)]
+
+    first, again, other = orders("seeded", 5), orders("seeded", 5), orders("seeded", 6)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not np.array_equal(first[0], other[0])
+    assert not np.array_equal(first[0], first[1]), "passes must be shuffled afresh"
+    crypto_a, crypto_b = orders("crypto", 5), orders("crypto", 5)
+    assert not np.array_equal(crypto_a[0], crypto_b[0])
+
+
+def test_ranks_get_disjoint_covering_shards_with_equal_counts(make_snapshot: Callable, lognormal: Callable) -> None:
+    snapshot = make_snapshot(lognormal(1500))
+    world_size = 3
+    shards = [run_passes(WindowBatchDataset(lambda: snapshot, BUDGET, rank=r, world_size=world_size), 2) for r in range(3)]
+    for pass_index in range(2):
+        counts = {len(shards[r][pass_index]) for r in range(world_size)}
+        assert len(counts) == 1, f"ranks got different batch counts {counts}"
+        ids = np.concatenate([item_ids(shards[r][pass_index]) for r in range(world_size)])
+        assert ids.size == len(snapshot) and np.array_equal(np.sort(ids), np.sort(snapshot.ts))
+
+
+def test_too_small_windows_wait_without_using_a_pass(make_snapshot: Callable) -> None:
+    snapshots = iter([make_snapshot(np.array([4])), make_snapshot(np.array([4, 4])), make_snapshot(np.full(6, 4))])
+    dataset = WindowBatchDataset(lambda: next(snapshots), TokenBudget(64), rank=0, world_size=3, idle_wait_s=0.0)
+    (batches,) = run_passes(dataset, 1)
+    assert dataset.last_diagnostics is not None
+    assert dataset.last_diagnostics.items == 6 and dataset.last_diagnostics.pass_index == 0
+    assert len(batches) == dataset.last_diagnostics.batches // 3
+
+
+def test_state_dict_resumes_at_the_next_pass(make_snapshot: Callable, lognormal: Callable) -> None:
+    snapshot = make_snapshot(lognormal(600))
+    original = WindowBatchDataset(lambda: snapshot, BUDGET, seed=9)
+    run_passes(original, 2)
+    state = original.state_dict()
+    assert state == {"next_pass": 2, "seed": 9}
+    resumed = WindowBatchDataset(lambda: snapshot, BUDGET, seed=0)
+    resumed.load_state_dict(state)
+    continued = run_passes(original, 1)[0]
+    assert np.array_equal(item_ids(run_passes(resumed, 1)[0]), item_ids(continued))
+    with pytest.raises(ValueError, match="next_pass"):
+        resumed.load_state_dict({"seed": 1})
+
+
+def test_diagnostics_reach_the_callback_once_per_pass(make_snapshot: Callable, lognormal: Callable) -> None:
+    snapshot = make_snapshot(lognormal(2000), version=7)
+    seen: list[PassDiagnostics] = []
+    dataset = WindowBatchDataset(lambda: snapshot, BUDGET, max_passes=2, on_pass_end=seen.append)
+    batches = list(dataset)
+    assert [d.pass_index for d in seen] == [0, 1] and all(d.snapshot_version == 7 for d in seen)
+    assert sum(d.batches for d in seen) == len(batches)
+    assert sum(d.padded_tokens for d in seen) == sum(b.padded_tokens for b in batches)
+
+
+def test_worker_processes_are_refused_unless_allowed(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.full(20, 4))
+    for kwargs, message in (({}, "fork time"), ({"shuffle": "crypto", "allow_worker_processes": True}, "crypto")):
+        dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(16), max_passes=1, **kwargs)
+        with pytest.raises(RuntimeError, match=message):
+            list(DataLoader(dataset, batch_size=None, num_workers=1))
+
+
+def test_allowed_workers_split_one_plan_and_seed_torch_per_worker(
+    make_snapshot: Callable, lognormal: Callable, tmp_path: Path
+) -> None:
+    snapshot = make_snapshot(lognormal(500))
+
+    def record_worker_seed(diagnostics: PassDiagnostics) -> None:  # runs inside each worker
+        worker = get_worker_info().id
+        (tmp_path / f"worker{worker}").write_text(str(torch.initial_seed()))
+
+    dataset = WindowBatchDataset(
+        lambda: snapshot, BUDGET, seed=2, max_passes=1, allow_worker_processes=True, on_pass_end=record_worker_seed
+    )
+    loaded = list(DataLoader(dataset, batch_size=None, num_workers=2))
+    ids = item_ids(loaded)
+    assert ids.size == len(snapshot) and np.array_equal(np.sort(ids), np.sort(snapshot.ts))
+    in_process = WindowBatchDataset(lambda: snapshot, BUDGET, seed=2, max_passes=1)
+    assert sorted(b.ts[0].item() for b in loaded) == sorted(b.ts[0].item() for b in in_process)
+    seeds = [int((tmp_path / f"worker{w}").read_text()) for w in range(2)]
+    assert seeds == [derive_seed(2, 0, 0, w) for w in range(2)] and seeds[0] != seeds[1]
+
+
+def test_crypto_across_ranks_needs_a_process_group(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.full(8, 4))
+    dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(16), shuffle="crypto", rank=0, world_size=2, max_passes=1)
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        list(dataset)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shuffle": "random"}, "shuffle"),
+        ({"rank": 0}, "both rank and world_size"),
+        ({"rank": 2, "world_size": 2}, "rank must be"),
+        ({"min_items": 0}, "min_items"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WindowBatchDataset(lambda: None, BUDGET, **kwargs)  # type: ignore[arg-type, return-value]
+
+
+def _crypto_rank(rank: int, world_size: int, store: str, snapshot: WindowSnapshot, out: Path) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        dataset = WindowBatchDataset(lambda: snapshot, BUDGET, shuffle="crypto")
+        per_pass = run_passes(dataset, 2)
+        np.savez(
+            out / f"rank{rank}.npz", *[item_ids(batches) for batches in per_pass], counts=[len(b) for b in per_pass]
+        )
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_crypto_plan_is_shared_by_rank_zero(make_snapshot: Callable, lognormal: Callable, tmp_path: Path) -> None:
+    snapshot = make_snapshot(lognormal(700))
+    world_size = 2
+    context = multiprocessing.get_context("fork")
+    ranks = [
+        context.Process(target=_crypto_rank, args=(r, world_size, str(tmp_path / "store"), snapshot, tmp_path))
+        for r in range(world_size)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(60)
+        assert process.exitcode == 0
+    shards = [np.load(tmp_path / f"rank{r}.npz") for r in range(world_size)]
+    assert np.array_equal(shards[0]["counts"], shards[1]["counts"]), "ranks must step in lockstep"
+    passes = []
+    for key in ("arr_0", "arr_1"):
+        ids = [shard[key] for shard in shards]
+        together = np.concatenate(ids)
+        assert together.size == len(snapshot) and np.array_equal(np.sort(together), np.sort(snapshot.ts))
+        passes.append(together)
+    assert not np.array_equal(passes[0], passes[1])

@@ -1,0 +1,238 @@
+"""Model, norm, losses and no-shuffle predict."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamtrain.data.collate import collate
+from streamtrain.model import (
+    RunningNorm,
+    SensorModel,
+    classification_loss,
+    forecast_loss,
+    naive_last_value_loss,
+    predict,
+    total_loss,
+)
+
+torch.set_num_threads(1)
+
+
+def pad_batch(items: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = collate(items)
+    return batch.values, batch.mask
+
+
+def small_model(channels: int = 2, n_classes: int = 3, seed: int = 0) -> SensorModel:
+    torch.manual_seed(seed)
+    return SensorModel(channels, n_classes=n_classes, d_model=32, n_heads=4, n_layers=2, max_len=64).eval()
+
+
+def ragged(rng: np.random.Generator, n: int, channels: int, max_len: int = 40) -> list[np.ndarray]:
+    return [rng.normal(size=(int(rng.integers(1, max_len)), channels)).astype(np.float32) for _ in range(n)]
+
+
+def test_shapes_and_logits() -> None:
+    model = small_model()
+    x = torch.randn(5, 12, 2)
+    mask = torch.ones(5, 12, dtype=torch.bool)
+    out = model(x, mask)
+    assert out.forecast.shape == (5, 12, 2)
+    assert out.logits is not None and out.logits.shape == (5, 3)
+    assert small_model(n_classes=0)(x, mask).logits is None
+
+
+def test_rejects_wrong_channels_and_too_long() -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match="expected x_norm"):
+        model(torch.randn(2, 5, 3), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.randn(1, 65, 2), torch.ones(1, 65, dtype=torch.bool))
+
+
+def test_padding_values_do_not_matter_and_pad_outputs_are_zero() -> None:
+    model = small_model()
+    x = torch.randn(3, 10, 2)
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, 4:] = False
+    mask[1, 1:] = False
+    garbage = x.clone()
+    garbage[~mask] = torch.tensor([1e30, float("nan")])
+    a, b = model(x, mask), model(garbage, mask)
+    assert torch.isfinite(b.forecast).all() and torch.isfinite(b.logits).all()
+    torch.testing.assert_close(a.forecast, b.forecast)
+    torch.testing.assert_close(a.logits, b.logits)
+    assert (b.forecast[~mask] == 0).all()
+
+
+def test_fully_masked_row_gives_no_nan() -> None:
+    model = small_model()
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[1, :3] = True
+    out = model(torch.randn(2, 6, 2), mask)
+    assert torch.isfinite(out.forecast).all() and torch.isfinite(out.logits).all()
+
+
+def test_causal_future_does_not_change_past() -> None:
+    model = small_model()
+    x = torch.randn(1, 10, 2)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    changed = x.clone()
+    changed[0, 6:] += 5.0
+    torch.testing.assert_close(model(x, mask).forecast[0, :6], model(changed, mask).forecast[0, :6])
+
+
+def test_alone_equals_padded_in_company() -> None:
+    rng = np.random.default_rng(1)
+    model = small_model()
+    items = ragged(rng, 7, 2)
+    values, mask = pad_batch(items)
+    together = model(values, mask)
+    for i, item in enumerate(items):
+        alone = model(torch.from_numpy(item)[None], torch.ones(1, len(item), dtype=torch.bool))
+        torch.testing.assert_close(together.forecast[i, : len(item)], alone.forecast[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(together.logits[i], alone.logits[0], atol=1e-5, rtol=0)
+
+
+def test_forecast_loss_reductions_by_hand() -> None:
+    x = torch.tensor([[[1.0], [2.0], [4.0]], [[0.0], [3.0], [9.0]]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    forecast = torch.zeros_like(x)
+    out = type("O", (), {"forecast": forecast, "logits": None})()
+    # targets: row0 -> 2, 4 ; row1 -> 3 (t=1 -> 9 is padding)
+    assert forecast_loss(out, x, mask).item() == pytest.approx((4 + 16 + 9) / 3)
+    torch.testing.assert_close(forecast_loss(out, x, mask, "per_sample"), torch.tensor([10.0, 9.0]))
+    assert naive_last_value_loss(x, mask).item() == pytest.approx((1 + 4 + 9) / 3)
+    out_single = type("O", (), {"forecast": forecast[:1, :1], "logits": None})()
+    single = forecast_loss(out_single, x[:1, :1], mask[:1, :1], "per_sample")
+    assert single.tolist() == [0.0]
+
+
+def test_classification_loss_ignores_unlabelled() -> None:
+    logits = torch.tensor([[2.0, 0.0], [0.0, 5.0], [1.0, 1.0]])
+    labels = torch.tensor([0, -1, 1])
+    expected = torch.nn.functional.cross_entropy(logits[[0, 2]], labels[[0, 2]])
+    assert classification_loss(logits, labels).item() == pytest.approx(expected.item())
+    per = classification_loss(logits, labels, "per_sample")
+    assert per[1].item() == 0.0
+    assert classification_loss(logits, torch.full((3,), -1)).item() == 0.0
+    model = small_model()
+    x, mask = torch.randn(3, 4, 2), torch.ones(3, 4, dtype=torch.bool)
+    out = model(x, mask)
+    both = total_loss(out, x, mask, labels, class_weight=0.5)
+    assert both.item() == pytest.approx(
+        (forecast_loss(out, x, mask) + 0.5 * classification_loss(out.logits, labels)).item(), rel=1e-6
+    )
+
+
+def test_running_norm_matches_numpy_across_batches() -> None:
+    rng = np.random.default_rng(2)
+    norm = RunningNorm(3)
+    seen = []
+    for _ in range(5):
+        items = [(rng.normal(size=(int(rng.integers(1, 30)), 3)) * [1, 10, 0.1] + [5, -3, 0]).astype(np.float32) for _ in range(4)]
+        values, mask = pad_batch(items)
+        values[~mask] = 1234.0  # padding must not count
+        norm.update(values, mask)
+        seen.extend(items)
+    data = np.concatenate(seen).astype(np.float64)
+    assert norm.count == len(data)
+    np.testing.assert_allclose(norm.mean.numpy(), data.mean(0), rtol=1e-6)
+    np.testing.assert_allclose(norm.std.numpy(), data.std(0), rtol=1e-5)
+    x = torch.from_numpy(data[:10]).float()
+    torch.testing.assert_close(norm.denormalize(norm.normalize(x)), x, atol=1e-4, rtol=1e-5)
+
+
+def test_running_norm_floor_identity_and_state_dict() -> None:
+    norm = RunningNorm(2)
+    torch.testing.assert_close(norm.std, torch.ones(2, dtype=torch.float64))
+    constant = torch.full((1, 5, 2), 3.0)
+    norm.update(constant, torch.ones(1, 5, dtype=torch.bool))
+    assert (norm.std > 0).all()
+    assert torch.isfinite(norm.normalize(constant)).all()
+    norm.update(torch.randn(2, 7, 2), torch.ones(2, 7, dtype=torch.bool))
+    clone = RunningNorm(2)
+    clone.load_state_dict(norm.state_dict())
+    assert clone.count == norm.count
+    torch.testing.assert_close(clone.mean, norm.mean)
+    torch.testing.assert_close(clone.std, norm.std)
+    with pytest.raises(ValueError, match="channels"):
+        RunningNorm(3).load_state_dict(norm.state_dict())
+
+
+def test_public_norm_is_frozen() -> None:
+    norm = RunningNorm.from_public([1.0, 2.0], [2.0, 4.0])
+    torch.testing.assert_close(norm.normalize(torch.tensor([3.0, 6.0])), torch.tensor([1.0, 1.0]))
+    with pytest.raises(RuntimeError, match="frozen"):
+        norm.update(torch.zeros(1, 1, 2), torch.ones(1, 1, dtype=torch.bool))
+
+
+def test_predict_is_order_and_company_invariant() -> None:
+    rng = np.random.default_rng(3)
+    model = small_model()
+    norm = RunningNorm(2)
+    values, mask = pad_batch(ragged(rng, 20, 2))
+    norm.update(values * 3 + 1, mask)
+    items = ragged(rng, 30, 2)
+    reference = predict(model, norm, items, token_budget=256)
+    assert len(reference) == 30
+    alone = [predict(model, norm, [item], token_budget=256)[0] for item in items]
+    by_length = np.argsort([len(v) for v in items])
+    for order in (by_length, by_length[::-1], rng.permutation(30)):
+        shuffled = predict(model, norm, [items[i] for i in order], token_budget=97)
+        for position, index in enumerate(order):
+            for other in (shuffled[position], alone[index]):
+                np.testing.assert_allclose(other.next, reference[index].next, atol=1e-5)
+                assert other.anomaly_score == pytest.approx(reference[index].anomaly_score, abs=1e-5)
+                np.testing.assert_allclose(other.probs, reference[index].probs, atol=1e-5)
+    assert all(p.anomaly_score == 0.0 for p, item in zip(reference, items) if len(item) == 1)
+    assert all(abs(sum(p.probs) - 1) < 1e-9 for p in reference)
+    assert model.training is False
+
+
+def test_predict_anomaly_score_is_standardized() -> None:
+    model = small_model(channels=1, n_classes=0)
+    norm = RunningNorm(1)
+    values, mask = pad_batch([np.random.default_rng(4).normal(size=(50, 1)).astype(np.float32) * 100])
+    norm.update(values, mask)
+    item = np.linspace(-100, 100, 20, dtype=np.float32)[:, None]
+    (prediction,) = predict(model, norm, [item], token_budget=64)
+    x_norm = norm.normalize(torch.from_numpy(item)[None]).float()
+    expected = forecast_loss(model(x_norm, torch.ones(1, 20, dtype=torch.bool)), x_norm, torch.ones(1, 20, dtype=torch.bool), "per_sample")
+    assert prediction.anomaly_score == pytest.approx(expected.item(), rel=1e-5)
+    assert prediction.probs is None and len(prediction.next) == 1
+
+
+def ar1_batch(rng: np.random.Generator, batch: int, phi: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
+    items = []
+    for _ in range(batch):
+        length = int(rng.integers(8, 33))
+        x = np.empty(length)
+        x[0] = rng.normal()
+        noise = rng.normal(size=length) * np.sqrt(1 - phi**2)
+        for t in range(1, length):
+            x[t] = phi * x[t - 1] + noise[t]
+        items.append(x[:, None].astype(np.float32))
+    return pad_batch(items)
+
+
+def test_tiny_training_beats_last_value_baseline() -> None:
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    model = SensorModel(1, d_model=32, n_heads=4, n_layers=1, max_len=64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        x, mask = ar1_batch(rng, 32)
+        loss = forecast_loss(model(x, mask), x, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    x, mask = ar1_batch(np.random.default_rng(99), 256)
+    with torch.no_grad():
+        trained = forecast_loss(model(x, mask), x, mask).item()
+    naive = naive_last_value_loss(x, mask).item()
+    # AR(1) with phi = 0.6: naive ≈ 2(1 - phi) = 0.8, best possible ≈ 1 - phi² = 0.64.
+    assert trained < 0.9 * naive, (trained, naive)
