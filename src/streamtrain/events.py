@@ -243,7 +243,30 @@ def _parse_message(raw: bytes | None, limits: EventLimits, now: float) -> tuple[
     if len(raw) > limits.max_message_bytes:
         raise EventError("too_large", f"{len(raw)} bytes, the limit is {limits.max_message_bytes}")
     obj = _loads(raw)
-    return obj, _check_header(obj, limits, now)
+    header = _valid_header_or_none(obj, limits, now)
+    return obj, header if header is not None else _check_header(obj, limits, now)
+
+
+def _valid_header_or_none(obj: Any, limits: EventLimits, now: float) -> tuple[str, float, int] | None:
+    """The common case in one expression; None sends the message to :func:`_check_header`,
+    which finds the exact reason. Accepts exactly what ``_check_header`` accepts."""
+    try:
+        sensor_id, ts, values = obj["sensor_id"], obj["ts"], obj["values"]
+    except (KeyError, TypeError, IndexError):
+        return None
+    label = obj.get("label")
+    oldest = 0.0 if limits.max_age_s is None else max(0.0, now - limits.max_age_s)
+    if (
+        type(sensor_id) is str
+        and 0 < len(sensor_id) <= MAX_SENSOR_ID_CHARS
+        and (type(ts) is float or type(ts) is int)
+        and oldest <= ts <= now + limits.max_future_skew_s  # NaN and inf fail here too
+        and type(values) is list
+        and 0 < len(values) <= limits.max_len
+        and (label is None or (type(label) is int and (limits.n_classes == 0 or 0 <= label < limits.n_classes)))
+    ):
+        return sensor_id, float(ts), label if label is not None and limits.n_classes > 0 else NO_LABEL
+    return None
 
 
 @dataclass(frozen=True)

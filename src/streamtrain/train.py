@@ -27,13 +27,19 @@ from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import Prefetcher
-from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, total_loss
+from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
 from streamtrain.serve.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
 
 _LOSS_SMOOTHING = 0.05
+
+
+def _smooth(average: float | None, value: float) -> float | None:
+    if not math.isfinite(value):
+        return average
+    return value if average is None else (1 - _LOSS_SMOOTHING) * average + _LOSS_SMOOTHING * value
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class Trainer:
         self.step = 0
         self.tokens_trained = 0
         self.loss_ema: float | None = None
+        self.naive_loss_ema: float | None = None  # the last-value forecast on the same batches
         self.last_pass: PassDiagnostics | None = None
         self.published: PublishedModel | None = None
         self.data_wait_seconds = 0.0
@@ -146,7 +153,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             value = float(loss.detach())
             if skipped is None:
-                self.loss_ema = value if self.loss_ema is None else (1 - _LOSS_SMOOTHING) * self.loss_ema + _LOSS_SMOOTHING * value
+                self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, batch.mask).detach()))
+                self.naive_loss_ema = _smooth(self.naive_loss_ema, float(naive_last_value_loss(x_norm, batch.mask)))
         seconds = time.perf_counter() - started
         self._record(batch, skipped, seconds)
         return StepReport(

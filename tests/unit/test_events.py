@@ -172,3 +172,24 @@ def test_valid_readings_round_trip_exactly(readings: list[float]) -> None:
     event = decode_event(msg(values=readings), LIMITS, time.time())
     assert isinstance(event, SensorEvent)
     assert event.values[:, 0].tolist() == [np.float32(r) for r in readings]
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    obj=st.dictionaries(
+        st.sampled_from(["sensor_id", "ts", "values", "label", "other"]),
+        json_value | st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 5)
+        | st.lists(st.floats(-10, 10), min_size=0, max_size=10),
+        max_size=5,
+    ) | json_value,
+    limits=st.sampled_from([LIMITS, EventLimits(max_len=4), EventLimits(max_len=8, n_classes=2, max_age_s=3600.0)]),
+)
+def test_fast_header_path_agrees_with_the_full_rules(obj, limits) -> None:
+    from streamtrain.events import _check_header, _valid_header_or_none
+
+    fast = _valid_header_or_none(obj, limits, NOW)
+    try:
+        full = _check_header(obj, limits, NOW)
+    except EventError:
+        full = None
+    assert fast == full

@@ -98,6 +98,8 @@ def model_report(service: ServiceDep) -> ModelReport:
     busy = trainer.step_seconds + trainer.data_wait_seconds
     training = {
         "live_step": trainer.step,
+        "forecast_loss": trainer.loss_ema,
+        "naive_last_value_loss": trainer.naive_loss_ema,
         "last_pass": diagnostics,
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }

@@ -1,0 +1,160 @@
+"""``streamtrain serve`` end to end: the real broker, the real process, the real HTTP API."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import numpy as np
+import pytest
+from kafka_helpers import wait_for
+from service_process import ServiceProcess
+
+from streamtrain.simulate import SimulationConfig, run_simulation
+
+pytestmark = pytest.mark.integration
+
+
+def simulate(bootstrap: str, topic: str, count: int, seed: int = 0, **extra) -> int:
+    config = SimulationConfig(
+        bootstrap=bootstrap, topic=topic, rate=0, count=count, sensors=8, length_median=24, length_sigma=0.5,
+        max_len=128, process="ar", seed=seed, progress_interval_s=60, **extra,
+    )
+    report = run_simulation(config)
+    assert report.delivery_errors == 0
+    return report.sent - report.malformed
+
+
+def padding_share(metrics_text: str) -> float:
+    values = {}
+    for line in metrics_text.splitlines():
+        for name in ("streamtrain_train_padding_tokens_total", "streamtrain_train_tokens_total"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[1])
+    pad, real = values["streamtrain_train_padding_tokens_total"], values["streamtrain_train_tokens_total"]
+    return pad / (pad + real)
+
+
+@pytest.fixture()
+def learning_service(kafka_bootstrap, make_topic, tmp_path):
+    topic = make_topic(partitions=2)
+    service = ServiceProcess(
+        kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log",
+        max_len=128, window_capacity=20000, half_life_s="inf", admin_token="s3cret-token", checkpoint_interval_s=300,
+    )
+    with service:
+        valid = simulate(kafka_bootstrap, topic, count=4000, malformed_share=0.05)
+        service.valid_sent = valid
+        service.wait_ready()
+        yield service
+
+
+def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
+    s = learning_service
+    window = wait_for(lambda: (w := s.get("/v1/window"))["size"] == s.valid_sent and w, 60, "window holds the stream")
+    assert window["accepted_total"] == s.valid_sent
+    assert sum(window["rejected_total"].values()) == window["seen_total"] - s.valid_sent > 0
+
+    # training progresses and beats the naive last-value forecast on a learnable stream
+    first = s.get("/v1/model")["training"]["live_step"]
+    report = wait_for(
+        lambda: (m := s.get("/v1/model"))["training"]["live_step"] >= first + 40
+        and m["training"]["forecast_loss"] < 0.9 * m["training"]["naive_last_value_loss"]
+        and m,
+        150,
+        "the forecast beating the last-value baseline",
+    )
+    assert report["version"] >= 1 and report["dp"] is None
+    metrics = s.client.get("/metrics").text
+    assert padding_share(metrics) <= 0.05
+
+    # no-shuffle inference: answers do not depend on order or company
+    rng = np.random.default_rng(1)
+    instances = [{"values": np.round(np.cumsum(rng.standard_normal(int(n))), 3).tolist()} for n in rng.integers(1, 100, 24)]
+
+    def ask(batch):
+        body = s.client.post("/v1/predict", json={"instances": batch})
+        assert body.status_code == 200, body.text
+        return body.json()
+
+    version = s.get("/v1/model")["version"]
+    reference = ask(instances)
+    if reference["model_version"] != version:  # a publish happened in between: compare within one version
+        reference = ask(instances)
+    base = {i: p for i, p in enumerate(reference["predictions"])}
+    orders = {
+        "reversed": list(range(len(instances)))[::-1],
+        "sorted": sorted(range(len(instances)), key=lambda i: len(instances[i]["values"])),
+        "shuffled": random.Random(3).sample(range(len(instances)), len(instances)),
+    }
+    for name, order in orders.items():
+        answer = ask([instances[i] for i in order])
+        if answer["model_version"] != reference["model_version"]:
+            continue  # a new model was published meanwhile; the other orders still check
+        for position, i in enumerate(order):
+            got, want = answer["predictions"][position], base[i]
+            assert np.allclose(got["next"], want["next"], atol=1e-5), name
+            assert math.isclose(got["anomaly_score"], want["anomaly_score"], rel_tol=1e-5, abs_tol=1e-5), name
+    alone = ask([instances[5]])
+    if alone["model_version"] == reference["model_version"]:
+        assert np.allclose(alone["predictions"][0]["next"], base[5]["next"], atol=1e-5)
+
+    # every bad-input class is a 422 that names the instance, never a 500
+    bad_bodies = [
+        {"instances": []},
+        {"instances": [{"values": []}]},
+        {"instances": [{"values": [1.0, "x"]}]},
+        {"instances": [{"values": [[1.0, 2.0]]}]},
+        {"instances": [{"values": [0.0] * 129}]},
+        {"instances": [{"values": [1.0]}] * 257},
+        {"instances": [{"values": [1.0]}, {"nothing": 1}]},
+        {"instances": "no"},
+        {},
+    ]
+    for body in bad_bodies:
+        response = s.client.post("/v1/predict", json=body)
+        assert response.status_code == 422, (body, response.text)
+    for raw in (b'{"instances": [{"values": [1.0, NaN]}]}', b'{"instances": [{"values": [Infinity]}]}', b"{nope"):
+        response = s.client.post("/v1/predict", content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == 422, (raw, response.text)
+    nan_answer = s.client.post("/v1/predict", content=b'{"instances": [{"values": [1.0]}, {"values": [NaN]}]}',
+                               headers={"content-type": "application/json"})
+    assert "instances[1]" in nan_answer.json()["detail"] and "non_finite" in nan_answer.json()["detail"]
+    too_big = s.client.post("/v1/predict", content=b"[" + b"1," * (5 << 20) + b"1]",
+                            headers={"content-type": "application/json"})
+    assert too_big.status_code == 413
+
+    # admin: bearer token, 401 without, 403 wrong
+    assert s.client.post("/v1/admin/checkpoint").status_code == 401
+    assert s.client.post("/v1/admin/checkpoint", headers={"Authorization": "Bearer wrong"}).status_code == 403
+    ok = s.client.post("/v1/admin/checkpoint", headers={"Authorization": "Bearer s3cret-token"})
+    assert ok.status_code == 200 and ok.json()["path"].endswith(".stck")
+
+
+def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    settings = dict(max_len=128, window_capacity=50000, half_life_s="inf", checkpoint_interval_s=1)
+    first = ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve1.log", **settings).start()
+    sent = simulate(kafka_bootstrap, topic, count=1500, seed=1)
+    first.wait_ready()
+    wait_for(lambda: first.get("/v1/model")["training"]["live_step"] >= 5, 60, "some training")
+    time.sleep(2.5)  # a checkpoint covers this state
+    step_before = first.get("/v1/model")["training"]["live_step"]
+    sent += simulate(kafka_bootstrap, topic, count=1500, seed=2)  # more arrive, some maybe not checkpointed
+    time.sleep(0.5)
+    first.kill()
+
+    second = ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve2.log", **settings).start()
+    try:
+        restored = second.get("/v1/model")
+        assert restored["step"] >= step_before - 1  # never back past the last completed checkpoint
+        window = wait_for(lambda: (w := second.get("/v1/window"))["size"] >= sent and w, 90, "the whole stream")
+        time.sleep(2)
+        window = second.get("/v1/window")
+        # a uniform window larger than the stream: it holds every event exactly once
+        assert window["size"] == sent
+        assert window["accepted_total"] == sent
+        assert window["evicted_total"] == 0
+    finally:
+        second.terminate()
