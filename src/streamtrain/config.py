@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     max_batch_sequences: int = Field(1024, ge=1, description="Cap on sequences per batch")
     pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
     pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
+    pass_max_items: int = Field(
+        2048, ge=0, description="Items per training pass (0 = the whole window); bounds event-to-trained latency"
+    )
+    pass_fresh_share: float = Field(
+        0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
+    )
     shuffle: Literal["seeded", "crypto"] = Field("seeded", description="seeded (reproducible) or crypto (OS CSPRNG)")
     seed: int = Field(0, ge=0, description="Base seed for seeded mode")
 

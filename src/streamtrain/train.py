@@ -27,9 +27,10 @@ from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import Prefetcher
+from streamtrain.data.randomness import make_randomness
 from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
 from streamtrain.serve.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window import RecencyWindow, WindowSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,48 @@ def build_budget(settings: Settings) -> TokenBudget:
     )
 
 
+class PassSampler:
+    """Bounds a training pass to ``max_items`` so new events are trained within seconds.
+
+    A window of 100k events takes minutes to pass over on a CPU; a stream learner should
+    see new events sooner. Each bounded pass takes the newest events that arrived since
+    the previous pass (up to ``fresh_share`` of the pass) and fills the rest with a uniform
+    replay sample of the window, which is itself recency-weighted. Within the pass every
+    chosen item is trained exactly once. ``max_items == 0`` passes over the whole window.
+    """
+
+    def __init__(self, max_items: int, fresh_share: float, mode: str, seed: int) -> None:
+        self.max_items = max_items
+        self.fresh_share = fresh_share
+        self.mode = mode
+        self.seed = seed
+        self.passes = 0
+        self.watermark = 0  # first arrival number not yet offered to a pass
+
+    def __call__(self, snapshot: WindowSnapshot) -> WindowSnapshot:
+        n = len(snapshot)
+        seq = snapshot.seq
+        if self.max_items <= 0 or n <= self.max_items or seq is None:
+            if seq is not None and n:
+                self.watermark = int(seq.max()) + 1
+            return snapshot
+        rng = make_randomness(self.mode, self.seed, self.passes)  # type: ignore[arg-type]
+        self.passes += 1
+        fresh = np.flatnonzero(seq >= self.watermark)
+        take = min(fresh.size, int(self.max_items * self.fresh_share))
+        newest = fresh[np.argsort(seq[fresh])[fresh.size - take :]] if take else fresh[:0]
+        rest = np.setdiff1d(np.arange(n), newest, assume_unique=True)
+        replay = rest[rng.permutation(rest.size)[: self.max_items - take]]
+        self.watermark = int(seq.max()) + 1
+        return snapshot.subset(np.sort(np.concatenate([newest, replay])))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"passes": self.passes, "watermark": self.watermark}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.passes, self.watermark = int(state["passes"]), int(state["watermark"])
+
+
 class Trainer:
     """Owns the model, optimizer and normalization; trains from the window on a thread."""
 
@@ -99,8 +142,9 @@ class Trainer:
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.sampler = PassSampler(settings.pass_max_items, settings.pass_fresh_share, settings.shuffle, settings.seed)
         self.dataset = WindowBatchDataset(
-            window.snapshot,
+            lambda: self.sampler(window.snapshot()),
             build_budget(settings),
             pool_size=settings.pool_size,
             shuffle=settings.shuffle,
@@ -275,6 +319,7 @@ class Trainer:
                 "loss_ema": self.loss_ema,
                 "version": self._version,
                 "dataset": self.dataset.state_dict(),
+                "sampler": self.sampler.state_dict(),
                 "rng": {
                     "torch": torch.get_rng_state(),
                     "numpy": np.random.get_state()[1],
@@ -299,5 +344,7 @@ class Trainer:
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))
             self.dataset.load_state_dict(state["dataset"])
+            if "sampler" in state:
+                self.sampler.load_state_dict(state["sampler"])
             torch.set_rng_state(state["rng"]["torch"])
         self.publish()

@@ -58,9 +58,28 @@ class WindowSnapshot:
     next_offsets: dict[int, int] = field(default_factory=dict)
     version: int = 0
     taken_at: float = 0.0
+    seq: np.ndarray | None = None  # int64 [n]: arrival order (number of events accepted before it)
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
+
+    def subset(self, index: np.ndarray) -> WindowSnapshot:
+        """The items ``index`` as a snapshot of their own (readings shared, not copied)."""
+        return WindowSnapshot(
+            flat_values=self.flat_values,
+            starts=self.starts[index],
+            lengths=self.lengths[index],
+            ts=self.ts[index],
+            labels=self.labels[index],
+            keys=self.keys[index],
+            sensor_ids=self.sensor_ids[index],
+            partitions=self.partitions[index],
+            offsets=self.offsets[index],
+            next_offsets=self.next_offsets,
+            version=self.version,
+            taken_at=self.taken_at,
+            seq=None if self.seq is None else self.seq[index],
+        )
 
     @property
     def tokens(self) -> int:
@@ -158,6 +177,7 @@ class RecencyWindow:
         ("chunks", np.int64),
         ("partitions", np.int32),
         ("offsets", np.int64),
+        ("seq", np.int64),
         ("sensor_ids", object),
     )
 
@@ -263,12 +283,7 @@ class RecencyWindow:
     def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
         k = rows.shape[0]
         lengths = batch.lengths[rows]
-        if int(lengths.sum()) * 2 >= batch.values.shape[0]:
-            chunk, starts = batch.values, batch.starts[rows]  # share the batch's array: no copy
-        else:
-            chunk = gather_tokens(batch.values, batch.starts[rows], lengths)
-            starts = np.zeros(k, dtype=np.int64)
-            np.cumsum(lengths[:-1], out=starts[1:])
+        chunk, starts = batch.values, batch.starts[rows]  # share the batch's array: no copy; cuts compact
         self._chunk_arrays.append(chunk)
         self._grow_locked(self._n + k)
         at = slice(self._n, self._n + k)
@@ -281,6 +296,7 @@ class RecencyWindow:
         cols["chunks"][at] = len(self._chunk_arrays) - 1
         cols["partitions"][at] = batch.partitions[rows]
         cols["offsets"][at] = batch.offsets[rows]
+        cols["seq"][at] = self.accepted_total + rows  # arrival order: accepted count before + position
         cols["sensor_ids"][at] = batch.sensor_ids[rows]
         self._n += k
 
@@ -334,17 +350,19 @@ class RecencyWindow:
         kept = np.flatnonzero(alive & ~sparse)
         new_index[kept] = np.arange(kept.size)
         arrays = [self._chunk_arrays[i] for i in kept.tolist()]
-        if sparse.any() and sizes[sparse].sum() > 0:
+        if sparse.any():
             rows = np.flatnonzero(sparse[chunk_ids])
-            merged = np.concatenate([self._chunk_arrays[i] for i in np.flatnonzero(sparse).tolist()])
-            base = np.zeros(len(self._chunk_arrays), dtype=np.int64)
-            base[sparse] = np.concatenate([[0], np.cumsum(sizes[sparse])[:-1]]).astype(np.int64)
-            row_lengths = lengths[rows]
-            gathered = gather_tokens(merged, base[chunk_ids[rows]] + cols["starts"][rows], row_lengths)
+            rows = rows[np.argsort(chunk_ids[rows], kind="stable")]
+            row_chunks, row_lengths = chunk_ids[rows], lengths[rows]
+            bounds = np.flatnonzero(np.diff(row_chunks)) + 1
+            pieces = [
+                gather_tokens(self._chunk_arrays[int(row_chunks[group[0]])], cols["starts"][rows[group]], row_lengths[group])
+                for group in np.split(np.arange(rows.size), bounds)
+            ]  # one gather per sparse chunk: only live readings are copied
             new_starts = np.zeros(rows.size, dtype=np.int64)
             np.cumsum(row_lengths[:-1], out=new_starts[1:])
             cols["starts"][rows] = new_starts
-            arrays.append(gathered)
+            arrays.append(np.concatenate(pieces))
             new_index[sparse] = len(arrays) - 1
         cols["chunks"][:n] = new_index[chunk_ids]
         self._chunk_arrays = arrays
@@ -379,6 +397,7 @@ class RecencyWindow:
                 next_offsets=dict(self._next_offsets),
                 version=self.version,
                 taken_at=self._clock(),
+                seq=cols["seq"][:n].copy(),
             )
 
     def stats(self, now: float | None = None) -> WindowStats:
@@ -431,6 +450,7 @@ class RecencyWindow:
             "sensor_ids": snap.sensor_ids,
             "partitions": snap.partitions,
             "offsets": snap.offsets,
+            "seq": snap.seq,
             "next_offsets": {str(p): o for p, o in snap.next_offsets.items()},
             "accepted_total": self.accepted_total,
             "version": snap.version,
@@ -457,6 +477,8 @@ class RecencyWindow:
             self._reset_storage(len(batch))
             if len(batch):
                 self._append_locked(batch, keys, np.arange(len(batch)))
+                if state.get("seq") is not None:
+                    self._cols["seq"][: len(batch)] = np.asarray(state["seq"], dtype=np.int64)
             self._cut_locked()
             if self._n == self.capacity and self.max_age_s is None:
                 self._threshold = float(self._cols["keys"][: self._n].min())
