@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
     poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
     max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
+    decode_workers: int = Field(1, ge=0, le=64, description="Processes that decode poll batches (0 = ingest thread)")
 
     # --- HTTP ----------------------------------------------------------------------------
     http_host: str = Field("0.0.0.0", description="HTTP bind address")

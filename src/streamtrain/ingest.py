@@ -14,10 +14,14 @@ committed to the consumer group only after a checkpoint made them durable.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 from collections import Counter as TallyCounter
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +33,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from streamtrain.config import Settings
-from streamtrain.events import REASONS, EventLimits, decode_batch
+from streamtrain.events import REASONS, DecodedBatch, EventLimits, decode_batch
 from streamtrain.serve.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
@@ -88,6 +92,59 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         )
 
 
+@dataclass
+class _PendingBatch:
+    messages: list[Any]
+    next_offsets: dict[int, int]
+    future: Future[DecodedBatch] | None
+    args: tuple[Any, ...]
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+class Decoder:
+    """Decodes poll batches in a worker process, so JSON parsing runs beside the poll loop.
+
+    kafka-python's own record parsing and our JSON decoding both hold the GIL; a process
+    of its own lets them overlap on two cores. ``workers == 0`` decodes in the calling
+    thread. A broken worker is replaced, and the batch decoded in-thread: nothing is lost.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def submit(self, *args: Any) -> Future[DecodedBatch] | None:
+        if self.workers <= 0:
+            return None
+        try:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool.submit(decode_batch, *args)
+        except (BrokenProcessPool, RuntimeError, OSError) as err:
+            log.warning("decode worker unavailable (%s); decoding in the ingest thread", err)
+            self._reset()
+            return None
+
+    def result(self, future: Future[DecodedBatch] | None, args: tuple[Any, ...]) -> DecodedBatch:
+        if future is not None:
+            try:
+                return future.result()
+            except (BrokenProcessPool, OSError) as err:
+                log.warning("decode worker failed (%s); decoding this batch in the ingest thread", err)
+                self._reset()
+        return decode_batch(*args)
+
+    def _reset(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        self._reset()
+
+
 class Ingestor:
     """Consumes the topic into the window on a thread of its own; never crashes on input."""
 
@@ -104,6 +161,7 @@ class Ingestor:
         self.metrics = metrics
         self.limits = EventLimits.from_settings(settings)
         self.stats = IngestStats()
+        self._decoder = Decoder(settings.decode_workers)
         self._clock = clock
         self._consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
@@ -177,6 +235,7 @@ class Ingestor:
                 self._close_clients()
                 self._stop.wait(delay)
         self._close_clients()
+        self._decoder.close()
 
     def _connect(self) -> None:
         s = self.settings
@@ -206,34 +265,49 @@ class Ingestor:
         log.info("ingest connected to %s, topic %s, group %s", s.kafka_bootstrap, s.topic, s.group_id)
 
     def _consume(self) -> None:
+        """Poll, and decode the previous batch meanwhile (in the decode process if there is one)."""
         consumer = self._consumer
         assert consumer is not None
-        while not self._stop.is_set():
-            records = consumer.poll(timeout_ms=250)
-            self._connected = self._broker_connected(consumer)
-            self.metrics.kafka_connected.set(1 if self._connected else 0)
-            if records:
-                self._process(records)
-            self._serve_commits(consumer)
-            self._update_gauges(consumer)
+        in_flight: deque[_PendingBatch] = deque()
+        try:
+            while not self._stop.is_set():
+                records = consumer.poll(timeout_ms=250 if not in_flight else 0)
+                self._connected = self._broker_connected(consumer)
+                self.metrics.kafka_connected.set(1 if self._connected else 0)
+                if records:
+                    in_flight.append(self._submit(records))
+                # Apply finished batches in poll order; wait only when the pipeline is full or idle.
+                while in_flight and (in_flight[0].done() or len(in_flight) > 1 or not records):
+                    self._apply(in_flight.popleft())
+                self._serve_commits(consumer)
+                self._update_gauges(consumer)
+        finally:
+            while in_flight:  # what was polled is applied, so the window's offsets stay exact
+                self._apply(in_flight.popleft())
 
-    def _process(self, records: Mapping[TopicPartition, list[Any]]) -> None:
-        """Decode, dead-letter and insert one poll batch; the window records its offsets."""
+    def _submit(self, records: Mapping[TopicPartition, list[Any]]) -> _PendingBatch:
         messages = [m for batch in records.values() for m in batch]
-        decoded = decode_batch(
+        next_offsets = {tp.partition: batch[-1].offset + 1 for tp, batch in records.items() if batch}
+        args = (
             [m.value for m in messages],
             self.limits,
             self._clock(),
-            partitions=[m.partition for m in messages],
-            offsets=[m.offset for m in messages],
+            [m.partition for m in messages],
+            [m.offset for m in messages],
         )
+        future = self._decoder.submit(*args)
+        return _PendingBatch(messages, next_offsets, future, args)
+
+    def _apply(self, pending: _PendingBatch) -> None:
+        """Dead-letter, insert and count one decoded poll batch; the window records its offsets."""
+        decoded = self._decoder.result(pending.future, pending.args)
+        messages = pending.messages
         for position, rejection in decoded.rejections:
             self._dead_letter(messages[position], rejection.reason)
-        next_offsets = {tp.partition: batch[-1].offset + 1 for tp, batch in records.items() if batch}
         if len(decoded.events):
-            self.window.insert_batch(decoded.events, next_offsets)
+            self.window.insert_batch(decoded.events, pending.next_offsets)
         else:
-            self.window.advance_offsets(next_offsets)
+            self.window.advance_offsets(pending.next_offsets)
         reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         self.stats.seen_total += len(messages)
         self.stats.accepted_total += len(decoded.events)
@@ -242,6 +316,10 @@ class Ingestor:
         self.metrics.events_accepted.inc(len(decoded.events))
         for reason, count in reasons.items():
             self.metrics.events_rejected.labels(reason).inc(count)
+
+    def _process(self, records: Mapping[TopicPartition, list[Any]]) -> None:
+        """Decode and apply one poll batch at once (no pipelining)."""
+        self._apply(self._submit(records))
 
     def _dead_letter(self, message: Any, reason: str) -> None:
         """Forward the raw message unchanged to ``<topic>.dlq`` with the four headers."""
