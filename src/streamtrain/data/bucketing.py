@@ -15,8 +15,9 @@ One pass over a window snapshot is planned in a handful of vectorized numpy call
 The greedy cut needs no Python loop per item. Within a sorted pool the capacity
 ``cap[j] = budget // cost(len[j])`` is non-increasing, so ``g[j] = j + 1 - cap[j]`` is
 strictly increasing, and the batch that starts at ``i`` ends at the largest ``j`` of the
-same pool with ``g[j] <= i`` -- one ``searchsorted`` for all ``i`` at once, then a walk
-over batch starts (a Python step per batch, not per item).
+same pool with ``g[j] <= i``. Counting the ``g[j] <= i`` (a bincount and a prefix sum)
+gives that end for every ``i`` at once; a walk over the batch starts then takes one
+Python step per batch, not per item.
 
 For data-parallel training every rank plans the same pass from the same seed and takes
 every ``world_size``-th batch; the batch count is first made a multiple of
@@ -33,6 +34,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import ArrayLike
 
+from streamtrain.data._validate import require_int
 from streamtrain.data.randomness import Randomness
 
 #: Default pool size, in batches: padding falls roughly as 1 / (batches per pool) because
@@ -57,18 +59,9 @@ class TokenBudget:
     quadratic_length: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"TokenBudget.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.max_sequences is not None and (
-            isinstance(self.max_sequences, bool) or not isinstance(self.max_sequences, int) or self.max_sequences < 1
-        ):
-            raise ValueError(f"TokenBudget.max_sequences must be None or an integer >= 1, got {self.max_sequences!r}")
-        if (
-            isinstance(self.pad_to_multiple_of, bool)
-            or not isinstance(self.pad_to_multiple_of, int)
-            or self.pad_to_multiple_of < 1
-        ):
-            raise ValueError(f"TokenBudget.pad_to_multiple_of must be an integer >= 1, got {self.pad_to_multiple_of!r}")
+        require_int(self.max_tokens, "TokenBudget.max_tokens", 1)
+        require_int(self.max_sequences, "TokenBudget.max_sequences", 1, optional=True)
+        require_int(self.pad_to_multiple_of, "TokenBudget.pad_to_multiple_of", 1)
         if self.quadratic_length is not None and not (
             np.isfinite(self.quadratic_length) and self.quadratic_length > 0
         ):
@@ -177,15 +170,17 @@ def _capacity_by_table(padded: np.ndarray, budget: TokenBudget) -> np.ndarray:
 
 
 def auto_pool_size(lengths: ArrayLike, budget: TokenBudget, batches_per_pool: int = DEFAULT_BATCHES_PER_POOL) -> int:
-    """Items per pool so that a pool cuts into about ``batches_per_pool`` batches.
+    """Items per pool so that a pool cuts into about ``batches_per_pool`` batches, in at least two pools.
 
     An item of capacity ``c`` takes ``1 / c`` of a batch (a whole one when it does not fit).
+    A small window (a warm-up) still gets two pools: with one, the sort would be global and
+    an item's batch-mates the same every pass; two pools cost some padding instead.
     """
     padded = budget.padded_length(lengths)
     if padded.size == 0:
         return 1
     batches_per_item = float(np.mean(1.0 / np.maximum(_capacity_by_table(padded, budget), 1)))
-    return max(1, math.ceil(batches_per_pool / batches_per_item))
+    return max(1, min(math.ceil(batches_per_pool / batches_per_item), math.ceil(padded.size / 2)))
 
 
 def _batch_ends(padded_sorted: np.ndarray, pool_start: np.ndarray, budget: TokenBudget) -> np.ndarray:
@@ -211,34 +206,34 @@ def _walk_batch_starts(ends: np.ndarray) -> list[int]:
 
 
 def equalize_batch_count(
-    batches: list[np.ndarray], world_size: int, rng: Randomness
-) -> tuple[list[np.ndarray], int, int]:
+    emitted: np.ndarray, sizes: np.ndarray, world_size: int, rng: Randomness
+) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Make the batch count a multiple of ``world_size`` without repeating or silently dropping items.
 
-    Splitting the largest multi-item batch in two keeps every batch within budget and every
-    item exactly once. When splits cannot reach a multiple (fewer items than the next
-    multiple, e.g. fewer items than ranks), ``count % world_size`` randomly chosen batches
-    among the smallest are withheld from this pass instead and counted; the window still
-    holds them for the next pass. Returns (batches, extra batches from splits, withheld items).
+    Batches are given flat: ``emitted`` holds them back to back, ``sizes`` their lengths.
+    Splitting the largest batch in two keeps every batch within budget and every item
+    exactly once (the items do not move, only the sizes change). When splits cannot reach
+    a multiple (fewer items than the next multiple, e.g. fewer items than ranks),
+    ``count % world_size`` batches among the smallest (random among equals) are withheld
+    from this pass instead and counted; the window still holds them for the next pass.
+    Returns (emitted, sizes, extra batches from splits, withheld items).
     """
-    remainder = len(batches) % world_size
+    remainder = sizes.size % world_size
     if remainder == 0:
-        return batches, 0, 0
-    total_items = sum(len(batch) for batch in batches)
+        return emitted, sizes, 0, 0
     splits_needed = world_size - remainder
-    if len(batches) + splits_needed <= total_items:
-        batches = list(batches)
-        for _ in range(splits_needed):
-            largest = max(range(len(batches)), key=lambda k: len(batches[k]))
-            half = len(batches[largest]) // 2
-            batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
-        return batches, splits_needed, 0
-    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
-    # Smallest first, random among equals: the withheld batches cost the fewest items.
-    withheld = np.lexsort((rng.random(len(batches)), sizes))[:remainder]
-    keep = np.ones(len(batches), dtype=bool)
+    if sizes.size + splits_needed <= emitted.size:
+        sizes = sizes.copy()
+        for _ in range(splits_needed):  # fewer than world_size steps
+            largest = int(np.argmax(sizes))
+            half = int(sizes[largest]) // 2
+            sizes = np.insert(sizes, largest + 1, sizes[largest] - half)
+            sizes[largest] = half
+        return emitted, sizes, splits_needed, 0
+    withheld = np.lexsort((rng.random(sizes.size), sizes))[:remainder]
+    keep = np.ones(sizes.size, dtype=bool)
     keep[withheld] = False
-    return [batch for batch, kept in zip(batches, keep, strict=True) if kept], 0, int(sizes[withheld].sum())
+    return emitted[np.repeat(keep, sizes)], sizes[keep], 0, int(sizes[withheld].sum())
 
 
 def _correlation(x: np.ndarray, y: np.ndarray) -> float:
@@ -252,19 +247,26 @@ def describe_plan(
 ) -> PassDiagnostics:
     """Diagnostics of any list of index batches over ``lengths`` (baselines use it too).
 
-    ``planner_facts`` fill the fields only the planner knows (``oversize_items``, ...).
+    ``planner_facts`` fill the fields only the planner knows (``partial_batches``, ...).
     """
+    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+    emitted = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+    return _describe_flat(emitted, sizes, lengths, budget, **planner_facts)
+
+
+def _describe_flat(
+    emitted: np.ndarray, sizes: np.ndarray, lengths: np.ndarray, budget: TokenBudget, **planner_facts: Any
+) -> PassDiagnostics:
+    """:func:`describe_plan` for batches given back to back (``emitted``) with their ``sizes``."""
     n_items = int(lengths.size)
-    if not batches:
+    if sizes.size == 0:
         nan = float("nan")
         return PassDiagnostics(
             items=n_items, emitted_items=0, batches=0, real_tokens=0, padded_tokens=0, padding_share=0.0,
             mean_sequences_per_batch=0.0, min_sequences_per_batch=0, max_sequences_per_batch=0, oversize_items=0,
             adjacent_length_corr=nan, order_rank_corr=nan, **planner_facts,
         )  # fmt: skip
-    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
     offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    emitted = np.concatenate(batches)
     emitted_lengths = lengths[emitted]
     batch_width = budget.padded_length(np.maximum.reduceat(emitted_lengths, offsets))
     fits_alone = np.flatnonzero(budget.capacity(budget.padded_length(np.arange(int(emitted_lengths.max()) + 1))))
@@ -273,7 +275,7 @@ def describe_plan(
     real_tokens = int(emitted_lengths.sum())
     padded_tokens = int((sizes * batch_width).sum())
     mean_lengths = np.add.reduceat(emitted_lengths, offsets) / sizes
-    adjacent = _correlation(mean_lengths[:-1], mean_lengths[1:]) if len(batches) >= 3 else float("nan")
+    adjacent = _correlation(mean_lengths[:-1], mean_lengths[1:]) if sizes.size >= 3 else float("nan")
 
     # Spearman between window order and emitted order. Both sides are ranks 0..m-1 without
     # ties, so rho = 1 - 6 * sum(d**2) / (m * (m**2 - 1)).
@@ -289,7 +291,7 @@ def describe_plan(
     return PassDiagnostics(
         items=n_items,
         emitted_items=int(emitted.size),
-        batches=len(batches),
+        batches=int(sizes.size),
         real_tokens=real_tokens,
         padded_tokens=padded_tokens,
         padding_share=1.0 - real_tokens / padded_tokens if padded_tokens else 0.0,
@@ -324,10 +326,8 @@ def plan_batches(
         raise ValueError(f"lengths must be a 1-D integer array, got dtype {lengths.dtype} and shape {lengths.shape}")
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"lengths must be >= 0, got minimum {lengths.min()}")
-    if pool_size is not None and (isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1):
-        raise ValueError(f"pool_size must be None (automatic) or an integer >= 1, got {pool_size!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    pool_size = require_int(pool_size, "pool_size (None: automatic)", 1, optional=True)
+    world_size = require_int(world_size, "world_size", 1)
     lengths = lengths.astype(np.int64, copy=False)
     n = lengths.size
     if n == 0:
@@ -343,29 +343,30 @@ def plan_batches(
     order = _sort_by_pool_then_length(pool_sizes, padded)
     items = permutation[order]
     padded_sorted = padded[order]
-    pool_sorted = np.repeat(np.arange(n_pools), pool_sizes)  # pools stay consecutive runs
 
     ends = _batch_ends(padded_sorted, np.repeat(pool_starts, pool_sizes), budget)
     starts = _walk_batch_starts(ends)
     start_array = np.asarray(starts, dtype=np.int64)
     end_array = ends[start_array]
 
-    capacity_at_end = budget.capacity(padded_sorted[end_array])
-    pool_last = np.append(pool_starts[1:], n) - 1
-    partial_batches = int(
-        np.count_nonzero(
-            (end_array == pool_last[pool_sorted[end_array]])
-            & (end_array - start_array + 1 < capacity_at_end)
-        )
-    )
+    # A partial batch ends at its pool's last item with room left (a pool's "short last batch").
+    ends_a_pool = np.isin(end_array, pool_starts[1:] - 1) | (end_array == n - 1)
+    room_left = end_array - start_array + 1 < budget.capacity(padded_sorted[end_array])
+    partial_batches = int(np.count_nonzero(ends_a_pool & room_left))
 
-    in_plan_order = np.split(items, starts[1:])
-    batch_order = rng.permutation(len(in_plan_order))
-    batches = [in_plan_order[k] for k in batch_order]
-    batches, split_batches, withheld_items = equalize_batch_count(batches, world_size, rng)
+    # Shuffle the batch order and lay the batches out back to back in that order.
+    plan_sizes = np.diff(np.append(start_array, n))
+    batch_order = rng.permutation(start_array.size)
+    sizes = plan_sizes[batch_order]
+    emitted_offsets = np.cumsum(sizes) - sizes
+    emitted = items[np.repeat(start_array[batch_order] - emitted_offsets, sizes) + np.arange(n)]
+    emitted, sizes, split_batches, withheld_items = equalize_batch_count(emitted, sizes, world_size, rng)
+    bounds = np.append(0, np.cumsum(sizes)).tolist()
+    batches = [emitted[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
-    diagnostics = describe_plan(
-        batches,
+    diagnostics = _describe_flat(
+        emitted,
+        sizes,
         lengths,
         budget,
         partial_batches=partial_batches,

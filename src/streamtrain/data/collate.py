@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
+from streamtrain.data._validate import require_int
 from streamtrain.events import NO_LABEL
 
 
@@ -106,8 +107,7 @@ def collate_flat(
     batch_size = lengths.shape[0]
     if batch_size == 0:
         raise ValueError("collate needs at least one sequence, got an empty list")
-    if isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be an integer >= 1, got {pad_to_multiple_of!r}")
+    require_int(pad_to_multiple_of, "pad_to_multiple_of", 1)
     if lengths.min() < 0:
         raise ValueError(f"collate: lengths must be >= 0, got {lengths.min()}")
     flat = np.asarray(flat_values, dtype=np.float32)

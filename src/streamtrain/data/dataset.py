@@ -13,9 +13,11 @@ be disjoint. The crypto broadcast checks this (size and version) and raises on a
 
 Worker processes: the service does not use DataLoader workers. A worker is a forked copy
 of the process, so a ``snapshot_fn`` bound to an in-process window reads the window as
-it was at fork time, and bench/batching.py shows planning + collation take a small
-fraction of a step, so a :class:`~streamtrain.data.prefetch.Prefetcher` thread hides
-them. A ``snapshot_fn`` that reads a store shared across processes may opt in with
+it was at fork time; and bench/batching.py (``loader`` rows) measures planning +
+collation at about 1 ms per batch in process, several times faster than two worker
+processes deliver batches (each batch crosses process boundaries), while a
+:class:`~streamtrain.data.prefetch.Prefetcher` thread hides it behind the step. A
+``snapshot_fn`` that reads a store shared across processes may opt in with
 ``allow_worker_processes=True``: workers then take disjoint slices of the same seeded
 plan and seed their own torch generator from ``(seed, pass, rank, worker)``.
 Crypto mode refuses workers: an unpredictable plan cannot be recomputed identically in
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from streamtrain.data._validate import require_int
 from streamtrain.data.bucketing import BatchPlan, PassDiagnostics, TokenBudget, plan_batches
 from streamtrain.data.collate import Batch, collate_flat
 from streamtrain.data.randomness import SHUFFLE_MODES, ShuffleMode, derive_seed, make_randomness
@@ -89,10 +92,9 @@ class WindowBatchDataset(IterableDataset[Batch]):
             raise ValueError("give both rank and world_size, or neither to take them from torch.distributed")
         if world_size is not None and not 0 <= rank < world_size:  # type: ignore[operator]
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-        if min_items < 1:
-            raise ValueError(f"min_items must be >= 1, got {min_items}")
-        if max_passes is not None and max_passes < 0:
-            raise ValueError(f"max_passes must be None (forever) or >= 0, got {max_passes}")
+        require_int(min_items, "min_items", 1)
+        require_int(max_passes, "max_passes (None: forever)", 0, optional=True)
+        require_int(seed, "seed")
         self.snapshot_fn = snapshot_fn
         self.budget = budget
         self.pool_size = pool_size

@@ -1,7 +1,8 @@
 """A background thread that keeps the next batches ready, and measures how long the trainer waits.
 
-Planning and collating run in numpy and torch calls that release the GIL, so one
-producer thread overlaps them with the training step without a second process. A
+Planning and collating are mostly numpy and torch calls on whole arrays, which release
+the GIL, so one producer thread overlaps them with the training step without a second
+process. A
 thread also reads the live window: a DataLoader worker process would see a copy of the
 window frozen at fork time (see :mod:`streamtrain.data.dataset`).
 """
@@ -13,6 +14,8 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
+
+from streamtrain.data._validate import require_int
 
 T = TypeVar("T")
 
@@ -40,9 +43,7 @@ class Prefetcher(Generic[T]):
     """
 
     def __init__(self, iterable: Iterable[T], depth: int = 2, name: str = "streamtrain-prefetch") -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"Prefetcher depth must be an integer >= 1, got {depth!r}")
-        self.depth = depth
+        self.depth = require_int(depth, "Prefetcher depth", 1)
         self.data_wait_seconds = 0.0
         self.items_delivered = 0
         self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)

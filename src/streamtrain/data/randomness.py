@@ -35,18 +35,14 @@ from typing import ClassVar, Final, Literal, get_args
 import numpy as np
 from numpy.typing import ArrayLike
 
+from streamtrain.data._validate import require_int
+
 ShuffleMode = Literal["seeded", "crypto"]
 SHUFFLE_MODES: Final[tuple[str, ...]] = get_args(ShuffleMode)
 
 _TWO_POW_64: Final = 2**64
 _TWO_POW_64_FLOAT: Final = float(2**64)
 _TWO_POW_MINUS_53: Final = 2.0**-53
-
-
-def _check_count(n: int, name: str = "n") -> int:
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
-    return int(n)
 
 
 class Randomness(ABC):
@@ -61,15 +57,15 @@ class Randomness(ABC):
 
     def random(self, n: int) -> np.ndarray:
         """``n`` uniform float64 in [0, 1) on the 2**-53 grid (top 53 bits of a word)."""
-        words = self.raw_uint64(_check_count(n))
+        words = self.raw_uint64(require_int(n, "n"))
         return (words >> np.uint64(11)).astype(np.float64) * _TWO_POW_MINUS_53
 
     def integers(self, high: int, n: int) -> np.ndarray:
         """``n`` uniform int64 in ``[0, high)`` by rejection (no modulo bias)."""
-        n = _check_count(n)
-        if isinstance(high, bool) or not isinstance(high, int | np.integer) or not 1 <= high < 2**63:
-            raise ValueError(f"high must be an integer in [1, 2**63), got {high!r}")
-        high = int(high)
+        n = require_int(n, "n")
+        high = require_int(high, "high", 1)
+        if high >= 2**63:
+            raise ValueError(f"high must be below 2**63 (an int64 result), got {high}")
         accept_below = _TWO_POW_64 - _TWO_POW_64 % high  # a multiple of high, <= 2**64
         out = np.empty(n, dtype=np.int64)
         pending = np.arange(n)
@@ -109,10 +105,10 @@ class Randomness(ABC):
 
     def permutation(self, n: int) -> np.ndarray:
         """A uniformly random permutation of ``range(n)`` as int64 (see module docstring)."""
-        n = _check_count(n)
+        n = require_int(n, "n")
         while True:
             keys = self.raw_uint64(n)
-            order = np.argsort(keys, kind="stable")
+            order = np.argsort(keys)  # stability is moot: a draw with ties is thrown away
             sorted_keys = keys[order]
             if n < 2 or not np.any(sorted_keys[1:] == sorted_keys[:-1]):
                 return order.astype(np.int64, copy=False)
@@ -133,11 +129,11 @@ class SeededRandomness(Randomness):
         self.generator = np.random.Generator(np.random.PCG64(self.seed_sequence))
 
     def raw_uint64(self, n: int) -> np.ndarray:
-        return self.generator.bit_generator.random_raw(_check_count(n))
+        return self.generator.bit_generator.random_raw(require_int(n, "n"))
 
     def permutation(self, n: int) -> np.ndarray:
         # numpy's Fisher-Yates with unbiased bounded integers: same law, fewer draws.
-        return self.generator.permutation(_check_count(n)).astype(np.int64, copy=False)
+        return self.generator.permutation(require_int(n, "n")).astype(np.int64, copy=False)
 
 
 class CryptoRandomness(Randomness):
@@ -147,14 +143,8 @@ class CryptoRandomness(Randomness):
     reproducible: ClassVar[bool] = False
 
     def raw_uint64(self, n: int) -> np.ndarray:
-        n = _check_count(n)
+        n = require_int(n, "n")
         return np.frombuffer(bytearray(os.urandom(8 * n)), dtype="<u8").astype(np.uint64, copy=False)
-
-
-def _check_coordinate(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
 
 
 def derive_seed_sequence(
@@ -165,10 +155,10 @@ def derive_seed_sequence(
     ``None`` (shared by all ranks or workers) is encoded as 0 and index ``i`` as ``i + 1``,
     so a shared stream never coincides with rank 0's or worker 0's own stream.
     """
-    seed = _check_coordinate(seed, "seed")
-    pass_index = _check_coordinate(pass_index, "pass_index")
-    rank_key = 0 if rank is None else _check_coordinate(rank, "rank") + 1
-    worker_key = 0 if worker is None else _check_coordinate(worker, "worker") + 1
+    seed = require_int(seed, "seed")
+    pass_index = require_int(pass_index, "pass_index")
+    rank_key = 0 if rank is None else require_int(rank, "rank") + 1
+    worker_key = 0 if worker is None else require_int(worker, "worker") + 1
     return np.random.SeedSequence(entropy=seed, spawn_key=(pass_index, rank_key, worker_key))
 
 

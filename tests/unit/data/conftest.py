@@ -6,12 +6,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import torch
 
 from streamtrain.events import NO_LABEL, EventBatch
 from streamtrain.window import WindowSnapshot
-
-torch.set_num_threads(1)
 
 
 def lognormal_lengths(n: int, seed: int = 0, median: float = 48.0, sigma: float = 0.8) -> np.ndarray:
@@ -37,7 +34,9 @@ def _columns(lengths: np.ndarray, channels: int, seed: int, first_id: int) -> di
 
 @pytest.fixture
 def make_snapshot() -> Callable[..., WindowSnapshot]:
-    def make(lengths: np.ndarray, channels: int = 1, seed: int = 0, version: int = 1, first_id: int = 0) -> WindowSnapshot:
+    def make(
+        lengths: np.ndarray, channels: int = 1, seed: int = 0, version: int = 1, first_id: int = 0
+    ) -> WindowSnapshot:
         lengths = np.asarray(lengths, dtype=np.int64)
         columns = _columns(lengths, channels, seed, first_id)
         starts = np.zeros(lengths.size, np.int64)

@@ -178,6 +178,8 @@ def test_lognormal_mix_has_little_padding_and_mixed_order(lognormal: Callable[..
 def test_auto_pool_size_targets_a_number_of_batches() -> None:
     assert auto_pool_size(np.full(1000, 10), TokenBudget(100), batches_per_pool=16) == 160
     assert auto_pool_size(np.full(10, 500), TokenBudget(100), batches_per_pool=4) == 4  # oversize: one each
+    # Never a single pool over the whole window: at most half of it.
+    assert auto_pool_size(np.full(1000, 10), TokenBudget(100), batches_per_pool=1000) == 500
     assert auto_pool_size(np.zeros(0, np.int64), TokenBudget(100)) == 1
 
 
@@ -206,12 +208,15 @@ def test_ranks_split_batches_to_equal_counts_disjoint_and_covering(lognormal: Ca
 
 def test_equalizing_splits_the_largest_batch_or_withholds_when_it_cannot() -> None:
     rng = SeededRandomness(0)
-    batches = [np.arange(0, 6), np.arange(6, 8), np.arange(8, 9)]
-    split, extra, withheld = equalize_batch_count(batches, 4, rng)
-    assert [b.size for b in split] == [3, 3, 2, 1] and extra == 1 and withheld == 0
+    emitted = np.arange(9)
+    same, sizes, extra, withheld = equalize_batch_count(emitted, np.array([6, 2, 1]), 4, rng)
+    assert sizes.tolist() == [3, 3, 2, 1] and extra == 1 and withheld == 0 and same is emitted
     # Three single items cannot become four batches: one batch is withheld, and counted.
-    kept, extra, withheld = equalize_batch_count([np.array([0]), np.array([1]), np.array([2])], 2, rng)
-    assert len(kept) == 2 and extra == 0 and withheld == 1
+    kept, sizes, extra, withheld = equalize_batch_count(np.array([7, 8, 9]), np.array([1, 1, 1]), 2, rng)
+    assert sizes.tolist() == [1, 1] and kept.size == 2 and set(kept) < {7, 8, 9} and extra == 0 and withheld == 1
+    # Withholding prefers the smallest batches: 4 batches of 5 items cannot become 6.
+    kept, sizes, _, withheld = equalize_batch_count(np.arange(5), np.array([1, 1, 1, 2]), 3, rng)
+    assert sizes.tolist() == [1, 1, 2] and kept[-2:].tolist() == [3, 4] and withheld == 1
 
 
 def test_fewer_items_than_ranks_withholds_everything_visibly() -> None:

@@ -6,12 +6,14 @@ import multiprocessing
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from streamtrain.data import dataset as dataset_module
 from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
@@ -43,7 +45,7 @@ def run_passes(
 
 
 def item_ids(batches: list[Batch]) -> np.ndarray:
-    """Items are identified by their unique event time; masked-out rows are never counted."""
+    """The items of some batches, identified by their unique event times (one per batch row)."""
     return np.concatenate([b.ts.numpy() for b in batches]) if batches else np.zeros(0)
 
 
@@ -121,7 +123,8 @@ def test_seeded_passes_repeat_and_crypto_passes_do_not(make_snapshot: Callable, 
     snapshot = make_snapshot(lognormal(800))
 
     def orders(shuffle: str, seed: int) -> list[np.ndarray]:
-        return [item_ids(b) for b in run_passes(WindowBatchDataset(lambda: snapshot, BUDGET, shuffle=shuffle, seed=seed), 2)]
+        dataset = WindowBatchDataset(lambda: snapshot, BUDGET, shuffle=shuffle, seed=seed)
+        return [item_ids(batches) for batches in run_passes(dataset, 2)]
 
     first, again, other = orders("seeded", 5), orders("seeded", 5), orders("seeded", 6)
     assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
@@ -134,7 +137,10 @@ def test_seeded_passes_repeat_and_crypto_passes_do_not(make_snapshot: Callable, 
 def test_ranks_get_disjoint_covering_shards_with_equal_counts(make_snapshot: Callable, lognormal: Callable) -> None:
     snapshot = make_snapshot(lognormal(1500))
     world_size = 3
-    shards = [run_passes(WindowBatchDataset(lambda: snapshot, BUDGET, rank=r, world_size=world_size), 2) for r in range(3)]
+    shards = [
+        run_passes(WindowBatchDataset(lambda: snapshot, BUDGET, rank=r, world_size=world_size), 2)
+        for r in range(world_size)
+    ]
     for pass_index in range(2):
         counts = {len(shards[r][pass_index]) for r in range(world_size)}
         assert len(counts) == 1, f"ranks got different batch counts {counts}"
@@ -175,12 +181,14 @@ def test_diagnostics_reach_the_callback_once_per_pass(make_snapshot: Callable, l
     assert sum(d.padded_tokens for d in seen) == sum(b.padded_tokens for b in batches)
 
 
-def test_worker_processes_are_refused_unless_allowed(make_snapshot: Callable) -> None:
+def test_worker_processes_are_refused_unless_allowed(make_snapshot: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend to be DataLoader worker 0 of 2 (a real worker run is the next test).
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
     snapshot = make_snapshot(np.full(20, 4))
     for kwargs, message in (({}, "fork time"), ({"shuffle": "crypto", "allow_worker_processes": True}, "crypto")):
         dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(16), max_passes=1, **kwargs)
         with pytest.raises(RuntimeError, match=message):
-            list(DataLoader(dataset, batch_size=None, num_workers=1))
+            next(iter(dataset))
 
 
 def test_allowed_workers_split_one_plan_and_seed_torch_per_worker(
@@ -206,7 +214,9 @@ def test_allowed_workers_split_one_plan_and_seed_torch_per_worker(
 
 def test_crypto_across_ranks_needs_a_process_group(make_snapshot: Callable) -> None:
     snapshot = make_snapshot(np.full(8, 4))
-    dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(16), shuffle="crypto", rank=0, world_size=2, max_passes=1)
+    dataset = WindowBatchDataset(
+        lambda: snapshot, TokenBudget(16), shuffle="crypto", rank=0, world_size=2, max_passes=1
+    )
     with pytest.raises(RuntimeError, match="torch.distributed"):
         list(dataset)
 

@@ -53,8 +53,8 @@ def test_wait_time_counts_only_when_the_consumer_waits() -> None:
         list(waiting)
     assert waiting.data_wait_seconds >= 0.2
 
-    with Prefetcher(range(3), depth=3) as ready:
-        time.sleep(0.2)  # the producer fills the queue meanwhile
+    with Prefetcher(range(3), depth=4) as ready:
+        time.sleep(0.2)  # the producer queues all three items and the end meanwhile
         list(ready)
     assert ready.data_wait_seconds < 0.05
 
