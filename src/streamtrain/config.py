@@ -108,6 +108,13 @@ class Settings(BaseSettings):
     dp_step_rate_hz: float = Field(2.0, description="Public clock: DP steps per second")
     dp_delta: float = Field(1e-6, description="delta of the per-event guarantee")
     dp_target_epsilon: float = Field(8.0, description="Per-event epsilon the configuration must not exceed")
+    dp_expected_batch_size: float | None = Field(
+        None, description="Public divisor of the noisy gradient sum (default: sum_j R*q_j)"
+    )
+    dp_noise_source: Literal["urandom", "philox"] = Field("urandom", description="Noise bits: OS CSPRNG or CSPRNG-keyed Philox")
+    dp_norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
+    dp_norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")
+    dp_token_budget: int = Field(1024, ge=1, description="Padded tokens per DP micro-batch")
 
     # --- Logging -------------------------------------------------------------------------------
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

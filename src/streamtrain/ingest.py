@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
+import os
 import queue
 import threading
 import time
@@ -33,13 +35,17 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.structs import OffsetAndMetadata
 
 from streamtrain.config import Settings
-from streamtrain.events import REASONS, DecodedBatch, EventLimits, decode_batch
+from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
 from streamtrain.serve.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
 
 _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
+# A commit must not hold the consumer thread (and with it a checkpoint) for the client's
+# 30 s request timeout when the broker goes away: commits are best effort, the
+# checkpoint's offsets are authoritative.
+_COMMIT_TIMEOUT_MS = 3000
 
 
 def ensure_topics(bootstrap: str, topics: Mapping[str, int], timeout_s: float = 10.0) -> None:
@@ -103,6 +109,24 @@ class _PendingBatch:
         return self.future is None or self.future.done()
 
 
+def _exit_with_parent() -> None:
+    """Decode-worker initializer: end the worker when the service ends, even by SIGKILL.
+
+    A pool worker blocks on its call queue, whose pipe it holds both ends of, so it never
+    sees the parent die; without this, every killed service leaves a worker (and the
+    multiprocessing resource tracker) behind. The parent sentinel turns readable then.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class Decoder:
     """Decodes poll batches in a worker process, so JSON parsing runs beside the poll loop.
 
@@ -120,7 +144,9 @@ class Decoder:
             return None
         try:
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent
+                )
             return self._pool.submit(decode_batch, *args)
         except (BrokenProcessPool, RuntimeError, OSError) as err:
             log.warning("decode worker unavailable (%s); decoding in the ingest thread", err)
@@ -154,9 +180,12 @@ class Ingestor:
         window: RecencyWindow,
         metrics: Metrics,
         *,
+        on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
+        self.on_events = on_events  # DP mode: every valid event also goes to the DP window
+        self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics
         self.limits = EventLimits.from_settings(settings)
@@ -304,10 +333,13 @@ class Ingestor:
         messages = pending.messages
         for position, rejection in decoded.rejections:
             self._dead_letter(messages[position], rejection.reason)
-        if len(decoded.events):
-            self.window.insert_batch(decoded.events, pending.next_offsets)
-        else:
-            self.window.advance_offsets(pending.next_offsets)
+        with self.apply_lock:
+            if len(decoded.events):
+                self.window.insert_batch(decoded.events, pending.next_offsets)
+            else:
+                self.window.advance_offsets(pending.next_offsets)
+            if self.on_events is not None:
+                self.on_events(decoded.events, pending.next_offsets)
         reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         self.stats.seen_total += len(messages)
         self.stats.accepted_total += len(decoded.events)
@@ -350,8 +382,8 @@ class Ingestor:
                 assigned[p]: OffsetAndMetadata(o, "", -1) for p, o in offsets.items() if p in assigned
             }
             try:
-                if to_commit:
-                    consumer.commit(to_commit)
+                if to_commit and self._connected:  # while the broker is away the next checkpoint commits
+                    consumer.commit(to_commit, timeout_ms=_COMMIT_TIMEOUT_MS)
             except KafkaError as err:
                 log.warning("offset commit failed (checkpoint offsets stay authoritative): %s", err)
             finally:

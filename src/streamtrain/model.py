@@ -101,7 +101,7 @@ class RunningNorm:
         self.count = total
 
     def _as_float(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._mean.to(x.dtype), self.std.to(x.dtype)
+        return self._mean.to(x.device, x.dtype), self.std.to(x.device, x.dtype)
 
     def normalize(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
         if isinstance(x, np.ndarray):
@@ -284,9 +284,9 @@ def build_model(settings: Any) -> SensorModel:
     return SensorModel(
         channels=settings.channels,
         n_classes=settings.n_classes,
-        d_model=getattr(settings, "d_model", 64),
-        n_heads=getattr(settings, "n_heads", 4),
-        n_layers=getattr(settings, "n_layers", 2),
+        d_model=settings.d_model,
+        n_heads=settings.n_heads,
+        n_layers=settings.n_layers,
         max_len=settings.max_len,
     )
 
@@ -407,17 +407,18 @@ def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray],
         raise ValueError("predict: every instance needs at least one reading")
     results: list[Prediction | None] = [None] * len(arrays)
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()
     try:
         with torch.inference_mode():
             for group in plan_predict_batches(lengths, token_budget):
-                batch = collate([arrays[i] for i in group])
+                batch = collate([arrays[i] for i in group]).to(device)
                 mask = batch.mask
                 x_norm = norm.normalize(batch.values).float() * mask[..., None]
                 output = model(x_norm, mask)
                 scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
                 last = mask.sum(dim=1) - 1
-                next_norm = output.forecast[torch.arange(len(group)), last]
+                next_norm = output.forecast[torch.arange(len(group), device=device), last]
                 next_values = norm.denormalize(next_norm.double()).tolist()
                 probs = torch.softmax(output.logits.double(), dim=-1).tolist() if output.logits is not None else None
                 for row, index in enumerate(group):

@@ -39,8 +39,8 @@ class Service:
             channels=settings.channels,
             max_age_s=settings.max_age_s,
         )
-        self.ingest = Ingestor(settings, self.window, self.metrics)
         self.trainer = self._build_trainer()
+        self.ingest = Ingestor(settings, self.window, self.metrics, on_events=getattr(self.trainer, "admit", None))
         self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
         self.checkpoint_error: str | None = None
         self.last_checkpoint: Path | None = None
@@ -102,7 +102,7 @@ class Service:
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now; None (counted, logged, retried later) when it fails."""
         with self._checkpoint_lock:
-            with self.trainer.lock:
+            with self.ingest.apply_lock, self.trainer.lock:  # both states cover the same offsets
                 trainer_state = self.trainer.state_dict()
                 window_state = self.window.state_dict()
                 step = int(trainer_state["step"])

@@ -1,0 +1,105 @@
+"""DP-SGD configuration: the public schedule every per-event guarantee is computed from.
+
+Everything here is public: the schedule (σ, C, q0, half-life, K, R, step rate) and the
+constant the noisy gradient sum is divided by. Nothing is derived from the data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Where each field comes from in the service's Settings (``STREAMTRAIN_`` + upper case).
+SETTING_NAMES: dict[str, str] = {
+    "noise_multiplier": "dp_noise_multiplier",
+    "clip_norm": "dp_clip_norm",
+    "q0": "dp_q0",
+    "half_life_steps": "dp_half_life_steps",
+    "eligible_steps": "dp_eligible_steps",
+    "admit_per_step": "dp_admit_per_step",
+    "step_rate_hz": "dp_step_rate_hz",
+    "delta": "dp_delta",
+    "target_epsilon": "dp_target_epsilon",
+    "expected_batch_size": "dp_expected_batch_size",
+    "noise_source": "dp_noise_source",
+    "norm_mean": "dp_norm_mean",
+    "norm_std": "dp_norm_std",
+}
+
+
+def env_name(field: str) -> str:
+    """``noise_multiplier`` -> ``STREAMTRAIN_DP_NOISE_MULTIPLIER`` (for error messages)."""
+    return "STREAMTRAIN_" + SETTING_NAMES.get(field, field).upper()
+
+
+class DPConfigError(ValueError):
+    """A DP setting is unsafe or inconsistent; ``str(error)`` is one line naming it and the fix."""
+
+
+class DPConfig(BaseModel):
+    """The DP schedule. Ranges are checked by :func:`streamtrain.privacy.check_dp_safety`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    noise_multiplier: float = Field(1.0, description="σ: noise std as a multiple of the clip norm")
+    clip_norm: float = Field(1.0, description="C: each example's whole gradient is clipped to this L2 norm")
+    q0: float = Field(0.05, description="Sampling probability of an eligible event of age 0")
+    half_life_steps: float = Field(math.inf, description="q_j = q0 * 2**(-j / half_life_steps); inf = constant")
+    eligible_steps: int = Field(100, description="K: steps an admitted event stays eligible, then removed")
+    admit_per_step: int = Field(64, description="R: at most this many arrivals admitted per clock step")
+    step_rate_hz: float = Field(2.0, description="The public clock: DP steps per second")
+    delta: float = Field(1e-6, description="δ of the per-event (ε, δ) guarantee")
+    target_epsilon: float = Field(8.0, description="Start-up refuses a schedule whose per-event ε exceeds this")
+    expected_batch_size: float | None = Field(
+        None, description="Public divisor of the noisy sum; default sum_j R * q_j (full window)"
+    )
+    noise_source: str = Field("urandom", description="'urandom': every noise bit from the OS CSPRNG; "
+                              "'philox': Philox keyed with 128 fresh CSPRNG bits per step (faster)")
+    norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
+    norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")
+
+    @field_validator("half_life_steps", mode="before")
+    @classmethod
+    def _inf_words(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
+            return math.inf
+        return value
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> DPConfig:
+        """Read the ``dp_*`` fields of a Settings object; absent optional ones keep defaults."""
+        values = {
+            field: getattr(settings, name)
+            for field, name in SETTING_NAMES.items()
+            if getattr(settings, name, None) is not None
+        }
+        return cls(**values)
+
+    def sampling_schedule(self) -> np.ndarray:
+        """q_j for ages j = 0..K-1 (float64 [K])."""
+        ages = np.arange(self.eligible_steps, dtype=np.float64)
+        if math.isinf(self.half_life_steps):
+            return np.full(self.eligible_steps, self.q0)
+        return self.q0 * np.exp2(-ages / self.half_life_steps)
+
+    @property
+    def divisor(self) -> float:
+        """The public constant the noisy gradient sum is divided by (never the actual batch size)."""
+        if self.expected_batch_size is not None:
+            return float(self.expected_batch_size)
+        return float(self.admit_per_step * self.sampling_schedule().sum())
+
+    @property
+    def noise_std(self) -> float:
+        return self.noise_multiplier * self.clip_norm
+
+    @property
+    def step_interval_s(self) -> float:
+        return 1.0 / self.step_rate_hz
+
+    def schedule_key(self) -> tuple[float, float, float, int]:
+        """The fields the per-event ε depends on (a checkpoint must agree on them)."""
+        return (self.noise_multiplier, self.q0, self.half_life_steps, self.eligible_steps)

@@ -1,0 +1,191 @@
+"""DP mode inside the service: the DP engine on its public clock, with the Trainer's surface.
+
+Ingest hands every valid event straight to :meth:`DPTrainer.admit` (the DP window's
+admission rule); the recency window is never a training source in DP mode, since its
+evictions would carry an event's influence on for an unbounded time (docs/privacy.md).
+Steps run on the public clock whether or not anything was sampled; only period totals
+and the spent ε are exported.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from streamtrain.config import Settings
+from streamtrain.data.randomness import make_randomness
+from streamtrain.events import EventBatch
+from streamtrain.model import RunningNorm, build_model
+from streamtrain.privacy.config import DPConfig, DPConfigError
+from streamtrain.privacy.engine import DPAggregates, DPEngine
+from streamtrain.serve.metrics import Metrics
+from streamtrain.train import PublishedModel
+from streamtrain.window import RecencyWindow
+
+log = logging.getLogger(__name__)
+
+
+def dp_config(settings: Settings) -> DPConfig:
+    """The DP schedule from the settings; a bad value is one line naming the setting."""
+    try:
+        return DPConfig.from_settings(settings)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise DPConfigError(f"invalid DP setting {first.get('loc')}: {first.get('msg')}") from None
+
+
+class DPTrainer:
+    """Trains with DP-SGD on the public clock; publishes frozen copies like :class:`Trainer`."""
+
+    def __init__(self, settings: Settings, window: RecencyWindow, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        torch.manual_seed(settings.seed)  # initial weights are public
+        self.model = build_model(settings)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
+        )
+        self.config = dp_config(settings)
+        # SHUFFLE=seeded is refused inside (check_dp_safety), naming SHUFFLE and crypto.
+        self.engine = DPEngine(
+            self.model,
+            self.optimizer,
+            self.config,
+            settings.dp_token_budget,
+            randomness=make_randomness(settings.shuffle, settings.seed),
+        )
+        self.norm: RunningNorm = self.engine.norm
+        self.lock = threading.RLock()
+        self.published: PublishedModel | None = None
+        self.last_pass = None
+        self.loss_ema = None  # not released in DP mode
+        self.naive_loss_ema = None
+        self.step_seconds = 0.0
+        self.data_wait_seconds = 0.0
+        self.last_error: str | None = None
+        self._exported = DPAggregates()
+        self._version = 0
+        self._last_publish = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
+
+    # ------------------------------------------------------------------ the Trainer surface
+    @property
+    def step(self) -> int:
+        return self.engine.steps
+
+    @property
+    def tokens_trained(self) -> int:
+        return self.engine.report().sampled_tokens  # totals of completed periods only
+
+    def admit(self, batch: EventBatch, next_offsets: dict[int, int]) -> None:
+        """Called by ingest for every poll batch of valid events."""
+        self.engine.admit(batch, time.time(), next_offsets)
+
+    def dp_report(self) -> dict[str, Any]:
+        return self.engine.model_info()
+
+    def publish(self) -> PublishedModel:
+        with self.lock:
+            frozen = copy.deepcopy(self.model).eval()
+            for parameter in frozen.parameters():
+                parameter.requires_grad_(False)
+            self._version += 1
+            published = PublishedModel(
+                model=frozen,
+                norm=self.norm,
+                version=self._version,
+                step=self.engine.steps,
+                tokens_trained=self.tokens_trained,
+                loss=None,
+                published_at=time.time(),
+            )
+        self.published = published
+        self._last_publish = time.monotonic()
+        self.metrics.model_version.set(published.version)
+        return published
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dp-trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.settings.torch_threads)
+        while not self._stop.is_set():
+            try:
+                self._step_when_due()
+            except Exception as err:  # noqa: BLE001 - keep the service up, say why
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("DP trainer step failed; retrying in 1s")
+                self._stop.wait(1.0)
+
+    def _step_when_due(self) -> None:
+        with self.lock:
+            report = self.engine.step(time.time())
+        if report is None:
+            self._stop.wait(min(0.5, self.engine.seconds_until_next_step(time.time())))
+            return
+        self.metrics.dp_epsilon.set(report.epsilon)
+        self.metrics.train_steps.inc()
+        if report.aggregates_updated:
+            self._export_period(report.aggregates)
+        if report.behind_steps:
+            log.debug("DP clock is %d steps ahead of training", report.behind_steps)
+        if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
+            self.publish()
+
+    def _export_period(self, totals: DPAggregates) -> None:
+        """Metrics move by whole reporting periods: no per-step batch size is ever visible."""
+        new = DPAggregates(**{k: getattr(totals, k) - getattr(self._exported, k) for k in totals.__dataclass_fields__})
+        self._exported = totals
+        self.metrics.train_tokens.inc(new.sampled_tokens)
+        self.metrics.train_padding_tokens.inc(max(0, new.padded_tokens - new.sampled_tokens))
+        self.step_seconds += new.step_seconds
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "model": self.model.state_dict(),
+                "model_config": dict(self.model.config),
+                "optimizer": self.optimizer.state_dict(),
+                "dp": self.engine.state_dict(),
+                "step": self.engine.steps,
+                "version": self._version,
+                "tokens_trained": self.tokens_trained,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            if "dp" not in state:
+                raise DPConfigError(
+                    "the newest checkpoint was written without DP: its model saw data outside the DP window; "
+                    "use an empty CHECKPOINT_DIR for DP mode"
+                )
+            if dict(state["model_config"]) != dict(self.model.config):
+                raise ValueError("checkpoint model does not match the configured model; use a fresh CHECKPOINT_DIR")
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.engine.load_state_dict(state["dp"])
+            self._version = int(state.get("version", 0))
+            self._exported = self.engine.report()
+        self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
+        self.publish()

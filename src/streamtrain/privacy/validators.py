@@ -1,0 +1,219 @@
+"""Start-up refusals: every configuration under which the DP guarantee would not hold.
+
+Each refusal is a :class:`DPConfigError` whose message is one line naming the setting
+(or module), the rule, and the fix. The service calls :func:`check_dp_safety` before it
+starts consuming; :class:`streamtrain.privacy.DPEngine` calls it again on construction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from streamtrain.privacy.accounting import PerEventAccountant
+from streamtrain.privacy.config import DPConfig, DPConfigError, env_name
+from streamtrain.privacy.noise import NOISE_SOURCES
+
+GradientNormalization = Literal["expected_batch_size", "actual_batch_size"]
+
+NOISE_MULTIPLIER_RANGE = (0.3, 1000.0)
+CLIP_NORM_RANGE = (1e-6, 1e6)
+MAX_WINDOW_EVENTS = 10_000_000  # R·K: the DP window's memory bound
+MAX_STEP_RATE_HZ = 1000.0
+PROBE_TOLERANCE = 1e-5
+
+
+def _range_error(field: str, value: Any, rule: str, fix: str) -> DPConfigError:
+    return DPConfigError(f"{env_name(field)}={value!r}: {rule}; {fix}")
+
+
+def check_ranges(config: DPConfig) -> None:
+    """Refuse out-of-range or inconsistent DP settings."""
+    sigma_low, sigma_high = NOISE_MULTIPLIER_RANGE
+    if not (math.isfinite(config.noise_multiplier) and sigma_low <= config.noise_multiplier <= sigma_high):
+        raise _range_error(
+            "noise_multiplier", config.noise_multiplier, f"the noise multiplier σ must be in [{sigma_low:g}, {sigma_high:g}]",
+            "below that a step leaks too much for any useful ε; set a σ in range",
+        )  # fmt: skip
+    if not (math.isfinite(config.clip_norm) and CLIP_NORM_RANGE[0] <= config.clip_norm <= CLIP_NORM_RANGE[1]):
+        raise _range_error(
+            "clip_norm", config.clip_norm, f"the clip norm C must be finite and in [{CLIP_NORM_RANGE[0]:g}, {CLIP_NORM_RANGE[1]:g}]",
+            "set a positive clip norm (1.0 is a good start)",
+        )  # fmt: skip
+    if not (math.isfinite(config.q0) and 0.0 < config.q0 <= 1.0):
+        raise _range_error("q0", config.q0, "the sampling probability q0 must be in (0, 1]", "set e.g. 0.05")
+    if not (config.half_life_steps > 0):  # inf allowed
+        raise _range_error("half_life_steps", config.half_life_steps, "the half-life must be > 0 steps", "use inf for constant q")
+    if not 1 <= config.eligible_steps <= 1_000_000:
+        raise _range_error("eligible_steps", config.eligible_steps, "K must be in [1, 1000000]", "set the steps an event stays eligible")
+    if not 1 <= config.admit_per_step <= 1_000_000:
+        raise _range_error("admit_per_step", config.admit_per_step, "R must be in [1, 1000000]", "set the admissions per step")
+    window_events = config.admit_per_step * config.eligible_steps
+    if window_events > MAX_WINDOW_EVENTS:
+        raise _range_error(
+            "admit_per_step", config.admit_per_step,
+            f"R·K = {window_events} events exceeds the DP window's bound of {MAX_WINDOW_EVENTS}",
+            "lower STREAMTRAIN_DP_ADMIT_PER_STEP or STREAMTRAIN_DP_ELIGIBLE_STEPS",
+        )  # fmt: skip
+    if not (math.isfinite(config.step_rate_hz) and 0 < config.step_rate_hz <= MAX_STEP_RATE_HZ):
+        raise _range_error("step_rate_hz", config.step_rate_hz, f"the step rate must be in (0, {MAX_STEP_RATE_HZ:g}] Hz", "set e.g. 2")
+    if not (0.0 < config.delta < 1.0 / window_events):
+        raise _range_error(
+            "delta", config.delta, f"δ must be in (0, 1/(R·K)) = (0, {1.0 / window_events:.3g})",
+            "a δ near 1/(window size) allows releasing an event in the clear; use e.g. 1e-6",
+        )  # fmt: skip
+    if not (math.isfinite(config.target_epsilon) and config.target_epsilon > 0):
+        raise _range_error("target_epsilon", config.target_epsilon, "the target ε must be finite and > 0", "set e.g. 8")
+    if config.expected_batch_size is not None and not (
+        math.isfinite(config.expected_batch_size) and config.expected_batch_size > 0
+    ):
+        raise _range_error(
+            "expected_batch_size", config.expected_batch_size, "the public divisor must be finite and > 0",
+            "unset it to use sum_j R·q_j",
+        )  # fmt: skip
+    if config.noise_source not in NOISE_SOURCES:
+        raise _range_error("noise_source", config.noise_source, f"must be one of {NOISE_SOURCES}", "use urandom")
+    for field in ("norm_mean", "norm_std"):
+        given = getattr(config, field)
+        if given is not None and not all(math.isfinite(v) for v in given):
+            raise _range_error(field, given, "public normalization constants must be finite", "fix the values")
+    if config.norm_std is not None and not all(v > 0 for v in config.norm_std):
+        raise _range_error("norm_std", config.norm_std, "every public std must be > 0", "fix the values")
+
+
+def _describe(name: str, module: nn.Module) -> str:
+    return f"module '{name or '<root>'}' ({type(module).__name__})"
+
+
+def check_model_static(model: nn.Module) -> None:
+    """Refuse layers with cross-example statistics or that would be built lazily."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise DPConfigError(
+                f"{_describe(name, module)} normalizes with batch statistics, which mixes examples "
+                "and has no per-sample gradient; replace it with LayerNorm or GroupNorm"
+            )
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            raise DPConfigError(
+                f"{_describe(name, module)} keeps running statistics over examples; "
+                "construct it with track_running_stats=False"
+            )
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+            raise DPConfigError(f"{_describe(name, module)} has uninitialized lazy parameters; use the non-lazy layer")
+
+
+def _outputs(model: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(0)  # same dropout masks for both probe batches
+        output = model(x, mask)
+    return [t for t in (output.forecast, output.logits) if t is not None]
+
+
+def check_model_probe(model: nn.Module) -> None:
+    """Run a SensorModel-like model on probe batches of two that differ in one example.
+
+    Refused: an example's output changes when the other one changes (cross-example statistics,
+    in train or eval mode); a buffer changes in a training forward (running statistics);
+    per-sample gradients fail or are non-finite.
+    """
+    from streamtrain.privacy.per_sample import PerSampleGradients
+
+    channels, length = int(model.channels), min(8, int(model.max_len))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, length, channels, generator=generator)
+    changed = {row: x.clone() for row in (0, 1)}  # example `row` replaced, the other kept
+    for row, batch in changed.items():
+        batch[row] = torch.randn(length, channels, generator=generator) * 3
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, length // 2 :] = False
+    labels = torch.zeros(2, dtype=torch.long)
+    buffers_before = {name: b.detach().clone() for name, b in model.named_buffers()}
+    was_training = model.training
+    try:
+        for training in (True, False):
+            model.train(training)
+            reference = _outputs(model, x, mask)
+            for changed_row, kept_row in ((1, 0), (0, 1)):
+                for a, b in zip(reference, _outputs(model, changed[changed_row], mask), strict=True):
+                    if torch.allclose(a[kept_row], b[kept_row], atol=PROBE_TOLERANCE, rtol=PROBE_TOLERANCE):
+                        continue
+                    raise DPConfigError(
+                        f"model {type(model).__name__}: example {kept_row}'s output changes when example "
+                        f"{changed_row} changes "
+                        f"({'train' if training else 'eval'} mode), so it mixes examples (cross-example "
+                        "statistics); remove the layer that does"
+                    )
+        buffers_after = dict(model.named_buffers())
+        for name, before in buffers_before.items():
+            after = buffers_after[name]
+            if after.shape != before.shape or not torch.equal(after, before):
+                raise DPConfigError(
+                    f"model buffer '{name}' changes during a forward pass (cross-example statistics); freeze it"
+                )
+        model.train()
+        try:
+            gradients = PerSampleGradients(model, clip_norm=1.0).per_sample(x, mask, labels)
+        except Exception as error:  # noqa: BLE001 — any failure means no per-sample gradient
+            message = str(error).splitlines()[0] if str(error) else ""
+            raise DPConfigError(
+                f"model {type(model).__name__} has a layer without per-sample gradients under torch.func "
+                f"({type(error).__name__}: {message}); use layers built from Linear/LayerNorm/elementwise ops"
+            ) from error
+    finally:
+        model.train(was_training)
+    for name, gradient in gradients.items():
+        if not bool(torch.isfinite(gradient).all()):
+            raise DPConfigError(f"parameter '{name}' gets a non-finite per-sample gradient on a probe batch; fix the model")
+
+
+def check_dp_safety(
+    config: DPConfig,
+    shuffle_mode: str,
+    model: nn.Module | None = None,
+    normalization: GradientNormalization = "expected_batch_size",
+    input_norm: Any | None = None,
+) -> PerEventAccountant:
+    """Refuse every unsafe DP configuration; return the accountant of the schedule.
+
+    ``input_norm``: the input normalization the DP path will use; it must be frozen
+    (public constants), since statistics of private data would be released unnoised.
+    """
+    if shuffle_mode != "crypto":
+        raise DPConfigError(
+            f"STREAMTRAIN_DP=on requires STREAMTRAIN_SHUFFLE=crypto, got SHUFFLE={shuffle_mode!r}: a seeded "
+            "shuffle is predictable and voids the privacy guarantee; set SHUFFLE=crypto"
+        )
+    check_ranges(config)
+    if normalization != "expected_batch_size":
+        raise DPConfigError(
+            f"gradient normalization {normalization!r} is refused under DP: dividing by the actual batch size "
+            "makes the update depend on every other event's presence; divide by the public expected batch size "
+            "(STREAMTRAIN_DP_EXPECTED_BATCH_SIZE)"
+        )
+    if input_norm is not None and not getattr(input_norm, "frozen", False):
+        raise DPConfigError(
+            "input normalization from running statistics of private events is refused under DP (the statistics "
+            "are released without noise); use public constants STREAMTRAIN_DP_NORM_MEAN / STREAMTRAIN_DP_NORM_STD"
+        )
+    if model is not None:
+        check_model_static(model)
+        if hasattr(model, "channels") and hasattr(model, "max_len"):
+            check_model_probe(model)
+        channels = getattr(model, "channels", None)
+        for field in ("norm_mean", "norm_std"):
+            given = getattr(config, field)
+            if given is not None and channels is not None and len(given) != channels:
+                raise _range_error(field, given, f"needs one value per channel ({channels})", "give CHANNELS values")
+    accountant = PerEventAccountant.for_config(config)
+    if accountant.epsilon_cap > config.target_epsilon:
+        raise DPConfigError(
+            f"STREAMTRAIN_DP_TARGET_EPSILON={config.target_epsilon:g} cannot be met: this schedule gives each event "
+            f"ε={accountant.epsilon_cap:.3f} at δ={config.delta:g} (σ={config.noise_multiplier:g}, q0={config.q0:g}, "
+            f"half-life={config.half_life_steps:g} steps, K={config.eligible_steps}); raise "
+            "STREAMTRAIN_DP_NOISE_MULTIPLIER or lower STREAMTRAIN_DP_Q0, STREAMTRAIN_DP_ELIGIBLE_STEPS or "
+            "STREAMTRAIN_DP_HALF_LIFE_STEPS"
+        )
+    return accountant
