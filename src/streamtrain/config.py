@@ -81,13 +81,13 @@ class Settings(BaseSettings):
     seed: int = Field(0, ge=0, description="Base seed for seeded mode")
 
     # --- Model and training --------------------------------------------------------------------
-    d_model: int = Field(64, ge=8, le=4096)
-    n_heads: int = Field(4, ge=1, le=64)
-    n_layers: int = Field(2, ge=1, le=48)
-    learning_rate: float = Field(1e-3, gt=0, le=1.0)
-    weight_decay: float = Field(0.01, ge=0)
-    warmup_steps: int = Field(50, ge=0)
-    grad_clip_norm: float = Field(1.0, gt=0)
+    d_model: int = Field(64, ge=8, le=4096, description="Transformer width")
+    n_heads: int = Field(4, ge=1, le=64, description="Attention heads (must divide D_MODEL)")
+    n_layers: int = Field(2, ge=1, le=48, description="Transformer blocks")
+    learning_rate: float = Field(1e-3, gt=0, le=1.0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warm-up steps")
+    grad_clip_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip (non-DP training)")
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     dp_token_budget: int = Field(1024, ge=1, description="Padded tokens per DP micro-batch")
 
     # --- Logging -------------------------------------------------------------------------------
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
 
     @classmethod
     def settings_customise_sources(

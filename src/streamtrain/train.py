@@ -271,7 +271,8 @@ class Trainer:
             while not self._stop.is_set():
                 waited_before = prefetcher.data_wait_seconds
                 batch = next(prefetcher)
-                wait = prefetcher.data_wait_seconds - waited_before
+                # The first batch waits for the window to fill: that is warm-up, not data wait.
+                wait = prefetcher.data_wait_seconds - waited_before if prefetcher.items_delivered > 1 else 0.0
                 if self._stop.is_set():
                     break
                 self.train_step(batch)
