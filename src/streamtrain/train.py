@@ -305,6 +305,9 @@ class Trainer:
     def _on_pass_end(self, diagnostics: PassDiagnostics) -> None:
         self.last_pass = diagnostics
         self.metrics.train_passes.inc()
+        for field, value in diagnostics.as_metrics().items():
+            if field not in ("pass_index", "snapshot_version"):
+                self.metrics.train_last_pass.labels(field).set(value)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -104,6 +104,12 @@ class Metrics:
             registry=registry,
         )
         self.train_passes = Counter("streamtrain_train_passes", "Completed passes over the window", registry=registry)
+        self.train_last_pass = Gauge(
+            "streamtrain_train_last_pass",
+            "Diagnostics of the last completed pass (padding_share, batches, adjacent_length_corr, ...)",
+            ["field"],
+            registry=registry,
+        )
         self.model_version = Gauge("streamtrain_model_version", "Version of the model that serves", registry=registry)
         self.dp_epsilon = Gauge(
             "streamtrain_dp_epsilon", "Largest per-event epsilon spent so far (DP mode only)", registry=registry
