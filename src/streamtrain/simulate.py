@@ -33,20 +33,12 @@ import orjson
 from kafka.errors import KafkaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from streamtrain.events import REASONS
+
 logger = logging.getLogger(__name__)
 
 #: Every rejection reason of SPEC section 1; the fleet can produce a message for each.
-MALFORMED_REASONS: tuple[str, ...] = (
-    "too_large",
-    "decode",
-    "schema",
-    "non_finite",
-    "empty",
-    "too_long",
-    "bad_channels",
-    "bad_label",
-    "bad_timestamp",
-)
+MALFORMED_REASONS: tuple[str, ...] = REASONS
 
 ENV_PREFIX = "STREAMTRAIN_"
 #: Environment variables shared with the service (SPEC section 4) -> simulation field.

@@ -118,7 +118,89 @@ class PassSampler:
         self.passes, self.watermark = int(state["passes"]), int(state["watermark"])
 
 
-class Trainer:
+class ModelTrainer:
+    """What both trainers share: a worker thread, a lock, and atomic model publishing.
+
+    Subclasses set ``model``, ``norm`` and ``settings`` and implement :meth:`_work`, one
+    unit of training that the thread repeats until stopped; an exception is logged,
+    counted in ``last_error`` and the work resumes a second later.
+    """
+
+    thread_name = "trainer"
+
+    def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock
+        self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
+        self.published: PublishedModel | None = None
+        self.last_error: str | None = None
+        self._version = 0
+        self._last_publish = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    model: SensorModel
+    norm: RunningNorm
+    step: int
+    tokens_trained: int
+    loss_ema: float | None
+
+    def publish(self) -> PublishedModel:
+        """Freeze a copy of the model for inference and swap it in atomically (version + 1)."""
+        with self.lock:
+            frozen = copy.deepcopy(self.model).eval()
+            for parameter in frozen.parameters():
+                parameter.requires_grad_(False)
+            norm = RunningNorm(self.settings.channels)
+            norm.load_state_dict(self.norm.state_dict())
+            self._version += 1
+            published = PublishedModel(
+                model=frozen,
+                norm=norm,
+                version=self._version,
+                step=self.step,
+                tokens_trained=self.tokens_trained,
+                loss=self.loss_ema,
+                published_at=self._clock(),
+            )
+        self.published = published  # a single reference assignment: readers see old or new
+        self._last_publish = time.monotonic()
+        self.metrics.model_version.set(published.version)
+        return published
+
+    def _publish_if_due(self) -> None:
+        if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
+            self.publish()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.settings.torch_threads)
+        while not self._stop.is_set():
+            try:
+                self._work()
+            except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
+                self.last_error = f"{type(err).__name__}: {err}"
+                log.exception("%s failed; resuming in 1s", self.thread_name)
+                self._stop.wait(1.0)
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+
+class Trainer(ModelTrainer):
     """Owns the model, optimizer and normalization; trains from the window on a thread."""
 
     def __init__(
@@ -129,10 +211,8 @@ class Trainer:
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.settings = settings
+        super().__init__(settings, metrics, clock)
         self.window = window
-        self.metrics = metrics
-        self._clock = clock
         torch.manual_seed(settings.seed)
         self.model = build_model(settings)
         self.model.train()
@@ -158,16 +238,9 @@ class Trainer:
         self.loss_ema: float | None = None
         self.naive_loss_ema: float | None = None  # the last-value forecast on the same batches
         self.last_pass: PassDiagnostics | None = None
-        self.published: PublishedModel | None = None
         self.data_wait_seconds = 0.0
         self.step_seconds = 0.0
-        self._version = 0
-        self._last_publish = 0.0
-        self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None  # tests inject NaN here
-        self.last_error: str | None = None
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
@@ -218,54 +291,8 @@ class Trainer:
             x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
             return float(forecast_loss(self.model(x_norm, batch.mask), x_norm, batch.mask))
 
-    def publish(self) -> PublishedModel:
-        """Freeze a copy of the model for inference and swap it in atomically (version + 1)."""
-        with self.lock:
-            frozen = copy.deepcopy(self.model).eval()
-            for parameter in frozen.parameters():
-                parameter.requires_grad_(False)
-            norm = RunningNorm(self.settings.channels)
-            norm.load_state_dict(self.norm.state_dict())
-            self._version += 1
-            published = PublishedModel(
-                model=frozen,
-                norm=norm,
-                version=self._version,
-                step=self.step,
-                tokens_trained=self.tokens_trained,
-                loss=self.loss_ema,
-                published_at=self._clock(),
-            )
-        self.published = published  # a single reference assignment: readers see old or new
-        self._last_publish = time.monotonic()
-        self.metrics.model_version.set(published.version)
-        return published
-
-    # ------------------------------------------------------------------ the thread
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        torch.set_num_threads(self.settings.torch_threads)
-        while not self._stop.is_set():
-            try:
-                self._train_until_stopped()
-            except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.exception("trainer loop failed; restarting it in 1s")
-                self._stop.wait(1.0)
-
-    def _train_until_stopped(self) -> None:
+    def _work(self) -> None:
+        """Train on prefetched batches until stopped (a fresh prefetcher after an error)."""
         prefetcher = Prefetcher(self.dataset, depth=4, name="trainer-prefetch")
         try:
             while not self._stop.is_set():
@@ -278,8 +305,7 @@ class Trainer:
                 self.train_step(batch)
                 self.data_wait_seconds += wait
                 self.metrics.train_data_wait_seconds.inc(wait)
-                if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
-                    self.publish()
+                self._publish_if_due()
         finally:
             prefetcher.close()
 

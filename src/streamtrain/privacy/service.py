@@ -9,9 +9,7 @@ and the spent ε are exported.
 
 from __future__ import annotations
 
-import copy
 import logging
-import threading
 import time
 from typing import Any
 
@@ -25,7 +23,7 @@ from streamtrain.model import RunningNorm, build_model
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
 from streamtrain.serve.metrics import Metrics
-from streamtrain.train import PublishedModel
+from streamtrain.train import ModelTrainer
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -40,12 +38,13 @@ def dp_config(settings: Settings) -> DPConfig:
         raise DPConfigError(f"invalid DP setting {first.get('loc')}: {first.get('msg')}") from None
 
 
-class DPTrainer:
+class DPTrainer(ModelTrainer):
     """Trains with DP-SGD on the public clock; publishes frozen copies like :class:`Trainer`."""
 
+    thread_name = "dp-trainer"
+
     def __init__(self, settings: Settings, window: RecencyWindow, metrics: Metrics) -> None:
-        self.settings = settings
-        self.metrics = metrics
+        super().__init__(settings, metrics)
         torch.manual_seed(settings.seed)  # initial weights are public
         self.model = build_model(settings)
         self.model.train()
@@ -62,19 +61,12 @@ class DPTrainer:
             randomness=make_randomness(settings.shuffle, settings.seed),
         )
         self.norm: RunningNorm = self.engine.norm
-        self.lock = threading.RLock()
-        self.published: PublishedModel | None = None
         self.last_pass = None
         self.loss_ema = None  # not released in DP mode
         self.naive_loss_ema = None
         self.step_seconds = 0.0
         self.data_wait_seconds = 0.0
-        self.last_error: str | None = None
         self._exported = DPAggregates()
-        self._version = 0
-        self._last_publish = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
 
     # ------------------------------------------------------------------ the Trainer surface
@@ -93,51 +85,8 @@ class DPTrainer:
     def dp_report(self) -> dict[str, Any]:
         return self.engine.model_info()
 
-    def publish(self) -> PublishedModel:
-        with self.lock:
-            frozen = copy.deepcopy(self.model).eval()
-            for parameter in frozen.parameters():
-                parameter.requires_grad_(False)
-            self._version += 1
-            published = PublishedModel(
-                model=frozen,
-                norm=self.norm,
-                version=self._version,
-                step=self.engine.steps,
-                tokens_trained=self.tokens_trained,
-                loss=None,
-                published_at=time.time(),
-            )
-        self.published = published
-        self._last_publish = time.monotonic()
-        self.metrics.model_version.set(published.version)
-        return published
-
-    # ------------------------------------------------------------------ the thread
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dp-trainer", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        torch.set_num_threads(self.settings.torch_threads)
-        while not self._stop.is_set():
-            try:
-                self._step_when_due()
-            except Exception as err:  # noqa: BLE001 - keep the service up, say why
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.exception("DP trainer step failed; retrying in 1s")
-                self._stop.wait(1.0)
-
-    def _step_when_due(self) -> None:
+    def _work(self) -> None:
+        """Run the next public-clock step when it is due."""
         with self.lock:
             report = self.engine.step(time.time())
         if report is None:
@@ -149,8 +98,7 @@ class DPTrainer:
             self._export_period(report.aggregates)
         if report.behind_steps:
             log.debug("DP clock is %d steps ahead of training", report.behind_steps)
-        if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
-            self.publish()
+        self._publish_if_due()
 
     def _export_period(self, totals: DPAggregates) -> None:
         """Metrics move by whole reporting periods: no per-step batch size is ever visible."""
