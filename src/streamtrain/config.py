@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
     pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
     pass_max_items: int = Field(
-        2048, ge=0, description="Items per training pass (0 = the whole window); bounds event-to-trained latency"
+        8192, ge=0, description="Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"
     )
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
