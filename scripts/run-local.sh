@@ -19,7 +19,11 @@ stop_all() {
 trap stop_all EXIT INT TERM
 .venv/bin/streamtrain serve --config services/trainer/trainer.toml &
 pids+=($!)
-until curl -fsS "localhost:$STREAMTRAIN_HTTP_PORT/healthz" >/dev/null 2>&1; do sleep 0.5; done
+healthy() { .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:$STREAMTRAIN_HTTP_PORT/healthz', timeout=2)" 2>/dev/null; }
+until healthy; do
+  kill -0 "${pids[0]}" 2>/dev/null || { echo "run-local: the service exited; see its log above" >&2; exit 1; }
+  sleep 0.5
+done
 .venv/bin/streamtrain simulate --config services/sensor-sim/sensor-sim.toml \
   --bootstrap "$STREAMTRAIN_KAFKA_BOOTSTRAP" --rate "${SIM_RATE:-200}" --malformed-share 0.02 &
 pids+=($!)
