@@ -6,7 +6,11 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/bootstrap.sh test >/dev/null
-deploy/kafka.sh up
+started_broker=0
+if ! deploy/kafka.sh status >/dev/null 2>&1; then
+  deploy/kafka.sh up
+  started_broker=1
+fi
 export STREAMTRAIN_HTTP_PORT="${HTTP_PORT:-${STREAMTRAIN_HTTP_PORT:-8000}}"
 export STREAMTRAIN_KAFKA_BOOTSTRAP="${STREAMTRAIN_KAFKA_BOOTSTRAP:-127.0.0.1:${KAFKA_PORT:-9092}}"
 export STREAMTRAIN_CHECKPOINT_DIR="${STREAMTRAIN_CHECKPOINT_DIR:-var/checkpoints}"
@@ -14,7 +18,7 @@ pids=()
 stop_all() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait || true
-  deploy/kafka.sh down
+  if [ "$started_broker" = 1 ]; then deploy/kafka.sh down; fi
 }
 trap stop_all EXIT INT TERM
 .venv/bin/streamtrain serve --config services/trainer/trainer.toml &

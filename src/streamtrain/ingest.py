@@ -168,7 +168,9 @@ class Decoder:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        self._reset()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # an idle worker exits at once
 
 
 class Ingestor:
