@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+    prefetch_depth: int = Field(
+        1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
+    )
 
     # --- Checkpoints ---------------------------------------------------------------------------
     checkpoint_dir: Path = Field(Path("var/checkpoints"), description="Where checkpoints go")

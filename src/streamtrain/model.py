@@ -379,16 +379,25 @@ class Prediction:
     probs: list[float] | None = None  # class probabilities when n_classes > 0
 
 
-def plan_predict_batches(lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
-    """Length-sorted index groups whose padded size (count × longest) fits the budget."""
+PREDICT_MIN_LENGTH_SHARE = 0.75  # a request holds tens of items: filling the training budget pads ~70%
+
+
+def plan_predict_batches(
+    lengths: np.ndarray, token_budget: int, min_length_share: float = PREDICT_MIN_LENGTH_SHARE
+) -> list[np.ndarray]:
+    """Length-sorted index groups: the padded size (count × longest) fits the budget and
+    every item is at least ``min_length_share`` of its group's longest, so little is padded."""
     order = np.argsort(-lengths, kind="stable")
+    descending = lengths[order]
     groups: list[np.ndarray] = []
     start = 0
     while start < len(order):
-        longest = int(lengths[order[start]])  # sorted descending: the first is the longest
+        longest = int(descending[start])  # sorted descending: the first is the longest
         count = max(1, token_budget // max(longest, 1))
-        groups.append(order[start : start + count])
-        start += count
+        too_short = start + int(np.searchsorted(-descending[start:], -min_length_share * longest, side="right"))
+        end = min(start + count, max(too_short, start + 1))
+        groups.append(order[start:end])
+        start = end
     return groups
 
 

@@ -293,7 +293,7 @@ class Trainer(ModelTrainer):
 
     def _work(self) -> None:
         """Train on prefetched batches until stopped (a fresh prefetcher after an error)."""
-        prefetcher = Prefetcher(self.dataset, depth=4, name="trainer-prefetch")
+        prefetcher = Prefetcher(self.dataset, depth=self.settings.prefetch_depth, name="trainer-prefetch")
         try:
             while not self._stop.is_set():
                 waited_before = prefetcher.data_wait_seconds

@@ -236,3 +236,18 @@ def test_tiny_training_beats_last_value_baseline() -> None:
     naive = naive_last_value_loss(x, mask).item()
     # AR(1) with phi = 0.6: naive ≈ 2(1 - phi) = 0.8, best possible ≈ 1 - phi² = 0.64.
     assert trained < 0.9 * naive, (trained, naive)
+
+
+def test_predict_groups_cover_every_instance_once_within_budget_and_length_share() -> None:
+    from streamtrain.model import PREDICT_MIN_LENGTH_SHARE, plan_predict_batches
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 300, rng.integers(1, 64))
+        budget = int(rng.integers(1, 4096))
+        groups = plan_predict_batches(lengths, budget)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
+        for group in groups:
+            longest = lengths[group].max()
+            assert len(group) == 1 or len(group) * longest <= budget
+            assert len(group) == 1 or lengths[group].min() >= PREDICT_MIN_LENGTH_SHARE * longest

@@ -1,0 +1,388 @@
+"""Event-to-trained latency at 5k events/s, and publish-to-serving delay.
+
+A :class:`streamtrain.service.Service` runs in this process against the local broker on a
+unique topic, with its HTTP app served by uvicorn on a thread. ``--producers`` producer
+processes send ``--rate`` events/s between them, paced in 20 ms ticks, from pre-encoded
+bodies (lognormal lengths, ``--length-median``, sigma 0.8, clipped to 4..512) into which
+only the timestamp is spliced: ``ts`` is the wall clock when the event's tick is sent,
+plus a per-event microsecond slot so every event's ``ts`` is unique and identifies it.
+
+Observed inside the service, by wrapping methods on the instances:
+
+* ``window.insert_batch``: when each event reached the window (ingest delay);
+* ``trainer.train_step``: wall time at the end of each step and the ``ts`` of its batch;
+  an event's *event-to-trained latency* is the end of the first step whose batch held it
+  minus its ``ts``; the p50 is over events sent in the measured interval (after
+  ``--warmup-s``, for ``--measure-s``) and trained before the run ended; the producers
+  go on for ``--tail-s`` after the interval so its late events meet a steady pipeline
+  (the share of events trained is reported beside it);
+* ``trainer.sampler``: which items each bounded pass took as *fresh* (new since the last
+  pass) rather than as replay, to split the latency by path;
+* ``trainer.publish``: which step each model version includes.
+
+*Publish-to-serving*: a poller sends a one-instance ``POST /v1/predict`` every 0.1 s and
+records the ``model_version`` answered; for every optimizer step, the delay is the time
+from the step's end until the first answer whose version includes that step.
+
+Each ``--configs`` run (service settings, e.g. ``pass_max_items=256,pass_fresh_share=0.9``;
+runs separated by ``;``) gets a fresh service and topic. Needs the broker
+(``deploy/kafka.sh up``). Run: ``python bench/latency.py [--configs ...] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _table import Row, emit  # noqa: E402
+
+BENCH = "latency"
+TICK_S = 0.02
+DEFAULT_CONFIGS = "default;pass_max_items=256,pass_fresh_share=0.9,token_budget=2048"
+TS_SLOTS = 1000  # microsecond slots per millisecond: ts = floor(now, 1 ms) + slot * 1 us
+
+
+# ---------------------------------------------------------------------- producers
+def lognormal_lengths(n: int, median: float, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(np.round(rng.lognormal(math.log(median), 0.8, n)), 4, 512).astype(np.int64)
+
+
+def encoded_templates(count: int, median: float, seed: int) -> list[tuple[bytes, bytes, bytes]]:
+    """(key, body before ts, body after ts) for ``count`` events of noisy sinusoids."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, length in enumerate(lognormal_lengths(count, median, rng).tolist()):
+        sensor = f"sensor-{i % 64}"
+        step = np.arange(length)
+        signal = np.sin(rng.uniform(0.1, 0.8) * step + rng.uniform(0, 6.3)) + 0.1 * rng.standard_normal(length)
+        values = np.round(signal, 3)
+        tail = b',"values":[' + ",".join(map(str, values.tolist())).encode() + b"]}"
+        out.append((sensor.encode(), b'{"sensor_id":"' + sensor.encode() + b'","ts":', tail))
+    return out
+
+
+def produce(
+    bootstrap: str, topic: str, rate: float, start_at: float, duration_s: float, index: int, producers: int,
+    median: float, results: Any,
+) -> None:  # fmt: skip
+    """One producer process: ``rate`` events/s from ``start_at`` for ``duration_s`` (wall clock)."""
+    from kafka import KafkaProducer
+
+    templates = encoded_templates(2048, median, seed=index)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, batch_size=512 << 10, acks=1)
+    per_tick = rate * TICK_S
+    if per_tick * producers > TS_SLOTS:
+        raise ValueError(f"rate {rate}/s per producer needs more than {TS_SLOTS} ts slots per tick; add producers")
+    sent, owed, tick = 0, 0.0, 0
+    time.sleep(max(0.0, start_at - time.time()))
+    while True:
+        due = start_at + tick * TICK_S
+        if due >= start_at + duration_s:
+            break
+        delay = due - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        owed += per_tick
+        n, owed = int(owed), owed - int(owed)
+        base = math.floor(time.time() * 1000.0) / 1000.0
+        for j in range(n):
+            key, head, tail = templates[(sent + j) % len(templates)]
+            ts = b"%.6f" % (base + (j * producers + index) * 1e-6)
+            producer.send(topic, key=key, value=head + ts + tail)
+        sent += n
+        tick += 1
+    elapsed = time.time() - start_at
+    producer.flush(30)
+    producer.close(10)
+    results.put((index, sent, elapsed))
+
+
+# ---------------------------------------------------------------------- observation
+@dataclass
+class Observations:
+    inserts: list[tuple[float, np.ndarray]] = field(default_factory=list)
+    steps: list[tuple[float, int, np.ndarray, int]] = field(default_factory=list)  # end, step, ts, real tokens
+    fresh_ts: list[np.ndarray] = field(default_factory=list)
+    publishes: list[tuple[int, int, float]] = field(default_factory=list)  # version, step, published_at
+    answers: list[tuple[float, int]] = field(default_factory=list)  # answered at, model_version
+
+
+class RecordingSampler:
+    """Wraps the trainer's PassSampler; records the ts of the items a pass took as fresh."""
+
+    def __init__(self, inner: Any, fresh_ts: list[np.ndarray]) -> None:
+        self.inner = inner
+        self.fresh_ts = fresh_ts
+
+    def __call__(self, snapshot: Any) -> Any:
+        watermark = self.inner.watermark
+        chosen = self.inner(snapshot)
+        if chosen.seq is not None:
+            self.fresh_ts.append(chosen.ts[chosen.seq >= watermark].copy())
+        return chosen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def instrument(service: Any, seen: Observations) -> None:
+    window, trainer = service.window, service.trainer
+    insert, step, publish = window.insert_batch, trainer.train_step, trainer.publish
+
+    def recording_insert(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        report = insert(batch, *args, **kwargs)
+        seen.inserts.append((time.time(), batch.ts.copy()))
+        return report
+
+    def recording_step(batch: Any) -> Any:
+        report = step(batch)
+        if report.applied:
+            seen.steps.append((time.time(), report.step, batch.ts.numpy().copy(), report.real_tokens))
+        return report
+
+    def recording_publish() -> Any:
+        published = publish()
+        seen.publishes.append((published.version, published.step, published.published_at))
+        return published
+
+    window.insert_batch = recording_insert
+    trainer.train_step = recording_step
+    trainer.publish = recording_publish
+    trainer.sampler = RecordingSampler(trainer.sampler, seen.fresh_ts)
+
+
+def poll_predictions(port: int, stop: threading.Event, seen: Observations, interval_s: float = 0.1) -> None:
+    import httpx
+
+    body = b'{"instances":[{"values":[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]}]}'
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        while not stop.wait(interval_s):
+            try:
+                response = client.post("/v1/predict", content=body, headers={"content-type": "application/json"})
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                seen.answers.append((time.time(), int(response.json()["model_version"])))
+
+
+# ---------------------------------------------------------------------- one run
+@dataclass
+class RunResult:
+    label: str  # the settings that define the run
+    produced_rate: float
+    latencies: np.ndarray  # first-trained latency of each measured event that was trained
+    fresh_path: np.ndarray  # bool, same order: first trained as a fresh item of its pass
+    ingested: int  # measured events that reached the window
+    ingest_delay: np.ndarray
+    serving_delay: np.ndarray
+    publish_delay: np.ndarray
+    steps_per_s: float
+    tokens_per_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition: Any, timeout_s: float, what: str, service: Any) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"waited {timeout_s:.0f}s for {what}: window {len(service.window)} items, "
+                f"readiness {service.readiness()}, ingest error {service.ingest.last_error}"
+            )
+        time.sleep(0.05)
+
+
+def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
+    import uvicorn
+
+    from streamtrain.config import load_settings
+    from streamtrain.ingest import ensure_topics
+    from streamtrain.serve.app import create_app
+    from streamtrain.service import Service
+
+    topic = f"bench-latency-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="bench-latency-") as workdir:
+        settings = load_settings(
+            kafka_bootstrap=args.bootstrap, topic=topic, group_id=f"g-{topic}", checkpoint_dir=Path(workdir),
+            http_host="127.0.0.1", **overrides,
+        )  # fmt: skip
+        # The topic exists before anyone produces: a producer's metadata request must not
+        # auto-create it with the broker's default partition count.
+        ensure_topics(args.bootstrap, {topic: settings.topic_partitions, settings.dlq_topic: settings.topic_partitions})
+        service = Service(settings)
+        seen = Observations()
+        instrument(service, seen)
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+        server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        service.start()
+        server_thread.start()
+        wait_until(lambda: service.ingest.connected, 60, "the ingest consumer to connect", service)
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        start_at = time.time() + args.producer_start_s
+        # Producers keep sending after the measured interval, so late events of the interval
+        # meet a steady pipeline (fresh events keep arriving) rather than a replay-only drain.
+        duration = args.warmup_s + args.measure_s + args.tail_s
+        per_producer = args.rate / args.producers
+        processes = [
+            context.Process(
+                target=produce,
+                args=(args.bootstrap, topic, per_producer, start_at, duration, i, args.producers, args.length_median,
+                      results),
+            )
+            for i in range(args.producers)
+        ]
+        stop_polling = threading.Event()
+        poller = threading.Thread(target=poll_predictions, args=(port, stop_polling, seen), daemon=True)
+        try:
+            for process in processes:
+                process.start()
+            wait_until(lambda: service.published is not None, args.producer_start_s + args.warmup_s + 30,
+                       "a first published model", service)  # fmt: skip
+            poller.start()
+            reports = [results.get(timeout=duration + 120) for _ in processes]
+        finally:
+            stop_polling.set()
+            for process in processes:
+                process.join(30)
+            server.should_exit = True
+            service.stop(final_checkpoint=False)
+            server_thread.join(10)
+    if not seen.steps:
+        raise RuntimeError(
+            f"no training step in the run: window {len(service.window)} items, trainer running "
+            f"{service.trainer.running}, last error {service.trainer.last_error}, "
+            f"ingest error {service.ingest.last_error}"
+        )
+    produced_rate = sum(sent for _, sent, _ in reports) / max(elapsed for _, _, elapsed in reports)
+    shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))  # ordered, no repeats
+    label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown)
+    begin = start_at + args.warmup_s
+    return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+
+
+def analyse(
+    seen: Observations, begin: float, end: float, label: str, produced_rate: float
+) -> RunResult:
+    in_interval = lambda ts: (ts >= begin) & (ts < end)  # noqa: E731
+
+    insert_ts = np.concatenate([ts for _, ts in seen.inserts]) if seen.inserts else np.zeros(0)
+    insert_at = np.concatenate([np.full(ts.size, at) for at, ts in seen.inserts]) if seen.inserts else np.zeros(0)
+    measured = in_interval(insert_ts)
+    ingest_delay = insert_at[measured] - insert_ts[measured]
+
+    step_ts = np.concatenate([ts for _, _, ts, _ in seen.steps])
+    step_end = np.concatenate([np.full(ts.size, end_at) for end_at, _, ts, _ in seen.steps])
+    unique_ts, first = np.unique(step_ts, return_index=True)  # steps are in time order: first = first trained
+    latency = step_end[first] - unique_ts
+    keep = in_interval(unique_ts)
+    fresh = np.concatenate(seen.fresh_ts) if seen.fresh_ts else np.zeros(0)
+    fresh_path = np.isin(unique_ts[keep], fresh)
+
+    # Publish-to-serving: each step in the interval -> first polled answer whose version includes it.
+    version_step = {version: step for version, step, _ in seen.publishes}
+    answers = sorted(seen.answers)
+    answer_at = np.array([at for at, _ in answers])
+    answer_step = np.array([version_step.get(v, -1) for _, v in answers])
+    # The earliest answer at or after index i that includes step k: suffix max of steps answered.
+    serving, publishing = [], []
+    publishes = sorted(seen.publishes, key=lambda p: p[1])
+    for done_at, step, _, _ in seen.steps:
+        if not begin <= done_at < end:
+            continue
+        start = int(np.searchsorted(answer_at, done_at))
+        hits = np.flatnonzero(answer_step[start:] >= step)
+        if hits.size:
+            serving.append(answer_at[start + hits[0]] - done_at)
+        published = next((at for _, s, at in publishes if s >= step), None)
+        if published is not None:
+            publishing.append(published - done_at)
+
+    steps_in = [s for s in seen.steps if begin <= s[0] < end]
+    return RunResult(
+        label=label,
+        produced_rate=produced_rate,
+        latencies=latency[keep],
+        fresh_path=fresh_path,
+        ingested=int(measured.sum()),
+        ingest_delay=ingest_delay,
+        serving_delay=np.asarray(serving),
+        publish_delay=np.asarray(publishing),
+        steps_per_s=len(steps_in) / (end - begin),
+        tokens_per_s=sum(s[3] for s in steps_in) / (end - begin),
+    )
+
+
+def quantile(values: np.ndarray, q: float) -> float:
+    return float(np.quantile(values, q)) if values.size else math.nan
+
+
+def rows_for(result: RunResult, target_rate: float) -> list[Row]:
+    tag = f"{BENCH}[{result.label}]"
+    lat, fresh = result.latencies, result.fresh_path
+    return [
+        Row(tag, "producer events/s achieved", result.produced_rate, target_rate, ">= 5000"),
+        Row(tag, "event-to-trained p50 s", quantile(lat, 0.5), None, "<= 2 s"),
+        Row(tag, "event-to-trained p90 s", quantile(lat, 0.9)),
+        Row(tag, "event-to-trained p50 s, fresh path", quantile(lat[fresh], 0.5)),
+        Row(tag, "event-to-trained p50 s, replay path", quantile(lat[~fresh], 0.5)),
+        Row(tag, "share of trained events on the fresh path", float(fresh.mean()) if fresh.size else math.nan),
+        Row(tag, "events trained / events ingested (interval)", lat.size, result.ingested),
+        Row(tag, "ingest delay p50 s (ts -> window)", quantile(result.ingest_delay, 0.5)),
+        Row(tag, "ingest delay p90 s (ts -> window)", quantile(result.ingest_delay, 0.9)),
+        Row(tag, "publish-to-serving p50 s", quantile(result.serving_delay, 0.5), None, "<= 5 s"),
+        Row(tag, "publish-to-serving max s", quantile(result.serving_delay, 1.0), None, "<= 5 s"),
+        Row(tag, "step end -> published p50 s", quantile(result.publish_delay, 0.5)),
+        Row(tag, "training steps/s", result.steps_per_s),
+        Row(tag, "real tokens trained/s", result.tokens_per_s),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bootstrap", default=os.environ.get("STREAMTRAIN_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--rate", type=float, default=5000.0, help="events/s, all producers together")
+    parser.add_argument("--producers", type=int, default=2, help="producer processes")
+    parser.add_argument("--length-median", type=float, default=24.0, help="median event length (sigma 0.8)")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help="runs separated by ';', each 'default' or service settings NAME=VALUE separated by ','")
+    parser.add_argument("--warmup-s", type=float, default=6.0, help="sent but not measured")
+    parser.add_argument("--measure-s", type=float, default=20.0, help="events sent in this interval are measured")
+    parser.add_argument("--tail-s", type=float, default=6.0, help="sent after the interval, not measured")
+    parser.add_argument("--producer-start-s", type=float, default=3.0, help="lead time for producer processes")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("kafka").setLevel(logging.ERROR)
+    rows: list[Row] = []
+    for config in args.configs.split(";"):
+        overrides = dict(item.split("=", 1) for item in config.split(",") if item.strip() not in ("", "default"))
+        rows += rows_for(run_once(args, {k.strip(): v.strip() for k, v in overrides.items()}), args.rate)
+    emit(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
