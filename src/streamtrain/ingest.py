@@ -290,8 +290,14 @@ class Ingestor:
             fetch_max_bytes=64 << 20,
             reconnect_backoff_max_ms=2000,
             request_timeout_ms=30000,
+            metadata_max_age_ms=30000,  # a topic's partitions show up within 30 s, not 5 min
         )
         self._consumer = consumer
+        # A just-created topic can be missing from the first metadata; subscribing then
+        # would assign nothing until the next metadata refresh.
+        deadline = time.monotonic() + 15.0
+        while not consumer.partitions_for_topic(s.topic) and time.monotonic() < deadline and not self._stop.is_set():
+            self._stop.wait(0.2)
         consumer.subscribe([s.topic], listener=_SeekOnAssign(self))
         log.info("ingest connected to %s, topic %s, group %s", s.kafka_bootstrap, s.topic, s.group_id)
 
