@@ -78,9 +78,13 @@ def ingest_rate(bootstrap: str, topic: str, count: int, max_records: int, capaci
     ingestor = Ingestor(settings, window, Metrics())
     ingestor.start()
     first = None
+    deadline = time.monotonic() + 300
     while ingestor.stats.seen_total < count:
         if first is None and ingestor.stats.seen_total:
             first, n_first = time.perf_counter(), ingestor.stats.seen_total
+        if time.monotonic() > deadline:
+            ingestor.stop()
+            raise SystemExit(f"ingest stalled at {ingestor.stats.seen_total} of {count} messages")
         time.sleep(0.001)
     elapsed = time.perf_counter() - first
     ingestor.stop()

@@ -308,7 +308,8 @@ class Ingestor:
         in_flight: deque[_PendingBatch] = deque()
         try:
             while not self._stop.is_set():
-                records = consumer.poll(timeout_ms=250 if not in_flight else 0)
+                # Never poll(0): a zero timeout can leave a group rejoin unfinished (kafka-python 3).
+                records = consumer.poll(timeout_ms=250)
                 self._connected = self._broker_connected(consumer)
                 self.metrics.kafka_connected.set(1 if self._connected else 0)
                 if records:

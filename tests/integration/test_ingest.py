@@ -98,3 +98,25 @@ def test_service_started_before_the_broker_connects_once_it_is_up(private_broker
         assert ingestor.connected
     finally:
         ingestor.stop()
+
+
+def test_many_poll_batches_through_the_decode_worker_land_once(kafka_bootstrap: str, make_topic) -> None:
+    """Pipelined decoding over many poll batches (and the group's early rebalance) loses nothing."""
+    topic = make_topic(partitions=3)
+    now = time.time()
+    produce(kafka_bootstrap, topic, [valid(i, now) for i in range(12_000)])
+    settings = load_settings(
+        kafka_bootstrap=kafka_bootstrap, topic=topic, group_id=f"g-{topic}", max_len=32,
+        window_capacity=20_000, half_life_s=math.inf, poll_max_records=700, decode_workers=1,
+    )
+    window = RecencyWindow(20_000, math.inf)
+    ingestor = Ingestor(settings, window, Metrics())
+    ingestor.start()
+    try:
+        wait_for(lambda: ingestor.stats.seen_total >= 12_000, 90, "every message through the decode worker")
+        snap = window.snapshot()
+        assert len(snap) == 12_000
+        assert len(set(zip(snap.partitions.tolist(), snap.offsets.tolist()))) == 12_000
+        assert sum(snap.next_offsets.values()) == 12_000
+    finally:
+        ingestor.stop()
