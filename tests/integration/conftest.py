@@ -25,6 +25,14 @@ def _reachable(bootstrap: str) -> bool:
         return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_service_outlives_the_tests() -> Iterator[None]:
+    yield
+    from service_process import kill_leftovers
+
+    kill_leftovers()
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap() -> str:
     if not _reachable(BOOTSTRAP):

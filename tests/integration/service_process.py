@@ -25,6 +25,18 @@ FAST_MODEL = {
 }
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def kill_leftovers() -> None:
+    """SIGKILL every service process a test started and did not stop (failed tests too)."""
+    for process in _STARTED:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    _STARTED.clear()
+
+
 class ServiceProcess:
     """One ``streamtrain serve`` subprocess with its own port, topic and checkpoint dir."""
 
@@ -50,8 +62,10 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
+        _STARTED.append(self.process)
         wait_for(self._healthy, 60, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
         return self
 
