@@ -195,12 +195,16 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         Settings._toml_path = None
 
 
+_SECRET_SETTINGS = frozenset({"admin_token"})
+
+
 def _one_line(exc: ValidationError) -> str:
     """The first error as ``invalid setting NAME (STREAMTRAIN_NAME)=value: why``."""
     err = exc.errors()[0]
     name = ".".join(str(p) for p in err.get("loc", ())) or "settings"
     given = err.get("input")
-    shown = "" if isinstance(given, dict) or given is None else f"={given!r}"
+    secret = name in _SECRET_SETTINGS
+    shown = "" if isinstance(given, dict) or given is None else ("=***" if secret else f"={given!r}")
     env = f" ({ENV_PREFIX}{name.upper()})" if name != "settings" else ""
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"invalid setting {name}{env}{shown}: {err['msg']}{more}"

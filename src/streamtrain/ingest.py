@@ -87,7 +87,7 @@ class _SeekOnAssign(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         consumer = self._ingestor._consumer
-        stored = self._ingestor.window.next_offsets
+        stored = self._ingestor.resume_offsets()
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
                 consumer.seek(tp, stored[tp.partition])
@@ -202,6 +202,7 @@ class Ingestor:
         self._dlq_failures = 0
         self._dlq_lock = threading.Lock()
         self._connected = False
+        self._polled: dict[int, int] = {}  # next offset per partition of every polled batch
         self._reported_evicted = 0
         self._last_gauges = 0.0
         self.last_error: str | None = None
@@ -270,6 +271,7 @@ class Ingestor:
 
     def _connect(self) -> None:
         s = self.settings
+        self._polled = {}  # what an earlier consumer polled is in the window by now
         ensure_topics(s.kafka_bootstrap, {s.topic: s.topic_partitions, s.dlq_topic: s.topic_partitions})
         self._producer = KafkaProducer(
             bootstrap_servers=s.kafka_bootstrap,
@@ -323,9 +325,21 @@ class Ingestor:
             while in_flight:  # what was polled is applied, so the window's offsets stay exact
                 self._apply(in_flight.popleft())
 
+    def resume_offsets(self) -> dict[int, int]:
+        """Where each partition goes on after a (re)assignment: past everything polled.
+
+        Batches still in flight to the window will be applied, so seeking back to the
+        window's own offsets would read them a second time (duplicates in the window).
+        """
+        resume = self.window.next_offsets
+        for partition, offset in self._polled.copy().items():
+            resume[partition] = max(resume.get(partition, offset), offset)
+        return resume
+
     def _submit(self, records: Mapping[TopicPartition, list[Any]]) -> _PendingBatch:
         messages = [m for batch in records.values() for m in batch]
         next_offsets = {tp.partition: batch[-1].offset + 1 for tp, batch in records.items() if batch}
+        self._polled.update(next_offsets)
         args = (
             [m.value for m in messages],
             self.limits,

@@ -69,7 +69,12 @@ class Service:
         self._checkpointer.start()
 
     def stop(self, final_checkpoint: bool = True) -> None:
-        """Graceful stop (SIGTERM): stop training, write a last checkpoint, stop ingest."""
+        """Graceful stop (SIGTERM): stop training, write a last checkpoint, stop ingest.
+
+        Idempotent: the HTTP app's shutdown and the CLI both call it.
+        """
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.trainer.stop()
         if final_checkpoint:

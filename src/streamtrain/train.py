@@ -247,6 +247,7 @@ class Trainer(ModelTrainer):
         """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged."""
         started = time.perf_counter()
         with self.lock:
+            norm_before = self.norm.state_dict()  # a refused step must not move the normalization
             self.norm.update(batch.values, batch.mask)
             x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
             output = self.model(x_norm, batch.mask)
@@ -268,6 +269,8 @@ class Trainer(ModelTrainer):
                     self.step += 1
                     self.tokens_trained += batch.real_tokens
             self.optimizer.zero_grad(set_to_none=True)
+            if skipped is not None:
+                self.norm.load_state_dict(norm_before)
             value = float(loss.detach())
             if skipped is None:
                 self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, batch.mask).detach()))

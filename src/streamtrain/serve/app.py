@@ -10,12 +10,16 @@ import hmac
 import math
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamtrain import __version__
@@ -136,6 +140,10 @@ class PredictGate:
             self._inside -= 1
 
 
+def _all_finite(*numbers: list[float]) -> bool:
+    return all(math.isfinite(x) for group in numbers for x in group)
+
+
 def _unprocessable(message: str) -> HTTPException:
     return HTTPException(status_code=422, detail=message)
 
@@ -173,6 +181,12 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
         )
     finally:
         gate.leave()
+    for i, p in enumerate(predictions):
+        if not _all_finite(p.next, [p.anomaly_score], p.probs or []):
+            raise _unprocessable(
+                f"instances[{i}].values: non_finite: the forecast overflows for these readings; "
+                "they lie far outside the range the model works in"
+            )
     return PredictResponse(
         model_version=published.version,
         predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs} for p in predictions],
@@ -231,19 +245,32 @@ class BodySizeLimit:
             await self._reject(send)
             return
         received = 0
+        exceeded = started = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, exceeded
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
+                    exceeded = True
                     raise _BodyTooLarge
             return message
 
+        async def guarded_send(message: Message) -> None:
+            # FastAPI turns any error while reading the body into its own 400: when the
+            # limit was hit, that answer is dropped and the 413 below goes out instead.
+            nonlocal started
+            if exceeded and not started:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, guarded_send)
         except _BodyTooLarge:
+            pass
+        if exceeded and not started:
             await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
@@ -251,6 +278,9 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+_UNPARSABLE_BODY = "There was an error parsing the body"  # FastAPI's 400 for an undecodable body
 
 
 class _BodyTooLarge(Exception):
@@ -269,6 +299,14 @@ def _predict_metrics(app: FastAPI, service: Service) -> None:
         return response
 
 
+@asynccontextmanager
+async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
+    """The final checkpoint runs in the server's graceful shutdown: uvicorn re-raises
+    SIGTERM once ``run()`` returns, so code after it in the CLI never runs on SIGTERM."""
+    yield
+    await anyio.to_thread.run_sync(app.state.service.stop)
+
+
 def create_app(service: Service) -> FastAPI:
     """The HTTP API of SPEC section 2 over ``service``."""
     settings = service.settings
@@ -276,6 +314,7 @@ def create_app(service: Service) -> FastAPI:
         title="streamtrain",
         version=__version__,
         description="Continuous training from a Kafka stream of sensor events.",
+        lifespan=_stop_service_on_shutdown,
     )
     app.state.service = service
     app.state.predict_gate = PredictGate(settings.predict_concurrency, settings.predict_queue)
@@ -295,6 +334,13 @@ def create_app(service: Service) -> FastAPI:
             where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
         return JSONResponse(status_code=422, content={"detail": "; ".join(problems)})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unreadable_body(request: Request, exc: StarletteHTTPException) -> Response:
+        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as SPEC says."""
+        if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:
+            return JSONResponse(status_code=422, content={"detail": "body: not UTF-8 JSON"})
+        return await http_exception_handler(request, exc)
 
     _predict_metrics(app, service)
     app.add_middleware(BodySizeLimit, limit=settings.max_request_bytes)
