@@ -222,6 +222,7 @@ class Trainer(ModelTrainer):
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self._prefetcher: Prefetcher | None = None
         self.sampler = PassSampler(settings.pass_max_items, settings.pass_fresh_share, settings.shuffle, settings.seed)
         self.dataset = WindowBatchDataset(
             lambda: self.sampler(window.snapshot()),
@@ -294,13 +295,24 @@ class Trainer(ModelTrainer):
             x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
             return float(forecast_loss(self.model(x_norm, batch.mask), x_norm, batch.mask))
 
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop at once, also while waiting for the window to fill (the prefetcher is closed)."""
+        self._stop.set()
+        prefetcher = self._prefetcher
+        if prefetcher is not None:
+            prefetcher.close(timeout=0.5)
+        super().stop(timeout)
+
     def _work(self) -> None:
         """Train on prefetched batches until stopped (a fresh prefetcher after an error)."""
         prefetcher = Prefetcher(self.dataset, depth=self.settings.prefetch_depth, name="trainer-prefetch")
+        self._prefetcher = prefetcher
         try:
             while not self._stop.is_set():
                 waited_before = prefetcher.data_wait_seconds
-                batch = next(prefetcher)
+                batch = next(prefetcher, None)
+                if batch is None:  # closed by stop()
+                    break
                 # The first batch waits for the window to fill: that is warm-up, not data wait.
                 wait = prefetcher.data_wait_seconds - waited_before if prefetcher.items_delivered > 1 else 0.0
                 if self._stop.is_set():
@@ -310,7 +322,7 @@ class Trainer(ModelTrainer):
                 self.metrics.train_data_wait_seconds.inc(wait)
                 self._publish_if_due()
         finally:
-            prefetcher.close()
+            prefetcher.close(timeout=0.5)  # a producer still waiting for the window exits on its next put
 
     def _record(self, batch: Batch, skipped: str | None, seconds: float) -> None:
         m = self.metrics

@@ -200,3 +200,16 @@ def test_the_training_loop_survives_intermittent_faults_and_counts_each() -> Non
     assert counted["steps"] == trainer.step == seen - expected_nan - expected_inf
     assert trainer.published is not None and trainer.published.step <= trainer.step
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_stop_is_prompt_while_waiting_for_the_window_to_fill() -> None:
+    import time
+
+    trainer = make_trainer()
+    trainer.dataset.min_items = 10**9  # the window never holds enough: the trainer waits
+    trainer.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    trainer.stop(timeout=10)
+    assert not trainer.running
+    assert time.monotonic() - started < 3.0

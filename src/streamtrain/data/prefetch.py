@@ -102,6 +102,10 @@ class Prefetcher(Generic[T]):
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+        try:  # and a consumer waiting in another thread: it gets StopIteration
+            self._queue.put_nowait(_End())
+        except queue.Full:
+            pass
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
