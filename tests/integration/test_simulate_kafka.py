@@ -9,8 +9,8 @@ import uuid
 from collections import Counter, defaultdict
 
 import pytest
-from kafka import KafkaConsumer
 from kafka.admin import KafkaAdminClient
+from kafka_helpers import consume_all
 
 from streamtrain.events import EventLimits, Rejection, SensorEvent, decode_event
 from streamtrain.simulate import SimulationConfig, main, run_simulation
@@ -37,27 +37,8 @@ def topic():
 
 
 def read_all(topic: str, expected: int, timeout_s: float = 30.0) -> list:
-    consumer = KafkaConsumer(
-        topic,
-        bootstrap_servers=BOOTSTRAP,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        group_id=None,
-        fetch_max_bytes=8 << 20,
-        max_partition_fetch_bytes=4 << 20,
-    )
-    records = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(records) < expected and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                records.extend(batch)
-        # anything beyond the expected count would be a duplicate: give it a moment to show
-        for batch in consumer.poll(timeout_ms=1000).values():
-            records.extend(batch)
-    finally:
-        consumer.close()
-    return records
+    """Every record of ``topic`` (waits for ``expected``, then a moment more for duplicates)."""
+    return consume_all(BOOTSTRAP, topic, expected, timeout_s)
 
 
 def test_every_simulated_record_reaches_the_topic_keyed_by_sensor(topic):
