@@ -6,21 +6,21 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/bootstrap.sh test >/dev/null
-started_broker=0
-if ! deploy/kafka.sh status >/dev/null 2>&1; then
-  deploy/kafka.sh up
-  started_broker=1
-fi
 export STREAMTRAIN_HTTP_PORT="${HTTP_PORT:-${STREAMTRAIN_HTTP_PORT:-8000}}"
 export STREAMTRAIN_KAFKA_BOOTSTRAP="${STREAMTRAIN_KAFKA_BOOTSTRAP:-127.0.0.1:${KAFKA_PORT:-9092}}"
 export STREAMTRAIN_CHECKPOINT_DIR="${STREAMTRAIN_CHECKPOINT_DIR:-var/checkpoints}"
 pids=()
+started_broker=0
 stop_all() {
   for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
   wait || true
   if [ "$started_broker" = 1 ]; then deploy/kafka.sh down; fi
 }
-trap stop_all EXIT INT TERM
+trap stop_all EXIT INT TERM  # set before anything starts, so Ctrl-C at any point cleans up
+if ! deploy/kafka.sh status >/dev/null 2>&1; then
+  started_broker=1  # before `up`: an interrupted start is still stopped
+  deploy/kafka.sh up
+fi
 .venv/bin/streamtrain serve --config services/trainer/trainer.toml &
 pids+=($!)
 healthy() { .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:$STREAMTRAIN_HTTP_PORT/healthz', timeout=2)" 2>/dev/null; }
