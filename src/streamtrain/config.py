@@ -53,8 +53,13 @@ class Settings(BaseSettings):
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port")
     max_predict_batch: int = Field(256, ge=1, le=10_000, description="Instances per /v1/predict request")
     max_request_bytes: int = Field(8 << 20, ge=1024, description="Request bodies above this answer 413")
-    predict_concurrency: int = Field(4, ge=1, le=256, description="Predict requests served at once; more wait")
-    predict_queue: int = Field(16, ge=0, le=10_000, description="Predict requests that may wait; beyond: 503")
+    predict_concurrency: int = Field(
+        2, ge=1, le=256, description="Predict worker threads (forwards at once); waiting requests merge into their next forward"
+    )
+    predict_queue: int = Field(32, ge=0, le=10_000, description="Predict requests that may wait; beyond: 503")
+    predict_merge_instances: int = Field(
+        1024, ge=1, le=100_000, description="Most instances of merged requests in one predict forward"
+    )
     admin_token: SecretStr | None = Field(None, description="Bearer token for /v1/admin; unset = admin routes off")
 
     # --- Events and window ---------------------------------------------------------------------
@@ -91,6 +96,9 @@ class Settings(BaseSettings):
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+    train_nice: int = Field(
+        10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
+    )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
     )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -188,6 +190,7 @@ class ModelTrainer:
 
     def _run(self) -> None:
         torch.set_num_threads(self.settings.torch_threads)
+        lower_thread_priority(self.settings.train_nice)
         while not self._stop.is_set():
             try:
                 self._work()
@@ -198,6 +201,28 @@ class ModelTrainer:
 
     def _work(self) -> None:
         raise NotImplementedError
+
+
+def lower_thread_priority(niceness: int) -> bool:
+    """Make the calling thread (and the threads it starts later) yield the CPU to the rest.
+
+    Training is background work: it can use every idle cycle, but a predict request or a
+    poll batch should not wait behind a training step. Linux keeps a nice value per
+    thread, so this lowers the trainer and its prefetch thread only; elsewhere (or where
+    refused) it does nothing and says so.
+    """
+    if niceness <= 0:
+        return False
+    if not sys.platform.startswith("linux"):
+        log.info("train_nice=%d ignored: per-thread priorities need Linux", niceness)
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except OSError as err:
+        log.warning("could not lower the training threads' priority: %s", err)
+        return False
+    return True
 
 
 class Trainer(ModelTrainer):

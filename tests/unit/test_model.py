@@ -162,6 +162,38 @@ def test_running_norm_floor_identity_and_state_dict() -> None:
         RunningNorm(3).load_state_dict(norm.state_dict())
 
 
+@pytest.mark.parametrize("outlier_batch", [0, 6], ids=["during warm-up", "after warm-up"])
+def test_one_extreme_event_does_not_drag_the_running_norm(outlier_batch: int) -> None:
+    rng = np.random.default_rng(5)
+    norm, reference = RunningNorm(1), RunningNorm(1, clip_std=None)
+    clean = []
+    for b in range(10):
+        items = [rng.normal(2.0, 3.0, size=(40, 1)).astype(np.float32) for _ in range(8)]
+        clean.extend(items)
+        if b == outlier_batch:
+            items.append(np.full((40, 1), 3e38, dtype=np.float32))  # valid (finite) but absurd
+        values, mask = pad_batch(items)
+        norm.update(values, mask)
+        reference.update(values, mask)
+    data = np.concatenate(clean).astype(np.float64)
+    assert reference.std.item() > 1e30  # what the plain statistics would do
+    assert norm.clipped == 40
+    assert norm.mean.item() == pytest.approx(data.mean(), abs=0.5)
+    assert norm.std.item() == pytest.approx(data.std(), rel=0.5)
+
+
+def test_running_norm_keeps_sparse_channels_whole_during_warm_up() -> None:
+    values = torch.zeros(1, 200, 1)
+    values[0, ::50] = 1.0  # 2% ones: the MAD is 0, the spread cannot be judged
+    norm = RunningNorm(1)
+    norm.update(values, torch.ones(1, 200, dtype=torch.bool))
+    assert norm.clipped == 0
+    assert norm.mean.item() == pytest.approx(0.02)
+    clone = RunningNorm(1, clip_std=3.0)
+    clone.load_state_dict(norm.state_dict())
+    assert (clone.clip_std, clone.warmup_count, clone.clipped) == (8.0, 1024, 0)
+
+
 def test_public_norm_is_frozen() -> None:
     norm = RunningNorm.from_public([1.0, 2.0], [2.0, 4.0])
     torch.testing.assert_close(norm.normalize(torch.tensor([3.0, 6.0])), torch.tensor([1.0, 1.0]))

@@ -26,7 +26,8 @@ from fastapi.testclient import TestClient
 import streamtrain.serve.app as app_module
 from streamtrain.checkpoint import CheckpointStore, read_checkpoint
 from streamtrain.config import SettingsError, load_settings
-from streamtrain.serve.app import PredictGate, create_app
+from streamtrain.serve.app import create_app
+from streamtrain.serve.batcher import PredictBatcher
 from streamtrain.service import Service
 
 torch.set_num_threads(1)
@@ -139,17 +140,17 @@ def test_predict_limits_are_enforced(client: TestClient) -> None:
 
 
 def test_predictions_beyond_concurrency_and_queue_get_503_not_a_pile_up(client: TestClient) -> None:
-    gate: PredictGate = client.app.state.predict_gate
+    batcher: PredictBatcher = client.app.state.predict_batcher
     s = client.app.state.service.settings
-    assert gate.admit == s.predict_concurrency + s.predict_queue
-    for _ in range(gate.admit):  # the pool and its queue are busy
-        assert gate.enter()
+    assert batcher._admit == s.predict_concurrency + s.predict_queue
+    with batcher._cond:  # the workers and the queue are full
+        batcher._inside += batcher._admit
     try:
         busy = client.post("/v1/predict", json={"instances": [{"values": [1.0]}]})
         assert busy.status_code == 503 and "overloaded" in busy.json()["detail"]
     finally:
-        for _ in range(gate.admit):
-            gate.leave()
+        with batcher._cond:
+            batcher._inside -= batcher._admit
     assert client.post("/v1/predict", json={"instances": [{"values": [1.0]}]}).status_code == 200
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from streamtrain.model import ModelOutput, total_loss
 
@@ -61,7 +62,10 @@ class PerSampleGradients:
     def per_sample(self, x_norm: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Unclipped per-example gradients: name -> [B, *parameter shape]."""
         trainable, frozen = self._state()
-        return self._per_sample(trainable, frozen, x_norm, mask, labels)
+        # The math attention kernel has vmap batching rules; the fused CPU kernel's
+        # backward would fall back to a per-example loop under vmap.
+        with sdpa_kernel(SDPBackend.MATH):
+            return self._per_sample(trainable, frozen, x_norm, mask, labels)
 
     def clipped_sum(
         self, x_norm: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor

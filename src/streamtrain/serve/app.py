@@ -1,14 +1,14 @@
 """FastAPI application factory: one router per concern, the service injected, no globals.
 
-Inference runs off the event loop on a bounded pool; requests beyond the pool and its
-queue get 503 at once instead of piling up, so ``/healthz`` stays fast under load.
+Inference runs off the event loop on a few worker threads that merge concurrent requests
+into shared forwards (serve/batcher.py); requests beyond the workers and their queue get
+503 at once instead of piling up, so ``/healthz`` stays fast under load.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
 from streamtrain.model import predict as model_predict
+from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     CheckpointResult,
     ErrorOut,
@@ -119,27 +120,6 @@ def model_report(service: ServiceDep) -> ModelReport:
     )
 
 
-class PredictGate:
-    """At most ``concurrency`` predictions at once and ``queue`` waiting; the rest get 503."""
-
-    def __init__(self, concurrency: int, queue: int) -> None:
-        self.limiter = anyio.CapacityLimiter(concurrency)
-        self.admit = concurrency + queue
-        self._inside = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> bool:
-        with self._lock:
-            if self._inside >= self.admit:
-                return False
-            self._inside += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self._inside -= 1
-
-
 def _all_finite(*numbers: list[float]) -> bool:
     return all(math.isfinite(x) for group in numbers for x in group)
 
@@ -172,15 +152,11 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
     published = service.published  # one model version for the whole request
     if published is None:
         raise HTTPException(status_code=503, detail="no model published yet: the window is still filling")
-    gate: PredictGate = request.app.state.predict_gate
-    if not gate.enter():
-        raise HTTPException(status_code=503, detail="overloaded: too many predictions in flight, retry later")
+    batcher: PredictBatcher = request.app.state.predict_batcher
     try:
-        predictions = await anyio.to_thread.run_sync(
-            model_predict, published.model, published.norm, arrays, settings.token_budget, limiter=gate.limiter
-        )
-    finally:
-        gate.leave()
+        predictions = await batcher.submit(published, arrays)
+    except Overloaded:
+        raise HTTPException(status_code=503, detail="overloaded: too many predictions in flight, retry later") from None
     for i, p in enumerate(predictions):
         if not _all_finite(p.next, [p.anomaly_score], p.probs or []):
             raise _unprocessable(
@@ -304,6 +280,7 @@ async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
     """The final checkpoint runs in the server's graceful shutdown: uvicorn re-raises
     SIGTERM once ``run()`` returns, so code after it in the CLI never runs on SIGTERM."""
     yield
+    app.state.predict_batcher.close()
     await anyio.to_thread.run_sync(app.state.service.stop)
 
 
@@ -317,7 +294,13 @@ def create_app(service: Service) -> FastAPI:
         lifespan=_stop_service_on_shutdown,
     )
     app.state.service = service
-    app.state.predict_gate = PredictGate(settings.predict_concurrency, settings.predict_queue)
+    app.state.predict_batcher = PredictBatcher(
+        model_predict,
+        settings.token_budget,
+        workers=settings.predict_concurrency,
+        admit=settings.predict_concurrency + settings.predict_queue,
+        max_instances=settings.predict_merge_instances,
+    )
     app.include_router(health)
     app.include_router(window_router)
     app.include_router(model_router)

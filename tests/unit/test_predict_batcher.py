@@ -1,0 +1,190 @@
+"""PredictBatcher: merged forwards give each request exactly its own answers, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from streamtrain.model import Prediction, RunningNorm, SensorModel, predict
+from streamtrain.serve.batcher import Overloaded, PredictBatcher
+
+
+def _published(seed: int = 0) -> SimpleNamespace:
+    torch.manual_seed(seed)
+    return SimpleNamespace(model=SensorModel(channels=1, d_model=16, n_heads=2, n_layers=1, max_len=64), norm=RunningNorm(1))
+
+
+def _requests(count: int, seed: int) -> list[list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        [rng.standard_normal((int(n), 1)).astype(np.float32) for n in rng.integers(1, 40, rng.integers(1, 6))]
+        for _ in range(count)
+    ]
+
+
+class _Gated:
+    """predict() that waits until released, recording the size of every call."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.calls: list[int] = []
+
+    def __call__(self, model, norm, arrays, token_budget):  # noqa: ANN001 - the PredictFn shape
+        self.calls.append(len(arrays))
+        self.started.set()
+        self.release.wait(10)
+        return predict(model, norm, arrays, token_budget)
+
+
+def test_merged_requests_get_the_same_answers_as_alone_in_order() -> None:
+    published = _published()
+    requests = _requests(12, seed=1)
+    alone = [predict(published.model, published.norm, r, 4096) for r in requests]
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
+
+    async def main() -> list[list[Prediction]]:
+        blocker = asyncio.create_task(batcher.submit(published, requests[0]))
+        await asyncio.to_thread(gated.started.wait, 10)  # the worker is busy: the rest queue up
+        rest = [asyncio.create_task(batcher.submit(published, r)) for r in requests[1:]]
+        await asyncio.sleep(0.05)
+        gated.release.set()
+        return [await blocker] + [await t for t in rest]
+
+    try:
+        merged = asyncio.run(main())
+    finally:
+        batcher.close()
+    assert gated.calls == [len(requests[0]), sum(len(r) for r in requests[1:])]  # one merged forward
+    assert batcher.merged_forwards == 1
+    for got, want in zip(merged, alone, strict=True):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.next, w.next, atol=1e-5)
+            assert g.anomaly_score == pytest.approx(w.anomaly_score, abs=1e-5)
+
+
+def test_requests_of_different_model_versions_are_not_merged() -> None:
+    old, new = _published(0), _published(1)
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
+    first, second, third = _requests(3, seed=2)
+
+    async def main() -> tuple:
+        blocker = asyncio.create_task(batcher.submit(old, first))
+        await asyncio.to_thread(gated.started.wait, 10)
+        tasks = [asyncio.create_task(batcher.submit(new, second)), asyncio.create_task(batcher.submit(old, third))]
+        await asyncio.sleep(0.05)
+        gated.release.set()
+        return await blocker, await tasks[0], await tasks[1]
+
+    try:
+        _, from_new, from_old = asyncio.run(main())
+    finally:
+        batcher.close()
+    # the waiting `old` request joins neither the running forward nor the `new` one
+    assert gated.calls == [len(first), len(second), len(third)]
+    want_new = predict(new.model, new.norm, second, 4096)
+    want_old = predict(old.model, old.norm, third, 4096)
+    np.testing.assert_allclose([p.next for p in from_new], [p.next for p in want_new], atol=1e-5)
+    np.testing.assert_allclose([p.next for p in from_old], [p.next for p in want_old], atol=1e-5)
+
+
+def test_a_merge_stops_at_max_instances() -> None:
+    published = _published()
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=5)
+    requests = [[np.ones((3, 1), np.float32)] * 2 for _ in range(4)]  # 2 instances each
+
+    async def main() -> None:
+        blocker = asyncio.create_task(batcher.submit(published, requests[0]))
+        await asyncio.to_thread(gated.started.wait, 10)
+        rest = [asyncio.create_task(batcher.submit(published, r)) for r in requests[1:]]
+        await asyncio.sleep(0.05)
+        gated.release.set()
+        await blocker
+        for task in rest:
+            assert len(await task) == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        batcher.close()
+    assert gated.calls == [2, 4, 2]
+
+
+def test_beyond_admit_is_refused_at_once_and_admitted_again_later() -> None:
+    published = _published()
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=2, max_instances=100)
+    one = [np.ones((2, 1), np.float32)]
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(batcher.submit(published, one)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):
+            await batcher.submit(published, one)
+        gated.release.set()
+        for task in tasks:
+            await task
+        assert len(await batcher.submit(published, one)) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        batcher.close()
+
+
+def test_a_failing_forward_fails_its_requests_and_the_worker_lives_on() -> None:
+    published = _published()
+    calls = []
+
+    def flaky(model, norm, arrays, token_budget):  # noqa: ANN001
+        calls.append(len(arrays))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return predict(model, norm, arrays, token_budget)
+
+    batcher = PredictBatcher(flaky, 4096, workers=1, admit=8, max_instances=100)
+    one = [np.ones((2, 1), np.float32)]
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="boom"):
+            await batcher.submit(published, one)
+        assert len(await batcher.submit(published, one)) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        batcher.close()
+
+
+def test_a_cancelled_request_does_not_break_the_others() -> None:
+    published = _published()
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=8, max_instances=100)
+    one = [np.ones((2, 1), np.float32)]
+
+    async def main() -> None:
+        gone = asyncio.create_task(batcher.submit(published, one))
+        kept = asyncio.create_task(batcher.submit(published, one))
+        await asyncio.to_thread(gated.started.wait, 10)
+        gone.cancel()
+        gated.release.set()
+        assert len(await kept) == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        batcher.close()
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="admit >= workers"):
+        PredictBatcher(predict, 4096, workers=4, admit=2, max_instances=10)
