@@ -284,6 +284,10 @@ class Ingestor:
         consumer = KafkaConsumer(
             bootstrap_servers=s.kafka_bootstrap,
             group_id=s.group_id,
+            # Static membership (KIP-345): a replica that comes back under the same id
+            # takes over its old member at once; without it, a crashed member holds its
+            # partitions until the session times out.
+            group_instance_id=s.group_instance_id,
             client_id="streamtrain-ingest",
             enable_auto_commit=False,
             auto_offset_reset="earliest",

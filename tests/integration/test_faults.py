@@ -333,12 +333,16 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, 
     settings = {**SETTINGS, "checkpoint_interval_s": 0.4, "checkpoint_keep": 3}
     moments = ["random", "during_checkpoint_write", "while_starting", "random", "during_checkpoint_write"]
     steps: list[int] = []
+    resumed_s: list[float] = []  # from healthy to ingesting again
     for cycle, moment in enumerate(moments):
         expected = newest_valid(ckpt) if ckpt.exists() else None
-        # A fresh consumer group per run: a SIGKILLed member holds its group's partitions
-        # until its session times out (45 s), and the checkpoint's offsets, not the group's,
-        # are what a restart resumes from.
-        service = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / f"serve{cycle}.log", group_id=f"g-{topic}-{cycle}", **settings)
+        # One consumer group and one static member id for every run, as a StatefulSet
+        # replica has: the restarted process takes over its killed predecessor's member at
+        # once (without the id it would wait out the 45 s session timeout), and resumes
+        # from the checkpoint's offsets, not the group's.
+        service = FaultyService(
+            kafka_bootstrap, topic, ckpt, tmp_path / f"serve{cycle}.log", group_instance_id="replica-0", **settings
+        )
         if moment == "while_starting":  # killed while it restores and imports: nothing may break
             service.spawn()
             time.sleep(rng.uniform(0.5, 2.0))
@@ -354,7 +358,9 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, 
         assert_window_exact(service.checkpoint_now(ckpt), stream.placed)
         with BackgroundProducer(stream, burst=10, interval_s=0.04):
             covered = sum(service.get("/v1/window")["next_offsets"].values())
+            started = time.monotonic()
             wait_for(lambda: sum(service.get("/v1/window")["next_offsets"].values()) > covered + 100, 60, "ingest")
+            resumed_s.append(time.monotonic() - started)
             wait_for(lambda: service.live_step() > restored_step, 60, "training")
             if moment == "random":
                 time.sleep(rng.uniform(0.2, 2.5))
@@ -363,7 +369,9 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, 
                 kill_during_checkpoint_write(service, ckpt)
         stream.flush()
 
-    final = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / "serve-final.log", group_id=f"g-{topic}-final", **settings)
+    # far below the 45 s session timeout a killed dynamic member would hold the partitions
+    assert max(resumed_s) < 25, resumed_s
+    final = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / "serve-final.log", group_instance_id="replica-0", **settings)
     with final:
         expected = newest_valid(ckpt)
         assert restored_line(final) == expected and final.get("/v1/model")["step"] >= expected[1] >= steps[-1]

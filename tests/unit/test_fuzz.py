@@ -435,3 +435,23 @@ def test_openapi_operations_have_no_server_errors(tmp_path: Path) -> None:
                     case.validate_response(response, checks=CHECKS)
 
             check()
+
+
+# ---------------------------------------------------------------------------------------
+# atheris: coverage-guided byte-level fuzzing (scripts/fuzz_atheris.py); a short run here
+
+
+@pytest.mark.parametrize("target", ["decoder", "predict"])
+def test_atheris_targets_run_clean(target: str, tmp_path: Path) -> None:
+    pytest.importorskip("atheris")
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fuzz_atheris.py"
+    runs = max(3000, 30 * EXAMPLES)
+    done = subprocess.run(
+        [sys.executable, str(script), target, f"-runs={runs}", "-seed=1", f"-artifact_prefix={tmp_path}/"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Done {runs} runs" in done.stderr

@@ -57,9 +57,15 @@ class ModelReport(BaseModel):
 
 
 class Instance(BaseModel):
+    # Checked by events.parse_values (one rule per 422, the same rules as Kafka events),
+    # so the field accepts anything and only its documented schema is precise.
     values: list[Any] = Field(
         description="Readings, one per time step: numbers (channels = 1) or arrays of C numbers",
-        json_schema_extra={"examples": [[0.12, 0.53, 0.49]]},
+        json_schema_extra={
+            "examples": [[0.12, 0.53, 0.49]],
+            "minItems": 1,
+            "items": {"anyOf": [{"type": "number"}, {"type": "array", "items": {"type": "number"}, "minItems": 1}]},
+        },
     )
 
 
