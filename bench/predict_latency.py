@@ -14,6 +14,14 @@ from ``--concurrency`` threads at once (what the cores can do for that many call
 The server-side mean (the predict middleware's histogram) splits client and network
 time from server time.
 
+A floor the ratio cannot beat on this machine: with ``--concurrency`` requests always in
+flight, Little's law makes latency = concurrency / throughput, and the cores cannot
+finish more than ``cores / bare forward`` requests per second (perfect scaling, no
+training, no HTTP). So the p50 is at least ``concurrency x bare p50 / cores``, i.e. the
+ratio to the bare forward is at least ``concurrency / cores`` (4x for 8 requests on 2
+cores) unless merging makes a request cheaper than its bare forward. The table prints
+that floor next to the measured p50.
+
 Needs the broker (``deploy/kafka.sh up``). Run: ``python bench/predict_latency.py [--json]``.
 """
 
@@ -263,6 +271,8 @@ def main() -> None:
         Row(tag, "p99 s (HTTP while training vs bare forward)", http_p99, single_p99, "<= 3x bare forward"),
         Row(tag, f"p50 s (HTTP vs bare forward x{args.concurrency} threads)", http_p50, concurrent_p50),
         Row(tag, f"p99 s (HTTP vs bare forward x{args.concurrency} threads)", http_p99, concurrent_p99),
+        Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {os.cpu_count()} cores)", http_p50,
+            args.concurrency * single_p50 / (os.cpu_count() or 1)),
         Row(tag, "mean s (server side vs client side)", server_mean, float(np.mean(latencies))),
         Row(tag, f"requests/s (HTTP vs bare forward x{args.concurrency} threads)", args.requests / elapsed,
             len(bare_concurrent) / bare_wall),

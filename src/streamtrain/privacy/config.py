@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from streamtrain.config import Settings
+
 #: Where each field comes from in the service's Settings (``STREAMTRAIN_`` + upper case).
 SETTING_NAMES: dict[str, str] = {
     "noise_multiplier": "dp_noise_multiplier",
@@ -30,6 +32,11 @@ SETTING_NAMES: dict[str, str] = {
 }
 
 
+def _default(field: str) -> Any:
+    """The service setting's default: Settings is the one place DP defaults are written."""
+    return Settings.model_fields[SETTING_NAMES[field]].default
+
+
 def env_name(field: str) -> str:
     """``noise_multiplier`` -> ``STREAMTRAIN_DP_NOISE_MULTIPLIER`` (for error messages)."""
     return "STREAMTRAIN_" + SETTING_NAMES.get(field, field).upper()
@@ -44,22 +51,22 @@ class DPConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    noise_multiplier: float = Field(1.0, description="σ: noise std as a multiple of the clip norm")
-    clip_norm: float = Field(1.0, description="C: each example's whole gradient is clipped to this L2 norm")
-    q0: float = Field(0.05, description="Sampling probability of an eligible event of age 0")
-    half_life_steps: float = Field(math.inf, description="q_j = q0 * 2**(-j / half_life_steps); inf = constant")
-    eligible_steps: int = Field(100, description="K: steps an admitted event stays eligible, then removed")
-    admit_per_step: int = Field(64, description="R: at most this many arrivals admitted per clock step")
-    step_rate_hz: float = Field(2.0, description="The public clock: DP steps per second")
-    delta: float = Field(1e-6, description="δ of the per-event (ε, δ) guarantee")
-    target_epsilon: float = Field(8.0, description="Start-up refuses a schedule whose per-event ε exceeds this")
+    noise_multiplier: float = Field(_default("noise_multiplier"), description="σ: noise std as a multiple of the clip norm")
+    clip_norm: float = Field(_default("clip_norm"), description="C: each example's whole gradient is clipped to this L2 norm")
+    q0: float = Field(_default("q0"), description="Sampling probability of an eligible event of age 0")
+    half_life_steps: float = Field(_default("half_life_steps"), description="q_j = q0 * 2**(-j / half_life_steps); inf = constant")
+    eligible_steps: int = Field(_default("eligible_steps"), description="K: steps an admitted event stays eligible, then removed")
+    admit_per_step: int = Field(_default("admit_per_step"), description="R: at most this many arrivals admitted per clock step")
+    step_rate_hz: float = Field(_default("step_rate_hz"), description="The public clock: DP steps per second")
+    delta: float = Field(_default("delta"), description="δ of the per-event (ε, δ) guarantee")
+    target_epsilon: float = Field(_default("target_epsilon"), description="Start-up refuses a schedule whose per-event ε exceeds this")
     expected_batch_size: float | None = Field(
-        None, description="Public divisor of the noisy sum; default sum_j R * q_j (full window)"
+        _default("expected_batch_size"), description="Public divisor of the noisy sum; default sum_j R * q_j (full window)"
     )
-    noise_source: str = Field("urandom", description="'urandom': every noise bit from the OS CSPRNG; "
+    noise_source: str = Field(_default("noise_source"), description="'urandom': every noise bit from the OS CSPRNG; "
                               "'philox': Philox keyed with 128 fresh CSPRNG bits per step (faster)")
-    norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
-    norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")
+    norm_mean: tuple[float, ...] | None = Field(_default("norm_mean"), description="Public input mean per channel (default 0)")
+    norm_std: tuple[float, ...] | None = Field(_default("norm_std"), description="Public input std per channel (default 1)")
 
     @field_validator("half_life_steps", mode="before")
     @classmethod
