@@ -399,6 +399,11 @@ def test_service_configs_load_and_agree(monkeypatch):
     assert (sim.topic, sim.channels, sim.n_classes, sim.max_len, sim.max_message_bytes) == (
         settings.topic, settings.channels, settings.n_classes, settings.max_len, settings.max_message_bytes)
     assert sim.bootstrap == settings.kafka_bootstrap
+    profile = REPO / "services/trainer/low-latency.toml"  # overrides a few keys, defaults for the rest
+    assert set(tomllib.loads(profile.read_text())) <= set(Settings.model_fields)
+    low = load_settings(profile)
+    assert (low.pass_max_items, low.pass_fresh_share, low.token_budget) == (256, 0.9, 2048)
+    assert low.topic == Settings().topic
 
 
 @pytest.mark.parametrize(("folder", "command", "config"), [("trainer", "serve", "trainer.toml"), ("sensor-sim", "simulate", "sensor-sim.toml")])

@@ -133,26 +133,31 @@ class PredictBatcher:
 
     def _serve(self) -> None:
         while (group := self._take()) is not None:
-            try:
-                self._run(group)
-            finally:
-                with self._cond:
-                    self._inside -= len(group)
+            answers = self._forward(group)
+            # Leave before answering: a client that sends its next request the moment it
+            # gets this answer must find the slot free.
+            with self._cond:
+                self._inside -= len(group)
+            for request, answer in zip(group, answers, strict=True):
+                if isinstance(answer, BaseException):
+                    request.loop.call_soon_threadsafe(_resolve, request.future, None, answer)
+                else:
+                    request.loop.call_soon_threadsafe(_resolve, request.future, answer)
 
-    def _run(self, group: list[_Request]) -> None:
+    def _forward(self, group: list[_Request]) -> list[list[Prediction] | BaseException]:
+        """Each request's predictions (or the error of the shared forward)."""
         published = group[0].published
         arrays = [a for request in group for a in request.arrays]
         try:
             predictions = self._predict(published.model, published.norm, arrays, self._token_budget)
         except Exception as err:  # noqa: BLE001 - each request gets the error, the worker lives on
             log.exception("predict forward failed for %d requests", len(group))
-            for request in group:
-                request.loop.call_soon_threadsafe(_resolve, request.future, None, err)
-            return
+            return [err] * len(group)
         if len(group) > 1:
             self.merged_forwards += 1
+        answers: list[list[Prediction] | BaseException] = []
         start = 0
         for request in group:
-            part = predictions[start : start + len(request.arrays)]
+            answers.append(predictions[start : start + len(request.arrays)])
             start += len(request.arrays)
-            request.loop.call_soon_threadsafe(_resolve, request.future, part)
+        return answers
