@@ -188,3 +188,14 @@ def test_a_cancelled_request_does_not_break_the_others() -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="admit >= workers"):
         PredictBatcher(predict, 4096, workers=4, admit=2, max_instances=10)
+
+
+def test_after_close_requests_are_refused_as_overloaded() -> None:
+    batcher = PredictBatcher(predict, 4096, workers=1, admit=2, max_instances=10)
+    batcher.close()
+
+    async def main() -> None:
+        with pytest.raises(Overloaded, match="stopping"):
+            await batcher.submit(_published(), [np.ones((2, 1), np.float32)])
+
+    asyncio.run(main())

@@ -155,8 +155,8 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
     batcher: PredictBatcher = request.app.state.predict_batcher
     try:
         predictions = await batcher.submit(published, arrays)
-    except Overloaded:
-        raise HTTPException(status_code=503, detail="overloaded: too many predictions in flight, retry later") from None
+    except Overloaded as err:
+        raise HTTPException(status_code=503, detail=f"overloaded: {err}; retry later") from None
     for i, p in enumerate(predictions):
         if not _all_finite(p.next, [p.anomaly_score], p.probs or []):
             raise _unprocessable(

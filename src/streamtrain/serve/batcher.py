@@ -34,7 +34,7 @@ PredictFn = Callable[[Any, Any, Sequence[np.ndarray], int], list[Prediction]]
 
 
 class Overloaded(Exception):
-    """More predict requests are waiting than the queue admits."""
+    """More predict requests are waiting than the queue admits (or the service is stopping)."""
 
 
 @dataclass(eq=False)
@@ -95,10 +95,10 @@ class PredictBatcher:
         loop = asyncio.get_running_loop()
         request = _Request(published, arrays, loop, loop.create_future())
         with self._cond:
-            if self._closed:
-                raise RuntimeError("PredictBatcher is closed")
+            if self._closed:  # shutting down: a 503, as when full, not a 500
+                raise Overloaded("the predict workers are stopping")
             if self._inside >= self._admit:
-                raise Overloaded(f"{self._inside} predict requests in flight")
+                raise Overloaded(f"too many predictions in flight ({self._inside})")
             self._inside += 1
             self._waiting.append(request)
             self._cond.notify()
