@@ -308,6 +308,17 @@ def test_broker_outage_keeps_serving_and_loses_nothing(private_broker: Broker, t
 # 2. SIGKILL at random moments
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread in state T (a SIGSTOP takes effect thread by thread)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that just exited
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def kill_during_checkpoint_write(service: FaultyService, directory: Path, timeout_s: float = 30) -> None:
     """Freeze the process the moment a temp checkpoint file appears; if it is still there
     (the write has not completed), SIGKILL it frozen; otherwise let it go on and retry."""
@@ -316,6 +327,9 @@ def kill_during_checkpoint_write(service: FaultyService, directory: Path, timeou
     while time.monotonic() < deadline:
         if any(name.endswith(ours) for name in os.listdir(directory)):
             os.kill(service.pid, signal.SIGSTOP)
+            # SIGSTOP is asynchronous: until the process is seen stopped, its writer may
+            # still finish (rename the temp file) after we looked.
+            wait_for(lambda: all_threads_stopped(service.pid), 10, "every thread of the service to stop", interval=0.001)
             temps = [name for name in os.listdir(directory) if name.endswith(ours)]
             if temps:
                 stop_and_kill(service)
