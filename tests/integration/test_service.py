@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import pytest
 from kafka_helpers import wait_for
@@ -101,6 +103,34 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     alone = ask([instances[5]])
     if alone["model_version"] == reference["model_version"]:
         assert np.allclose(alone["predictions"][0]["next"], base[5]["next"], atol=1e-5)
+
+    # in company of other requests: concurrent requests share forwards (serve/batcher.py)
+    chunks = [list(range(k, len(instances), 6)) for k in range(6)] + [list(range(len(instances)))] * 2
+
+    def ask_apart(indices):
+        with httpx.Client(base_url=str(s.client.base_url), timeout=30) as client:
+            body = client.post("/v1/predict", json={"instances": [instances[i] for i in indices]})
+            assert body.status_code == 200, body.text
+            return indices, body.json()
+
+    # Every instance is in one chunk and in both full requests; within one model version
+    # (training publishes every 0.5 s, so compare per version) its answers must agree.
+    compared = 0
+    for attempt in range(5):
+        seen: dict[tuple[int, int], list[float]] = {}
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            for indices, answer in pool.map(ask_apart, chunks):
+                for position, i in enumerate(indices):
+                    key = (answer["model_version"], i)
+                    got = answer["predictions"][position]["next"]
+                    if key in seen:
+                        assert np.allclose(got, seen[key], atol=1e-5), (attempt, key)
+                        compared += 1
+                    else:
+                        seen[key] = got
+        if compared:
+            break
+    assert compared >= len(instances), compared
 
     # every bad-input class is a 422 that names the instance, never a 500
     bad_bodies = [
