@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Coroutine
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,6 +44,29 @@ class _Gated:
         return predict(model, norm, arrays, token_budget)
 
 
+ONE = [np.ones((2, 1), np.float32)]  # a request of one short instance
+
+
+def run_then_close(batcher: PredictBatcher, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``main`` on a fresh event loop, then stop the batcher's workers."""
+    try:
+        return asyncio.run(main())
+    finally:
+        batcher.close()
+
+
+async def submit_while_busy(
+    batcher: PredictBatcher, gated: _Gated, first: tuple[Any, list[np.ndarray]], rest: list[tuple[Any, list[np.ndarray]]]
+) -> list[list[Prediction]]:
+    """Submit ``first``; once the worker is busy with it, queue ``rest``; then release it."""
+    blocker = asyncio.create_task(batcher.submit(*first))
+    await asyncio.to_thread(gated.started.wait, 10)
+    queued = [asyncio.create_task(batcher.submit(*request)) for request in rest]
+    await asyncio.sleep(0.05)
+    gated.release.set()
+    return [await blocker] + [await task for task in queued]
+
+
 def test_merged_requests_get_the_same_answers_as_alone_in_order() -> None:
     published = _published()
     requests = _requests(12, seed=1)
@@ -49,18 +74,9 @@ def test_merged_requests_get_the_same_answers_as_alone_in_order() -> None:
     gated = _Gated()
     batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
 
-    async def main() -> list[list[Prediction]]:
-        blocker = asyncio.create_task(batcher.submit(published, requests[0]))
-        await asyncio.to_thread(gated.started.wait, 10)  # the worker is busy: the rest queue up
-        rest = [asyncio.create_task(batcher.submit(published, r)) for r in requests[1:]]
-        await asyncio.sleep(0.05)
-        gated.release.set()
-        return [await blocker] + [await t for t in rest]
-
-    try:
-        merged = asyncio.run(main())
-    finally:
-        batcher.close()
+    merged = run_then_close(
+        batcher, lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]])
+    )
     assert gated.calls == [len(requests[0]), sum(len(r) for r in requests[1:])]  # one merged forward
     assert batcher.merged_forwards == 1
     for got, want in zip(merged, alone, strict=True):
@@ -76,18 +92,9 @@ def test_requests_of_different_model_versions_are_not_merged() -> None:
     batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
     first, second, third = _requests(3, seed=2)
 
-    async def main() -> tuple:
-        blocker = asyncio.create_task(batcher.submit(old, first))
-        await asyncio.to_thread(gated.started.wait, 10)
-        tasks = [asyncio.create_task(batcher.submit(new, second)), asyncio.create_task(batcher.submit(old, third))]
-        await asyncio.sleep(0.05)
-        gated.release.set()
-        return await blocker, await tasks[0], await tasks[1]
-
-    try:
-        _, from_new, from_old = asyncio.run(main())
-    finally:
-        batcher.close()
+    _, from_new, from_old = run_then_close(
+        batcher, lambda: submit_while_busy(batcher, gated, (old, first), [(new, second), (old, third)])
+    )
     # the waiting `old` request joins neither the running forward nor the `new` one
     assert gated.calls == [len(first), len(second), len(third)]
     want_new = predict(new.model, new.norm, second, 4096)
@@ -102,20 +109,11 @@ def test_a_merge_stops_at_max_instances() -> None:
     batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=5)
     requests = [[np.ones((3, 1), np.float32)] * 2 for _ in range(4)]  # 2 instances each
 
-    async def main() -> None:
-        blocker = asyncio.create_task(batcher.submit(published, requests[0]))
-        await asyncio.to_thread(gated.started.wait, 10)
-        rest = [asyncio.create_task(batcher.submit(published, r)) for r in requests[1:]]
-        await asyncio.sleep(0.05)
-        gated.release.set()
-        await blocker
-        for task in rest:
-            assert len(await task) == 2
-
-    try:
-        asyncio.run(main())
-    finally:
-        batcher.close()
+    answers = run_then_close(
+        batcher, lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]])
+    )
+    for answer in answers[1:]:
+        assert len(answer) == 2
     assert gated.calls == [2, 4, 2]
 
 
@@ -123,22 +121,18 @@ def test_beyond_admit_is_refused_at_once_and_admitted_again_later() -> None:
     published = _published()
     gated = _Gated()
     batcher = PredictBatcher(gated, 4096, workers=1, admit=2, max_instances=100)
-    one = [np.ones((2, 1), np.float32)]
 
     async def main() -> None:
-        tasks = [asyncio.create_task(batcher.submit(published, one)) for _ in range(2)]
+        tasks = [asyncio.create_task(batcher.submit(published, ONE)) for _ in range(2)]
         await asyncio.sleep(0.05)
         with pytest.raises(Overloaded):
-            await batcher.submit(published, one)
+            await batcher.submit(published, ONE)
         gated.release.set()
         for task in tasks:
             await task
-        assert len(await batcher.submit(published, one)) == 1
+        assert len(await batcher.submit(published, ONE)) == 1
 
-    try:
-        asyncio.run(main())
-    finally:
-        batcher.close()
+    run_then_close(batcher, main)
 
 
 def test_a_failing_forward_fails_its_requests_and_the_worker_lives_on() -> None:
@@ -152,37 +146,29 @@ def test_a_failing_forward_fails_its_requests_and_the_worker_lives_on() -> None:
         return predict(model, norm, arrays, token_budget)
 
     batcher = PredictBatcher(flaky, 4096, workers=1, admit=8, max_instances=100)
-    one = [np.ones((2, 1), np.float32)]
 
     async def main() -> None:
         with pytest.raises(RuntimeError, match="boom"):
-            await batcher.submit(published, one)
-        assert len(await batcher.submit(published, one)) == 1
+            await batcher.submit(published, ONE)
+        assert len(await batcher.submit(published, ONE)) == 1
 
-    try:
-        asyncio.run(main())
-    finally:
-        batcher.close()
+    run_then_close(batcher, main)
 
 
 def test_a_cancelled_request_does_not_break_the_others() -> None:
     published = _published()
     gated = _Gated()
     batcher = PredictBatcher(gated, 4096, workers=1, admit=8, max_instances=100)
-    one = [np.ones((2, 1), np.float32)]
 
     async def main() -> None:
-        gone = asyncio.create_task(batcher.submit(published, one))
-        kept = asyncio.create_task(batcher.submit(published, one))
+        gone = asyncio.create_task(batcher.submit(published, ONE))
+        kept = asyncio.create_task(batcher.submit(published, ONE))
         await asyncio.to_thread(gated.started.wait, 10)
         gone.cancel()
         gated.release.set()
         assert len(await kept) == 1
 
-    try:
-        asyncio.run(main())
-    finally:
-        batcher.close()
+    run_then_close(batcher, main)
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -196,6 +182,6 @@ def test_after_close_requests_are_refused_as_overloaded() -> None:
 
     async def main() -> None:
         with pytest.raises(Overloaded, match="stopping"):
-            await batcher.submit(_published(), [np.ones((2, 1), np.float32)])
+            await batcher.submit(_published(), ONE)
 
     asyncio.run(main())
