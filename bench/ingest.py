@@ -25,7 +25,7 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import load_settings
 from streamtrain.ingest import Ingestor, ensure_topics
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 

@@ -41,7 +41,7 @@ from _table import Row, emit  # noqa: E402
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.data import Batch, Prefetcher, WindowBatchDataset, collate  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
-from streamtrain.serve.metrics import Metrics  # noqa: E402
+from streamtrain.metrics import Metrics  # noqa: E402
 from streamtrain.train import Trainer, build_budget  # noqa: E402
 from streamtrain.window import RecencyWindow, WindowSnapshot  # noqa: E402
 

@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     grad_clip_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip (non-DP training)")
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
+    model_versions_keep: int = Field(
+        4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
+    )
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
     train_nice: int = Field(
         10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"

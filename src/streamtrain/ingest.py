@@ -36,7 +36,7 @@ from kafka.structs import OffsetAndMetadata
 
 from streamtrain.config import Settings
 from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import Any
 from streamtrain.checkpoint import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
 from streamtrain.config import Settings
 from streamtrain.ingest import Ingestor
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.train import PublishedModel, Trainer
 from streamtrain.window import RecencyWindow
 

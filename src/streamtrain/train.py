@@ -30,8 +30,9 @@ from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import Prefetcher
 from streamtrain.data.randomness import make_randomness
+from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
-from streamtrain.serve.metrics import Metrics
+from streamtrain.registry import ModelRegistry
 from streamtrain.window import RecencyWindow, WindowSnapshot
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ class ModelTrainer:
         self.metrics = metrics
         self._clock = clock
         self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
-        self.published: PublishedModel | None = None
+        self.registry: ModelRegistry[PublishedModel] = ModelRegistry(settings.model_versions_keep)
         self.last_error: str | None = None
         self._version = 0
         self._last_publish = 0.0
@@ -147,6 +148,11 @@ class ModelTrainer:
     step: int
     tokens_trained: int
     loss_ema: float | None
+
+    @property
+    def published(self) -> PublishedModel | None:
+        """The version that serves."""
+        return self.registry.serving
 
     def publish(self) -> PublishedModel:
         """Freeze a copy of the model for inference and swap it in atomically (version + 1)."""
@@ -166,7 +172,7 @@ class ModelTrainer:
                 loss=self.loss_ema,
                 published_at=self._clock(),
             )
-        self.published = published  # a single reference assignment: readers see old or new
+        self.registry.add(published)  # a single reference swap: readers see old or new
         self._last_publish = time.monotonic()
         self.metrics.model_version.set(published.version)
         return published

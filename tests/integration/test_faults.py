@@ -36,7 +36,7 @@ from service_process import ServiceProcess
 from streamtrain.checkpoint import CheckpointStore, LoadedCheckpoint, read_checkpoint
 from streamtrain.config import load_settings
 from streamtrain.ingest import Ingestor
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import pytest
 from streamtrain.config import load_settings
 from streamtrain.events import REASONS
 from streamtrain.ingest import Ingestor
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
 from kafka_helpers import consume_all, produce, wait_for

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from streamtrain.config import Settings
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()

@@ -21,7 +21,7 @@ import torch
 from streamtrain.config import load_settings
 from streamtrain.data.collate import Batch, collate
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.train import Trainer
 from streamtrain.window import RecencyWindow
 

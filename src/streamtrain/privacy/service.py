@@ -22,7 +22,7 @@ from streamtrain.events import EventBatch
 from streamtrain.model import RunningNorm, build_model
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
-from streamtrain.serve.metrics import Metrics
+from streamtrain.metrics import Metrics
 from streamtrain.train import ModelTrainer
 from streamtrain.window import RecencyWindow
 
