@@ -88,12 +88,14 @@ def _distributed_coordinates() -> tuple[int, int]:
     return 0, 1
 
 
-def snapshot_digest(snapshot: Any) -> str:
-    """A short fingerprint of which items a snapshot holds, in which order, and their lengths."""
+def snapshot_digest(snapshot: Any, configuration: str = "") -> str:
+    """A short fingerprint of which items a snapshot holds, in which order, their lengths,
+    and ``configuration`` (whatever else decides the pass drawn from it)."""
     seq = getattr(snapshot, "seq", None)
     identity = np.ascontiguousarray(seq if seq is not None else snapshot.ts)
     digest = hashlib.blake2b(identity.tobytes(), digest_size=16)
     digest.update(np.ascontiguousarray(snapshot.lengths, dtype=np.int64).tobytes())
+    digest.update(configuration.encode())
     return digest.hexdigest()
 
 
@@ -308,12 +310,15 @@ class WindowBatchDataset(IterableDataset[Batch]):
                     return
                 pass_index = self.next_pass
                 start = self._live_point()
-                digest = snapshot_digest(window) if self.track_trained and self.shuffle == "seeded" else None
+                digest = self._digest(window) if self.track_trained and self.shuffle == "seeded" else None
                 snapshot, plan = self._draw(window, pass_index)
                 mine = plan.for_rank(rank)
                 skip = self._batches_to_skip(pass_index, digest, len(mine))
                 if self.track_trained:
                     self._records[pass_index] = _PassRecord(len(mine), start, digest)
+                    trained = self._trained
+                    for finished in [p for p in self._records if trained is not None and p < trained.pass_index]:
+                        del self._records[finished]
                 self.next_pass += 1
                 self.planned_steps += len(mine)
             if worker is not None:  # worker-local randomness (e.g. augmentation) gets its own stream
@@ -332,6 +337,19 @@ class WindowBatchDataset(IterableDataset[Batch]):
                 self.on_pass_end(plan.diagnostics)
             passes += 1
 
+    def _digest(self, window: Snapshot) -> str:
+        """The window's digest together with everything that shapes a pass drawn from it.
+
+        A restore skips the trained batches of the interrupted pass only when this matches:
+        another budget, pool size, rank count, seed or sampling setting would draw another
+        pass, and skipping its first batches would leave items untrained.
+        """
+        configuration = (
+            f"seed={self.seed} budget={self.budget!r} pool_size={self.pool_size} coordinates={self.coordinates} "
+            f"sampler={None if self.sampler is None else self.sampler.signature()}"
+        )
+        return snapshot_digest(window, configuration)
+
     def _batches_to_skip(self, pass_index: int, digest: str | None, batches: int) -> int:
         """Batches of a restored pass that were trained before the checkpoint (0 unless resumable)."""
         pending, self._skip = self._skip, None
@@ -341,8 +359,8 @@ class WindowBatchDataset(IterableDataset[Batch]):
         if digest is not None and digest == saved_digest:
             return min(done, batches)
         log.info(
-            "pass %d was %d batches in when the state was saved; the window has changed since (or the "
-            "plan is not reproducible), so the pass is drawn again from its start",
+            "pass %d was %d batches in when the state was saved; the window or the settings have changed "
+            "since (or the plan is not reproducible), so the pass is drawn again from its start",
             pass_index,
             done,
         )
@@ -350,16 +368,14 @@ class WindowBatchDataset(IterableDataset[Batch]):
 
     # ------------------------------------------------------------------ trained batches and state
     def mark_trained(self, batch: Batch | BatchPosition) -> None:
-        """The consumer trained ``batch`` (in order); a resume starts right after it."""
+        """The consumer trained ``batch`` (in order); a resume starts right after it.
+
+        One reference assignment, no lock: a training step never waits for a pass being
+        drawn. Records of passes before it are dropped at the next draw.
+        """
         position = batch if isinstance(batch, BatchPosition) else batch.position
         if position is not None:
-            self._mark(position)
-
-    def _mark(self, position: BatchPosition) -> None:
-        with self._lock:
             self._trained = position
-            for old in [p for p in self._records if p < position.pass_index]:
-                del self._records[old]
 
     def _live_point(self) -> dict[str, Any]:
         """The state to continue from the next pass not yet drawn."""

@@ -141,6 +141,10 @@ class PassSampler:
         if seq is not None and len(snapshot):
             self.watermark = max(self.watermark, int(seq.max()) + 1)
 
+    def signature(self) -> str:
+        """What decides a selection besides the snapshot and the counters, as text."""
+        return f"max_items={self.max_items} fresh_share={self.fresh_share!r} {self.policy.signature()}"
+
     def __call__(self, snapshot: Any) -> Any:
         """The next pass as a snapshot of its own (``snapshot.subset`` of :meth:`select`)."""
         return snapshot.subset(self.select(snapshot).index)

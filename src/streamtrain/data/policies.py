@@ -83,6 +83,14 @@ class SamplingPolicy(ABC):
         """Numbers the pass diagnostics report for this policy."""
         return {}
 
+    def signature(self) -> str:
+        """The policy and its knobs as text, stable across processes (part of a resume check)."""
+        knobs = {
+            key: getattr(value, "__qualname__", None) or repr(value) if callable(value) else repr(value)
+            for key, value in sorted(vars(self).items())
+        }
+        return f"{self.name}{knobs}"
+
 
 # ------------------------------------------------------------------------------ building blocks
 def group_codes(values: Sequence[Any] | np.ndarray) -> tuple[np.ndarray, int]:

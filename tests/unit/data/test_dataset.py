@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from streamtrain.data import dataset as dataset_module
 from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
-from streamtrain.data.collate import Batch
+from streamtrain.data.collate import Batch, BatchPosition
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.passes import PassSampler
+from streamtrain.data.policies import SensorBalancedPolicy
 from streamtrain.data.randomness import derive_seed
 from streamtrain.window import RecencyWindow, WindowSnapshot
 
@@ -382,3 +383,27 @@ def test_track_trained_refuses_worker_processes(make_snapshot: Callable, monkeyp
 def test_a_sampler_must_share_the_dataset_randomness() -> None:
     with pytest.raises(ValueError, match="same"):
         WindowBatchDataset(lambda: None, BUDGET, seed=1, sampler=PassSampler(10, 0.5, "seeded", 2))  # type: ignore[arg-type, return-value]
+
+
+@pytest.mark.parametrize("change", ["budget", "policy", "pass_size"])
+def test_changed_settings_redraw_the_interrupted_pass_whole(
+    make_event_batch: Callable, lognormal: Callable, change: str
+) -> None:
+    window = RecencyWindow(capacity=2000, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(300), first_id=0))
+    dataset = tracked(window)
+    trained = take(iter(dataset), 2, dataset)
+    state = dataset.state_dict()
+    assert state["skip_batches"] == 2
+    same = tracked(window)
+    same.load_state_dict(state)
+    assert next(iter(same)).position == BatchPosition(0, 2, trained[0].position.batches)
+    sampler = PassSampler(
+        40 if change == "pass_size" else 50, 0.5, "seeded", 1,
+        SensorBalancedPolicy(2.0) if change == "policy" else None,
+    )  # fmt: skip
+    budget = TokenBudget(512 if change == "budget" else 256)
+    changed = WindowBatchDataset(window.snapshot, budget, seed=1, sampler=sampler, track_trained=True)
+    changed.load_state_dict(state)
+    first = next(iter(changed)).position
+    assert first is not None and (first.pass_index, first.index) == (0, 0)
