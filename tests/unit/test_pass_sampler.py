@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from streamtrain.config import load_settings
+from streamtrain.config import SettingsError, load_settings
 from streamtrain.data.bucketing import TokenBudget
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.passes import PassSampler, pass_sampler_from_settings
@@ -156,3 +156,29 @@ def test_diagnostics_report_the_selection() -> None:
     assert (first.window_items, first.items, first.fresh_items, first.fresh_deferred) == (300, 100, 50, 250)
     assert (second.fresh_items, second.fresh_deferred) == (0, 0)
     assert first.sensors == 1 and first.sensor_top_share == 1.0 and math.isnan(first.sensor_hhi)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"sampling": "stratified"}, ["stratified", "N_CLASSES"]),
+        ({"sampling": "sensor_balanced", "pass_max_items": 0}, ["sensor_balanced", "PASS_MAX_ITEMS"]),
+        ({"sampling": "curriculum", "pass_max_items": 0}, ["curriculum", "PASS_MAX_ITEMS"]),
+        ({"sampling": "curriculum", "dp": "on", "shuffle": "crypto"}, ["DP mode", "SAMPLING=uniform"]),
+        ({"sampling": "balanced"}, ["sampling", "STREAMTRAIN_SAMPLING"]),
+        ({"sensor_temperature": 0}, ["sensor_temperature", "greater than 0"]),
+        ({"curriculum_strength": "inf"}, ["curriculum_strength", "finite"]),
+    ],
+)
+def test_conflicting_or_bad_sampling_settings_are_refused_in_one_line(overrides: dict, words: list[str]) -> None:
+    with pytest.raises(SettingsError) as refused:
+        load_settings(**overrides)
+    message = str(refused.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+def test_sampling_settings_that_fit_are_accepted() -> None:
+    assert load_settings(sampling="stratified", n_classes=3).sampling == "stratified"
+    assert load_settings(sampling="stratified", n_classes=3, pass_max_items=0).pass_max_items == 0
+    assert math.isinf(load_settings(sensor_temperature="inf").sensor_temperature)
+    assert math.isinf(load_settings(curriculum_half_life_steps="inf").curriculum_half_life_steps)
