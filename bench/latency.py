@@ -128,12 +128,10 @@ class RecordingSampler:
         self.inner = inner
         self.fresh_ts = fresh_ts
 
-    def __call__(self, snapshot: Any) -> Any:
-        watermark = self.inner.watermark
-        chosen = self.inner(snapshot)
-        if chosen.seq is not None:
-            self.fresh_ts.append(chosen.ts[chosen.seq >= watermark].copy())
-        return chosen
+    def select(self, snapshot: Any, **kwargs: Any) -> Any:
+        selection = self.inner.select(snapshot, **kwargs)
+        self.fresh_ts.append(snapshot.ts[selection.fresh].copy())
+        return selection
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -162,7 +160,7 @@ def instrument(service: Any, seen: Observations) -> None:
     window.insert_batch = recording_insert
     trainer.train_step = recording_step
     trainer.publish = recording_publish
-    trainer.sampler = RecordingSampler(trainer.sampler, seen.fresh_ts)
+    trainer.sampler = trainer.dataset.sampler = RecordingSampler(trainer.sampler, seen.fresh_ts)
 
 
 def poll_predictions(port: int, stop: threading.Event, seen: Observations, interval_s: float = 0.1) -> None:

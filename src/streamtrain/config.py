@@ -88,6 +88,19 @@ class Settings(BaseSettings):
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
     )
+    sampling: Literal["uniform", "sensor_balanced", "stratified", "curriculum"] = Field(
+        "uniform",
+        description="Which items a bounded pass replays: uniform, sensor_balanced (per-sensor quotas), stratified (label mix of the window in every batch) or curriculum (short items first, annealed)",
+    )
+    sensor_temperature: float = Field(
+        2.0, gt=0, description="sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal shares"
+    )
+    curriculum_strength: float = Field(
+        3.0, ge=0, allow_inf_nan=False, description="curriculum: initial bias beta against long items, weights exp(-beta * length rank in [0, 1])"
+    )
+    curriculum_half_life_steps: float = Field(
+        500.0, gt=0, description="curriculum: training steps over which beta halves (inf = never anneal)"
+    )
     shuffle: Literal["seeded", "crypto"] = Field("seeded", description="seeded (reproducible) or crypto (OS CSPRNG)")
     seed: int = Field(0, ge=0, description="Base seed for seeded mode")
 
@@ -153,7 +166,7 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_path))
         return tuple(sources)
 
-    @field_validator("half_life_s", mode="before")
+    @field_validator("half_life_s", "sensor_temperature", "curriculum_half_life_steps", mode="before")
     @classmethod
     def _half_life_accepts_inf(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
@@ -173,6 +186,21 @@ class Settings(BaseSettings):
     def _cross_field_rules(self) -> Settings:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.sampling == "stratified" and self.n_classes == 0:
+            raise ValueError(
+                "sampling=stratified balances label classes but n_classes=0 (no labels): "
+                "set STREAMTRAIN_N_CLASSES or choose another STREAMTRAIN_SAMPLING"
+            )
+        if self.sampling in ("sensor_balanced", "curriculum") and self.pass_max_items == 0:
+            raise ValueError(
+                f"sampling={self.sampling} chooses which items a pass takes, but pass_max_items=0 passes over "
+                "the whole window (every item once, whatever the policy): set STREAMTRAIN_PASS_MAX_ITEMS > 0"
+            )
+        if self.dp == "on" and self.sampling != "uniform":
+            raise ValueError(
+                f"sampling={self.sampling} does not apply in DP mode (DP-SGD samples events by Poisson on its "
+                "public clock, as its accounting assumes): set STREAMTRAIN_SAMPLING=uniform"
+            )
         return self
 
     @property
@@ -224,4 +252,6 @@ def _one_line(exc: ValidationError) -> str:
     shown = "" if isinstance(given, dict) or given is None else ("=***" if secret else f"={given!r}")
     env = f" ({ENV_PREFIX}{name.upper()})" if name != "settings" else ""
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    if name == "settings":  # a rule across settings: the message names them
+        return f"invalid settings: {err['msg'].removeprefix('Value error, ')}{more}"
     return f"invalid setting {name}{env}{shown}: {err['msg']}{more}"

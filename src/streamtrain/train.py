@@ -13,7 +13,6 @@ import copy
 import logging
 import math
 import os
-import random
 import sys
 import threading
 import time
@@ -29,11 +28,12 @@ from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import Prefetcher
-from streamtrain.data.randomness import make_randomness
+from streamtrain.data.passes import pass_sampler_from_settings
+from streamtrain.data.randomness import derive_seed
 from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
 from streamtrain.registry import ModelRegistry
-from streamtrain.window import RecencyWindow, WindowSnapshot
+from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -77,48 +77,6 @@ def build_budget(settings: Settings) -> TokenBudget:
         max_sequences=settings.max_batch_sequences,
         pad_to_multiple_of=settings.pad_to_multiple_of,
     )
-
-
-class PassSampler:
-    """Bounds a training pass to ``max_items`` so new events are trained within seconds.
-
-    A window of 100k events takes minutes to pass over on a CPU; a stream learner should
-    see new events sooner. Each bounded pass takes the newest events that arrived since
-    the previous pass (up to ``fresh_share`` of the pass) and fills the rest with a uniform
-    replay sample of the window, which is itself recency-weighted. Within the pass every
-    chosen item is trained exactly once. ``max_items == 0`` passes over the whole window.
-    """
-
-    def __init__(self, max_items: int, fresh_share: float, mode: str, seed: int) -> None:
-        self.max_items = max_items
-        self.fresh_share = fresh_share
-        self.mode = mode
-        self.seed = seed
-        self.passes = 0
-        self.watermark = 0  # first arrival number not yet offered to a pass
-
-    def __call__(self, snapshot: WindowSnapshot) -> WindowSnapshot:
-        n = len(snapshot)
-        seq = snapshot.seq
-        if self.max_items <= 0 or n <= self.max_items or seq is None:
-            if seq is not None and n:
-                self.watermark = int(seq.max()) + 1
-            return snapshot
-        rng = make_randomness(self.mode, self.seed, self.passes)  # type: ignore[arg-type]
-        self.passes += 1
-        fresh = np.flatnonzero(seq >= self.watermark)
-        take = min(fresh.size, int(self.max_items * self.fresh_share))
-        newest = fresh[np.argsort(seq[fresh])[fresh.size - take :]] if take else fresh[:0]
-        rest = np.setdiff1d(np.arange(n), newest, assume_unique=True)
-        replay = rest[rng.permutation(rest.size)[: self.max_items - take]]
-        self.watermark = int(seq.max()) + 1
-        return snapshot.subset(np.sort(np.concatenate([newest, replay])))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"passes": self.passes, "watermark": self.watermark}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.passes, self.watermark = int(state["passes"]), int(state["watermark"])
 
 
 class ModelTrainer:
@@ -254,9 +212,9 @@ class Trainer(ModelTrainer):
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self._prefetcher: Prefetcher | None = None
-        self.sampler = PassSampler(settings.pass_max_items, settings.pass_fresh_share, settings.shuffle, settings.seed)
+        self.sampler = pass_sampler_from_settings(settings)  # SAMPLING: which items each pass trains
         self.dataset = WindowBatchDataset(
-            lambda: self.sampler(window.snapshot()),
+            window.snapshot,
             build_budget(settings),
             pool_size=settings.pool_size,
             shuffle=settings.shuffle,
@@ -264,6 +222,8 @@ class Trainer(ModelTrainer):
             min_items=settings.min_window_items,
             idle_wait_s=0.2,
             on_pass_end=self._on_pass_end,
+            sampler=self.sampler,
+            track_trained=True,  # train_step marks each batch, so a checkpoint resumes after the last trained one
         )
         self.step = 0
         self.tokens_trained = 0
@@ -303,6 +263,7 @@ class Trainer(ModelTrainer):
             self.optimizer.zero_grad(set_to_none=True)
             if skipped is not None:
                 self.norm.load_state_dict(norm_before)
+            self.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
             value = float(loss.detach())
             if skipped is None:
                 self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, batch.mask).detach()))
@@ -394,13 +355,8 @@ class Trainer(ModelTrainer):
                 "tokens_trained": self.tokens_trained,
                 "loss_ema": self.loss_ema,
                 "version": self._version,
-                "dataset": self.dataset.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "numpy": np.random.get_state()[1],
-                    "python": random.getstate()[1],
-                },
+                "dataset": self.dataset.state_dict(),  # with the sampler's counters; every data stream derives from them
+                "rng": {"torch": torch.get_rng_state()},  # the only generator the trainer draws from itself
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,8 +375,9 @@ class Trainer(ModelTrainer):
             loss = state.get("loss_ema")
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))
-            self.dataset.load_state_dict(state["dataset"])
-            if "sampler" in state:
-                self.sampler.load_state_dict(state["sampler"])
-            torch.set_rng_state(state["rng"]["torch"])
+            saved_seed = self.dataset.load_state_dict(state["dataset"], sampler_state=state.get("sampler"))
+            if saved_seed == self.settings.seed:
+                torch.set_rng_state(state["rng"]["torch"])
+            else:  # the configured SEED wins (the dataset logged it): torch follows it too
+                torch.manual_seed(derive_seed(self.settings.seed, self.step, purpose="torch"))
         self.publish()
