@@ -432,10 +432,11 @@ def write_manifest(
     window: dict[str, Any] = {}
     for rank, receipt in enumerate(shards):
         index = _read_shard_index(directory / receipt.file, receipt)
-        shard_window = {key: index["window"][key] for key in ("channels", "capacity", "half_life_s")}
-        if window and shard_window != window:
+        shard_window = {key: index["window"][key] for key in ("channels", "half_life_s")}
+        if window and shard_window != {key: window[key] for key in shard_window}:
             raise ValueError(f"shards disagree on the window settings: rank 0 {window}, rank {rank} {shard_window}")
-        window = shard_window
+        # the capacity recorded is the whole window's: the sum of the ranks' shares
+        window = {**shard_window, "capacity": int(window.get("capacity", 0)) + int(index["window"]["capacity"])}
         if index["rank"] != rank or index["step"] != step:
             raise CorruptCheckpoint(directory / receipt.file, f"shard says rank {index['rank']} step {index['step']}")
         sections = index["sections"]
@@ -483,7 +484,7 @@ class Manifest:
     created_at: float
     topic: str
     ownership: Ownership
-    window: dict[str, Any]  # channels, capacity, half_life_s (None = uniform)
+    window: dict[str, Any]  # channels, capacity (all ranks together), half_life_s (None = uniform)
     common: dict[str, Any]
     shards: list[dict[str, Any]]
     next_offsets: dict[int, int]
