@@ -18,7 +18,10 @@ launches them (``WORLD_SIZE``, ``RANK``, ... ; gloo over localhost).
   world size; plus a restore of the 2-rank checkpoint by 1 rank (a rescale).
 
 On a 2-core machine 2 ranks x 1 thread can at best double 1 x 1; the target is 1.7x on an
-idle machine. A busy machine (other jobs) shows less: say so when quoting it.
+idle machine. A busy machine (other jobs) shows less: say so when quoting it. The CPU
+seconds per 1k real tokens (summed over the ranks' processes, all their threads) do not
+depend on the load: equal figures for 1 and 2 ranks mean scale-out adds no work, and the
+idle-machine ratio is then bounded only by the ranks waiting for each other.
 
 Run: ``python bench/scale.py [--worlds 1,2] [--tokens N] [--ckpt-worlds 1,2,4] [--json]``
 (about 2 minutes by default; ``--tokens 40000 --ckpt-items 20000`` for a quick check).
@@ -132,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
             collectives.barrier()
             tokens = steps = 0
             step_s = comm_s = wait_s = 0.0
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             while True:
                 waited = time.perf_counter()
                 batch = next(batches)
@@ -147,20 +150,40 @@ def worker(args: argparse.Namespace) -> None:
                 tokens += report.real_tokens
                 steps += 1
             wall = time.perf_counter() - started
-        shares = collectives.all_gather_rows(torch.tensor([comm_s / step_s, wait_s / (wait_s + step_s)], dtype=torch.float64))
+            cpu = time.process_time() - cpu_started  # this process, all its threads
+        pure_s = pure_allreduce_seconds(collectives, trainer.model)
+        shares = collectives.all_gather_rows(
+            torch.tensor([comm_s / step_s, wait_s / (wait_s + step_s), cpu], dtype=torch.float64)
+        )
         out.update(
             tokens=tokens,
             steps=steps,
             wall_s=wall,
             tokens_per_s=tokens / wall,
             comm_share=float(shares[:, 0].max()),
+            allreduce_ms=pure_s * 1e3,
+            allreduce_share=pure_s / (step_s / max(steps, 1)),
+            gradient_kb=sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 1024,
             wait_share=float(shares[:, 1].max()),
+            cpu_s_per_ktok=float(shares[:, 2].sum()) / tokens * 1e3,
         )
     if args.ckpt_items > 0:
         out.update(checkpoint_times(args, ctx, collectives, settings))
     if ctx.rank == 0:
         Path(args.out).write_text(json.dumps(out))
     collectives.close()
+
+
+def pure_allreduce_seconds(collectives: Collectives, model: torch.nn.Module, repeats: int = 20) -> float:
+    """Median time of the gradient all-reduce alone, every rank starting together (no straggler wait)."""
+    tail = torch.zeros(4, dtype=torch.float64)
+    times = []
+    for _ in range(repeats):
+        collectives.barrier()
+        started = time.perf_counter()
+        collectives.allreduce_gradients(model.parameters(), tail)
+        times.append(time.perf_counter() - started)
+    return collectives_max(collectives, float(np.median(times)))
 
 
 def checkpoint_times(args: argparse.Namespace, ctx: DistContext, collectives: Collectives, settings: object) -> dict[str, float]:
@@ -261,22 +284,35 @@ def main() -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="streamtrain-scale-") as tmp:
         root = Path(tmp)
-        trained = {w: launch(w, args, root / f"train-{w}.json", tokens=args.tokens, ckpt_items=0, ckpt_dir=root / "unused") for w in worlds}
-        base = trained[worlds[0]]
-        for w in worlds:
+        trained = {
+            w: launch(w, args, root / f"train-{w}.json", tokens=args.tokens, ckpt_items=0, ckpt_dir=root / "unused")
+            for w in (worlds if args.tokens > 0 else [])
+        }
+        base = trained[worlds[0]] if trained else {}
+        for w in trained:
             r = trained[w]
             tag = f"{BENCH}[ranks={w}x1 thread]"
             target = ">= 1.7x (idle 2-core)" if w == 2 and worlds[0] == 1 else ""
             rows += [
                 Row(tag, f"real tokens/s vs {worlds[0]} rank(s)", r["tokens_per_s"], base["tokens_per_s"], target),
-                Row(tag, "collectives share of step time (agree + all-reduce)", r["comm_share"]),
+                Row(tag, "collectives share of step time (agree + all-reduce, incl. waiting for the slower rank)", r["comm_share"]),
+                Row(tag, f"gradient all-reduce alone, ms ({r['gradient_kb']:.0f} KiB)", r["allreduce_ms"]),
+                Row(tag, "gradient all-reduce alone, share of mean step time", r["allreduce_share"]),
                 Row(tag, "data-wait share of step time", r["wait_share"]),
+                Row(
+                    tag,
+                    f"CPU s per 1k real tokens, all ranks (vs {worlds[0]} rank(s); load-independent)",
+                    r["cpu_s_per_ktok"],
+                    base["cpu_s_per_ktok"],
+                ),
                 Row(tag, "steps (global tokens per step)", r["steps"], None, f"{r['tokens'] / max(r['steps'], 1):.0f} tokens/step"),
             ]
         ckpts = {}
+        if args.ckpt_items <= 0:
+            ckpt_worlds = []
         for w in ckpt_worlds:
             ckpts[w] = launch(w, args, root / f"ckpt-{w}.json", tokens=0, ckpt_items=args.ckpt_items, ckpt_dir=root / f"ckpt-{w}")
-        base_ckpt = ckpts[ckpt_worlds[0]]
+        base_ckpt = ckpts[ckpt_worlds[0]] if ckpt_worlds else {}
         for w in ckpt_worlds:
             c = ckpts[w]
             tag = f"{BENCH}[checkpoint {args.ckpt_items} items, ranks={w}]"

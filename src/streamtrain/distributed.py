@@ -488,6 +488,10 @@ class Collectives:
     ) -> StepAgreement:
         """The one collective of a step: flags ORed, counts summed, payloads gathered.
 
+        An all-gather rather than an all-reduce: merging normalization moments exactly
+        (Chan's formula, in rank order) needs every rank's own numbers, and gathering a
+        few dozen float64 costs the same single round trip as reducing them.
+
         Every rank must pass the same ``step``, the same count names and a payload of the
         same length; otherwise :class:`LockstepError` (a bug that would let ranks drift).
         Counts travel as float64, exact below 2**53.

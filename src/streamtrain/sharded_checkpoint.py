@@ -466,9 +466,15 @@ def write_manifest(
         "shards": listed,
         "next_offsets": dict(sorted(next_offsets.items(), key=lambda kv: int(kv[0]))),
     }
+    manifest["sha256"] = _manifest_digest(manifest)
     path = directory / MANIFEST_NAME
     _write_atomically(path, [json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode("ascii")])
     return path
+
+
+def _manifest_digest(record: Mapping[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON without its own digest: no bit goes unchecked."""
+    return hashlib.sha256(_json_bytes({k: v for k, v in record.items() if k != "sha256"})).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------
@@ -510,12 +516,16 @@ def read_manifest(directory: Path | str) -> Manifest:
         raise CorruptCheckpoint(directory, f"manifest unreadable: {exc}") from exc
     try:
         record = json.loads(raw, parse_constant=_reject_constant)
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
         if record.get("format") != FORMAT_NAME or record.get("version") != FORMAT_VERSION:
             raise CorruptCheckpoint(
                 directory,
                 f"manifest format {record.get('format')!r} version {record.get('version')!r}; this streamtrain reads "
                 f"{FORMAT_NAME!r} version {FORMAT_VERSION}",
             )
+        if record.get("sha256") != _manifest_digest(record):
+            raise CorruptCheckpoint(directory, "manifest SHA-256 mismatch: it changed after writing (bit rot or an edit)")
         ownership = Ownership.from_dict(record["ownership"])
         shards = list(record["shards"])
         if [int(s["rank"]) for s in shards] != list(range(ownership.world_size)):

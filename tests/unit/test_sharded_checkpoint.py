@@ -356,11 +356,25 @@ def _garble_manifest(d: Path) -> None:
     (d / "manifest.json").write_text('{"format": "streamtrain.sharded-checkpoint", "version": 1, "step": 9')
 
 
+def _tamper_manifest(d: Path) -> None:  # valid JSON, plausible numbers: only the digest tells
+    path = d / "manifest.json"
+    path.write_text(path.read_text().replace('"partition_count": 3', '"partition_count": 7'))
+
+
 def _lose_shard(d: Path) -> None:
     (d / "shard-00000.stsh").unlink()
 
 
-DAMAGES = [_damage_section, _damage_index, _damage_common, _truncate_shard, _lose_manifest, _garble_manifest, _lose_shard]
+DAMAGES = [
+    _damage_section,
+    _damage_index,
+    _damage_common,
+    _truncate_shard,
+    _lose_manifest,
+    _garble_manifest,
+    _tamper_manifest,
+    _lose_shard,
+]
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d.__name__.strip("_") for d in DAMAGES])
