@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 OWNERSHIP_RULE: Final = "modulo"
 OWNERSHIP_VERSION: Final = 1
 DEFAULT_TIMEOUT_S: Final = 60.0
+DEFAULT_RENDEZVOUS_TIMEOUT_S: Final = 900.0  # torchrun's default rendezvous timeout
 DEFAULT_BUCKET_BYTES: Final = 25 << 20  # DDP's default bucket size
 HTTP_PORT_ENV: Final = "STREAMTRAIN_HTTP_PORT"
 EXIT_COLLECTIVE_FAILURE: Final = 17  # a survivor's exit code when a peer died or hung
@@ -324,11 +325,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Collectives:
     """The process group as the trainer and the checkpointer use it.
 
-    ``start()`` joins the group (``init_process_group`` through ``env://``) when the world
-    has more than one rank, with ``timeout_s`` as the deadline of the rendezvous and of
-    every collective: a rank that dies or hangs makes the others' next collective raise
-    within about that time, so they exit and the supervisor restarts the group. With one
-    rank nothing is created and every method works locally.
+    ``start()`` joins the group when the world has more than one rank: a rendezvous at
+    ``MASTER_ADDR:MASTER_PORT`` (rank 0 hosts the store) that waits up to
+    ``rendezvous_timeout_s`` for every rank, then ``init_process_group`` with ``timeout_s``
+    (``DIST_TIMEOUT_S``) as the deadline of every collective: a rank that dies or hangs
+    makes the others' next collective raise within about that time, so they exit and the
+    supervisor restarts the group. With one rank nothing is created and every method
+    works locally.
 
     Not thread-safe: collectives must be issued in the same order on every rank, so one
     thread (the trainer's) issues all of them.
@@ -341,13 +344,16 @@ class Collectives:
         backend: str = "auto",
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
     ) -> None:
-        if not (timeout_s > 0 and math.isfinite(timeout_s)):
-            raise DistConfigError(f"DIST_TIMEOUT_S={timeout_s!r} must be a positive number of seconds")
+        for name, value in (("DIST_TIMEOUT_S", timeout_s), ("rendezvous timeout", rendezvous_timeout_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise DistConfigError(f"{name}={value!r} must be a positive number of seconds")
         self.ctx = ctx
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = resolve_backend(backend, self.device)
         self.timeout_s = float(timeout_s)
+        self.rendezvous_timeout_s = max(float(rendezvous_timeout_s), self.timeout_s)
         self._owns_group = False
 
     @property
@@ -384,11 +390,21 @@ class Collectives:
             self.ctx.master_port,
             self.timeout_s,
         )
-        os.environ.setdefault("MASTER_ADDR", str(self.ctx.master_addr))
-        os.environ.setdefault("MASTER_PORT", str(self.ctx.master_port))
+        # The rendezvous gets its own, longer deadline: ranks start minutes apart (a pod
+        # pulling its image, a slow import) and that is no failure. Rank 0's store waits
+        # until every rank has connected; only then is the group built, with the
+        # collectives' deadline, which a late start can no longer trip.
+        store = dist.TCPStore(
+            host_name=str(self.ctx.master_addr),
+            port=int(self.ctx.master_port),  # type: ignore[arg-type]
+            world_size=self.world_size,
+            is_master=self.rank == 0,
+            timeout=timedelta(seconds=self.rendezvous_timeout_s),
+            wait_for_workers=True,
+        )
         dist.init_process_group(
             backend=self.backend,
-            init_method="env://",
+            store=store,
             world_size=self.world_size,
             rank=self.rank,
             timeout=timedelta(seconds=self.timeout_s),

@@ -1074,8 +1074,15 @@ class DistributedCheckpointer:
         dead_letters: Mapping[int, Any] | None = None,
         accepted_by_partition: Mapping[int, int] | None = None,
         rank_state: Mapping[str, Any] | None = None,
+        veto: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> SaveResult:
+        """Cut this rank's part of the checkpoint of ``step``; every rank calls it together.
+
+        ``veto`` (a reason) makes this rank refuse the checkpoint while still taking part
+        in its collectives, e.g. when its dead letters are not acknowledged: then no
+        manifest is written and every rank gets ``ok=False``.
+        """
         started = time.perf_counter()
         c = self.collectives
         if c.rank == 0 and common_state is None:
@@ -1093,6 +1100,8 @@ class DistributedCheckpointer:
         receipt = FileReceipt(file=shard_name(c.rank), size=0, sha256="0" * 64, index_sha256="0" * 64)
         common_receipt: FileReceipt | None = None
         try:
+            if veto is not None:
+                raise RuntimeError(veto)
             self.store.create_directory(step, created_ms)
             receipt = write_shard(
                 directory,

@@ -178,13 +178,25 @@ def checkpoint_round_trip(collectives: Collectives, rank: int, out: Path, traine
     }
 
 
-def failure(collectives: Collectives, rank: int, out: Path, mode: str) -> None:
-    """Rank 1 dies (SIGKILL) or hangs after two steps; rank 0 must fail within the timeout."""
+def failure(rank: int, out: Path, mode: str, timeout_s: float) -> None:
+    """Rank 1 dies (SIGKILL) or hangs after two steps; rank 0 must fail within the timeout.
+
+    Everything slow (building and warming up the trainer) happens before the group is
+    joined, so on a loaded machine only the failure, not a slow start, trips the short
+    timeout; rank 1 also joins late (TEST_START_DELAY_S), which must not count as a failure.
+    """
     trainer = Trainer(load_settings(**SETTINGS), RecencyWindow(1000, math.inf), Metrics())
-    dp = DataParallelStep(
-        collectives, trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0, scheduler=trainer.scheduler
-    )
     batch = collate([np.ones((8, 1), np.float32) * (rank + 1)])
+
+    def parallel(collectives: Collectives) -> DataParallelStep:
+        return DataParallelStep(
+            collectives, trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0, scheduler=trainer.scheduler
+        )
+
+    parallel(Collectives(DistContext())).step(batch, step=-1)  # warm-up, alone
+    time.sleep(float(os.environ.get("TEST_START_DELAY_S", "0")))
+    collectives = Collectives(DistContext.from_env(), backend="gloo", timeout_s=timeout_s).start()
+    dp = parallel(collectives)
     for step in range(2):
         dp.step(batch, step=step)
     if rank == 1:
@@ -214,11 +226,11 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = DistContext.from_env()
     timeout_s = float(os.environ.get("TEST_DIST_TIMEOUT_S", "30"))
+    if scenario != "train":
+        failure(ctx.rank, out, scenario, timeout_s)
+        return
     collectives = Collectives(ctx, backend="gloo", timeout_s=timeout_s).start()
-    if scenario == "train":
-        train(collectives, ctx.rank, out)
-    else:
-        failure(collectives, ctx.rank, out, scenario)
+    train(collectives, ctx.rank, out)
     collectives.close()
 
 

@@ -485,6 +485,10 @@ def test_a_failed_write_seals_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not failed.ok and "No space left" in (failed.error or "") and failed.next_offsets == {}
     assert not (failed.path / "manifest.json").exists()
     monkeypatch.undo()
+    vetoed = checkpointer.save(
+        step=2, partition_count=3, window_state=window.state_dict(), common_state={}, veto="dead letters not acknowledged"
+    )
+    assert not vetoed.ok and "dead letters not acknowledged" in (vetoed.error or "")
     assert [m.step for m in store.manifests()] == [1]
     assert checkpointer.restore(partition_count=3).step == 1  # type: ignore[union-attr]
     assert _save(checkpointer, window, 3).ok
