@@ -203,7 +203,7 @@ def failure(rank: int, out: Path, mode: str, timeout_s: float) -> None:
         (out / "rank1.ready").write_text("ok")
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(600)  # a hang: alive, silent
+        time.sleep(60)  # a hang: alive, silent (the parent kills it once rank 0 is done)
         return
     last_ok = time.monotonic()
     try:
