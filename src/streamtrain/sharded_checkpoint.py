@@ -296,7 +296,6 @@ class FileReceipt:
         return bool(words[0]), cls(file=file, size=int(words[1]), sha256=sha, index_sha256=index_sha)
 
 
-
 def shard_name(rank: int) -> str:
     return f"shard-{rank:05d}.stsh"
 
