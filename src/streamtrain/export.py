@@ -18,6 +18,7 @@ does (the tests compare them to 1e-5 on padded, variable-length batches).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 import warnings
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 import safetensors.torch
 import torch
+import torch.fx.experimental._config  # noqa: F401 - _size_oblivious reads it
 
 from streamtrain.checkpoint import CheckpointStore
 from streamtrain.model import InferenceModel, RunningNorm, SensorModel
@@ -195,12 +197,27 @@ def _dynamic_shapes(bundle: ModelBundle) -> dict[str, dict[int, Any]]:
     return {"values": {0: batch, 1: length}, "lengths": {0: batch}}
 
 
+def _size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """Trace sizes without specializing on 0 and 1.
+
+    Slices of ``length - 1`` steps make the tracer ask whether that size is 1 (for
+    broadcasting) and refuse a dynamic length; the operands always have the same shape,
+    so the answer does not change the computation, and batches of length 1 and 2 must
+    stay servable (the tests run them).
+    """
+    config = getattr(torch.fx.experimental, "_config", None)
+    if config is None or not hasattr(config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)
+
+
 def export_program(bundle: ModelBundle, path: Path | str) -> Path:
     """A ``torch.export`` ExportedProgram (``torch.export.load`` reads it back)."""
     path = Path(path)
-    program = torch.export.export(
-        bundle.inference_model(), example_inputs(bundle), dynamic_shapes=_dynamic_shapes(bundle), strict=False
-    )
+    with _size_oblivious():
+        program = torch.export.export(
+            bundle.inference_model(), example_inputs(bundle), dynamic_shapes=_dynamic_shapes(bundle), strict=False
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, str(path))
     return path
@@ -237,18 +254,19 @@ def export_onnx(bundle: ModelBundle, path: Path | str, opset: int | None = None)
     path.parent.mkdir(parents=True, exist_ok=True)
     network = bundle.inference_model()
     options: dict[str, Any] = {} if opset is None else {"opset_version": opset}
-    torch.onnx.export(
-        network,
-        example_inputs(bundle),
-        str(path),
-        input_names=list(INPUT_NAMES),
-        output_names=list(network.output_names),
-        dynamic_shapes=_dynamic_shapes(bundle),
-        dynamo=True,
-        external_data=False,
-        verbose=False,
-        **options,
-    )
+    with _size_oblivious():
+        torch.onnx.export(
+            network,
+            example_inputs(bundle),
+            str(path),
+            input_names=list(INPUT_NAMES),
+            output_names=list(network.output_names),
+            dynamic_shapes=_dynamic_shapes(bundle),
+            dynamo=True,
+            external_data=False,
+            verbose=False,
+            **options,
+        )
     model = onnx.load(str(path))
     model.doc_string = f"streamtrain model version {bundle.version} (step {bundle.step})"
     onnx.helper.set_model_props(model, {"streamtrain_version": str(bundle.version), "streamtrain_step": str(bundle.step)})

@@ -332,10 +332,17 @@ def build_model(settings: Any) -> SensorModel:
 
 
 def _one_step_errors(forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L-1] each."""
+    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L] each,
+    valid where t and t+1 are both real.
+
+    The target is the input shifted left by one (the last position gets a zero, never
+    valid) rather than a ``[:, 1:]`` slice: no tensor is empty for length-1 batches, which
+    ONNX Runtime's reductions get wrong, and the exported graph needs no special case.
+    """
     mask = mask.bool()
-    valid = mask[:, :-1] & mask[:, 1:]
-    error = (forecast[:, :-1] - x_norm[:, 1:]).square().mean(dim=-1)
+    target = torch.cat([x_norm[:, 1:], torch.zeros_like(x_norm[:, :1])], dim=1)
+    valid = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+    error = (forecast - target).square().mean(dim=-1)
     error = torch.where(valid, error, torch.zeros((), dtype=error.dtype, device=error.device))
     return error, valid
 

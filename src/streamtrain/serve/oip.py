@@ -141,15 +141,31 @@ def _flatten(data: list[Any], where: str) -> list[Any]:
     return flat
 
 
-def _json_numbers(flat: list[Any], datatype: str, where: str) -> np.ndarray:
-    if datatype == "FP32":
-        if not set(map(type, flat)) <= _NUMBER_TYPES:
-            raise OIPProblem(f"{where}.data: schema: must hold only numbers")
-        try:
-            with np.errstate(over="ignore"):
-                return np.array(flat, dtype=np.float64).astype(np.float32)  # beyond float32: inf (non_finite)
-        except OverflowError:
-            raise OIPProblem(f"{where}.data: non_finite: a value is too large to represent") from None
+def _as_float(x: Any) -> float:
+    try:
+        return float(x) if type(x) in _NUMBER_TYPES else 0.0
+    except OverflowError:  # an integer beyond float range
+        return math.inf
+
+
+def _json_values(flat: list[Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """float32 contents, and where the data held something other than a number (None: nowhere).
+
+    Beyond float32 range becomes inf; the row checks then refuse it as non_finite, and a
+    non-number as schema, both naming the row, in the order of the event rules.
+    """
+    with np.errstate(over="ignore"):
+        if set(map(type, flat)) <= _NUMBER_TYPES:
+            try:
+                return np.array(flat, dtype=np.float64).astype(np.float32), None
+            except OverflowError:
+                pass
+        not_numbers = np.fromiter((type(x) not in _NUMBER_TYPES for x in flat), dtype=bool, count=len(flat))
+        values = np.array([_as_float(x) for x in flat], dtype=np.float64).astype(np.float32)
+    return values, (not_numbers if not_numbers.any() else None)
+
+
+def _json_integers(flat: list[Any], datatype: str, where: str) -> np.ndarray:
     if not all(type(x) is int for x in flat):
         raise OIPProblem(f"{where}.data: schema: must hold only integers")
     try:
@@ -158,9 +174,17 @@ def _json_numbers(flat: list[Any], datatype: str, where: str) -> np.ndarray:
         raise OIPProblem(f"{where}.data: a value is out of {datatype} range") from None
 
 
-def read_inputs(request: OIPInferRequest, binary: bytes) -> tuple[np.ndarray, np.ndarray | None]:
-    """(values, lengths or None) from JSON ``data`` or the binary section, shapes as declared."""
+@dataclass(frozen=True)
+class OIPInputs:
+    values: np.ndarray  # as declared, [batch, length, channels] when valid
+    lengths: np.ndarray | None  # [batch] when given
+    not_numbers: np.ndarray | None = None  # like values: True where JSON data held no number
+
+
+def read_inputs(request: OIPInferRequest, binary: bytes) -> OIPInputs:
+    """The inputs from JSON ``data`` or the binary section, shapes as declared."""
     found: dict[str, np.ndarray] = {}
+    not_numbers = None
     offset = 0
     for i, tensor in enumerate(request.inputs):
         where = f"inputs[{i}] ({tensor.name})"
@@ -196,20 +220,23 @@ def read_inputs(request: OIPInferRequest, binary: bytes) -> tuple[np.ndarray, np
             flat = _flatten(tensor.data, where)
             if len(flat) != count:
                 raise OIPProblem(f"{where}.data: {len(flat)} elements do not fill shape {tensor.shape} ({count})")
-            array = _json_numbers(flat, tensor.datatype, where)
+            if tensor.datatype == "FP32":
+                array, not_numbers = _json_values(flat)
+                not_numbers = None if not_numbers is None else not_numbers.reshape(tensor.shape)
+            else:
+                array = _json_integers(flat, tensor.datatype, where)
         found[tensor.name] = array.reshape(tensor.shape)
     if offset != len(binary):
         raise OIPProblem(f"body: {len(binary) - offset} bytes of binary data after the header that no input claims")
     if "values" not in found:
         raise OIPProblem("inputs: the input 'values' (FP32 [batch, length, channels]) is required")
-    return found["values"], found.get("lengths")
+    return OIPInputs(found["values"], found.get("lengths"), not_numbers)
 
 
-def split_instances(
-    values: np.ndarray, lengths: np.ndarray | None, channels: int, max_len: int, max_batch: int
-) -> list[np.ndarray]:
+def split_instances(inputs: OIPInputs, channels: int, max_len: int, max_batch: int) -> list[np.ndarray]:
     """Each row's real steps as float32 ``[L_i, C]``, checked by the rules of /v1/predict
-    and Kafka events (reasons empty, too_long, bad_channels, non_finite)."""
+    and Kafka events (reasons bad_channels, empty, too_long, schema, non_finite)."""
+    values, lengths = inputs.values, inputs.lengths
     if values.ndim != 3:
         raise OIPProblem(f"values: shape must be [batch, length, channels], got {list(values.shape)}")
     batch, length, width = values.shape
@@ -231,6 +258,8 @@ def split_instances(
             raise OIPProblem(f"lengths[{i}]: {n} is longer than the values tensor's length {length}")
         if n > max_len:
             raise OIPProblem(f"values[{i}]: too_long: 'values' has {n} steps, the limit is {max_len}")
+        if inputs.not_numbers is not None and inputs.not_numbers[i, :n].any():
+            raise OIPProblem(f"values[{i}]: schema: 'values' must hold only numbers")
         row = values[i, :n]
         if not np.isfinite(row).all():
             raise OIPProblem(f"values[{i}]: non_finite: 'values' holds NaN or infinity, or overflows float32")
@@ -473,8 +502,8 @@ async def _infer(request: Request, model_name: str, version: str | None) -> Resp
         body = decode_body(await request.body(), request.headers.get("content-encoding"), settings.max_request_bytes)
         header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
         infer_request = parse_header(header)
-        values, lengths = read_inputs(infer_request, binary)
-        rows = split_instances(values, lengths, settings.channels, settings.max_len, settings.max_predict_batch)
+        inputs = read_inputs(infer_request, binary)
+        rows = split_instances(inputs, settings.channels, settings.max_len, settings.max_predict_batch)
         outputs = requested_outputs(infer_request, published.model.n_classes > 0)
         batcher: PredictBatcher = request.app.state.predict_batcher
         try:
