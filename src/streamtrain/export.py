@@ -136,7 +136,7 @@ def fetch_bundle(url: str, version: str, token: str, timeout_s: float = 60.0) ->
         raise ExportError(f"cannot reach {address}: {err}") from None
     if response.status_code == 404 and "application/json" in response.headers.get("content-type", ""):
         detail = response.json().get("detail", "")
-        if "admin" in str(detail) or detail == "Not Found":
+        if detail == "Not Found":
             detail = "no such route: the service has no admin token configured (STREAMTRAIN_ADMIN_TOKEN)"
         raise ExportError(f"{address}: 404 {detail}")
     if response.status_code in (401, 403):

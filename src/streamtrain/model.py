@@ -435,9 +435,11 @@ class InferenceModel(nn.Module):
     def __init__(self, model: SensorModel, norm: RunningNorm) -> None:
         super().__init__()
         self.model = model
-        # The float32 constants RunningNorm.normalize uses for float32 inputs.
-        self.register_buffer("mean", norm.mean.float())
-        self.register_buffer("std", norm.std.float())
+        # The float32 constants RunningNorm.normalize uses for float32 inputs, made on the
+        # model's device: no .to() on a module that other threads may be running.
+        device = next(model.parameters()).device
+        self.register_buffer("mean", norm.mean.float().to(device))
+        self.register_buffer("std", norm.std.float().to(device))
         self.n_classes = model.n_classes
 
     @property
@@ -534,7 +536,7 @@ def predict_arrays(
         return PredictionArrays(out_next, out_score, out_probs)
     was_training = model.training
     device = next(model.parameters()).device
-    network = InferenceModel(model, norm).to(device)
+    network = InferenceModel(model, norm)
     model.eval()
     try:
         with torch.inference_mode():
