@@ -19,6 +19,7 @@ does (the tests compare them to 1e-5 on padded, variable-length batches).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import struct
 import warnings
@@ -254,7 +255,8 @@ def export_onnx(bundle: ModelBundle, path: Path | str, opset: int | None = None)
     path.parent.mkdir(parents=True, exist_ok=True)
     network = bundle.inference_model()
     options: dict[str, Any] = {} if opset is None else {"opset_version": opset}
-    with _size_oblivious():
+    # The exporter prints its progress; the CLI prints one line of its own.
+    with _size_oblivious(), contextlib.redirect_stdout(io.StringIO()):
         torch.onnx.export(
             network,
             example_inputs(bundle),
