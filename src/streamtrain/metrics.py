@@ -7,6 +7,7 @@ many services as they like. Names: ``streamtrain_`` prefix, base units, counters
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -37,6 +38,27 @@ class _WindowAgeCollector(Collector):
         family.add_metric(["0.5"], p50)
         family.add_metric(["0.9"], p90)
         yield family
+
+
+class _ModelInfoCollector(Collector):
+    """``streamtrain_model_info{version}`` (1 for the version that serves, 0 for the other
+    kept ones: at most MODEL_VERSIONS_KEEP series) and ``streamtrain_model_age_seconds``."""
+
+    def __init__(self, source: Callable[[], tuple[list[int], int | None, float | None]]) -> None:
+        self._source = source
+
+    def collect(self):  # type: ignore[override]
+        kept, serving, published_at = self._source()
+        info = GaugeMetricFamily(
+            "streamtrain_model_info", "Kept model versions: 1 for the one that serves, 0 for the others", labels=["version"]
+        )
+        for version in kept:
+            info.add_metric([str(version)], 1.0 if version == serving else 0.0)
+        yield info
+        age = GaugeMetricFamily("streamtrain_model_age_seconds", "Seconds since the serving version was published")
+        if published_at is not None:
+            age.add_metric([], max(0.0, time.time() - published_at))
+        yield age
 
 
 class Metrics:
@@ -135,6 +157,11 @@ class Metrics:
     def watch_window_age(self, source: Callable[[], tuple[float, float]]) -> None:
         """Serve the window-age quantiles from ``source`` at every scrape."""
         self.registry.register(_WindowAgeCollector(source))
+
+    def watch_models(self, source: Callable[[], tuple[list[int], int | None, float | None]]) -> None:
+        """Serve model_info and model_age_seconds from ``source`` (kept versions, the serving
+        version, its publication time) at every scrape."""
+        self.registry.register(_ModelInfoCollector(source))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -332,10 +332,17 @@ def build_model(settings: Any) -> SensorModel:
 
 
 def _one_step_errors(forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L-1] each."""
+    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L] each,
+    valid where t and t+1 are both real.
+
+    The target is the input shifted left by one (the last position gets a zero, never
+    valid) rather than a ``[:, 1:]`` slice: no tensor is empty for length-1 batches, which
+    ONNX Runtime's reductions get wrong, and the exported graph needs no special case.
+    """
     mask = mask.bool()
-    valid = mask[:, :-1] & mask[:, 1:]
-    error = (forecast[:, :-1] - x_norm[:, 1:]).square().mean(dim=-1)
+    target = torch.cat([x_norm[:, 1:], torch.zeros_like(x_norm[:, :1])], dim=1)
+    valid = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+    error = (forecast - target).square().mean(dim=-1)
     error = torch.where(valid, error, torch.zeros((), dtype=error.dtype, device=error.device))
     return error, valid
 
@@ -414,6 +421,78 @@ class Prediction:
     probs: list[float] | None = None  # class probabilities when n_classes > 0
 
 
+class InferenceModel(nn.Module):
+    """What a prediction computes, as one module: the model with its input normalization.
+
+    ``forward(values [B, L, C] float32, lengths [B] int64)`` returns ``(next [B, C],
+    anomaly_score [B])`` plus ``probs [B, n_classes]`` when the model classifies. Rows
+    are real for their first ``lengths[b]`` steps; whatever the padding holds is ignored.
+    :func:`predict` runs this module and ``streamtrain export`` writes it to TorchScript
+    and ONNX, so the service and an exported model compute the same thing. It only calls
+    ``SensorModel.forward``, so a change there reaches both.
+    """
+
+    def __init__(self, model: SensorModel, norm: RunningNorm) -> None:
+        super().__init__()
+        self.model = model
+        # The float32 constants RunningNorm.normalize uses for float32 inputs, made on the
+        # model's device: no .to() on a module that other threads may be running.
+        device = next(model.parameters()).device
+        self.register_buffer("mean", norm.mean.float().to(device))
+        self.register_buffer("std", norm.std.float().to(device))
+        self.n_classes = model.n_classes
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return ("next", "anomaly_score", "probs") if self.n_classes > 0 else ("next", "anomaly_score")
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, length = values.shape[0], values.shape[1]
+        positions = torch.arange(length, device=values.device)
+        mask = positions[None, :] < lengths[:, None]
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        x_norm = torch.where(mask[..., None], (values - self.mean) / self.std, zero)
+        output = self.model(x_norm, mask)
+        scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
+        last = (lengths - 1).clamp_min(0)
+        next_norm = output.forecast[torch.arange(batch, device=values.device), last]
+        next_values = next_norm * self.std + self.mean
+        if output.logits is None:
+            return next_values, scores
+        return next_values, scores, torch.softmax(output.logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class PredictionArrays:
+    """Predictions for N instances as arrays (float32), in request order; slices stay in order."""
+
+    next: np.ndarray  # [N, C]
+    anomaly_score: np.ndarray  # [N]
+    probs: np.ndarray | None  # [N, n_classes] or None
+
+    def __len__(self) -> int:
+        return int(self.anomaly_score.shape[0])
+
+    def __getitem__(self, index: slice) -> PredictionArrays:
+        if not isinstance(index, slice):
+            raise TypeError("PredictionArrays: index with a slice")
+        return PredictionArrays(
+            self.next[index], self.anomaly_score[index], None if self.probs is None else self.probs[index]
+        )
+
+    def finite_rows(self) -> np.ndarray:
+        """[N] bool: every number of the instance's prediction is finite."""
+        ok = np.isfinite(self.next).all(axis=1) & np.isfinite(self.anomaly_score)
+        if self.probs is not None:
+            ok &= np.isfinite(self.probs).all(axis=1)
+        return ok
+
+    def to_predictions(self) -> list[Prediction]:
+        nexts, scores = self.next.tolist(), self.anomaly_score.tolist()
+        probs = self.probs.tolist() if self.probs is not None else [None] * len(scores)
+        return [Prediction(next=n, anomaly_score=s, probs=p) for n, s, p in zip(nexts, scores, probs, strict=True)]
+
+
 PREDICT_MIN_LENGTH_SHARE = 0.75  # a request holds tens of items: filling the training budget pads ~70%
 
 
@@ -436,41 +515,45 @@ def plan_predict_batches(
     return groups
 
 
-def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:
-    """No-shuffle inference: one Prediction per input, in request order.
+def predict_arrays(
+    model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int
+) -> PredictionArrays:
+    """No-shuffle inference through :class:`InferenceModel`: one row per input, in order.
 
     Instances are length-sorted into token-budget micro-batches for speed; since the model
     has no cross-instance op and masks padding, an instance's answer does not depend on
     its company or on the order of the request.
     """
-    if not values:
-        return []
     arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     if (lengths < 1).any():
         raise ValueError("predict: every instance needs at least one reading")
-    results: list[Prediction | None] = [None] * len(arrays)
+    count, channels = len(arrays), model.channels
+    out_next = np.empty((count, channels), dtype=np.float32)
+    out_score = np.empty(count, dtype=np.float32)
+    out_probs = np.empty((count, model.n_classes), dtype=np.float32) if model.n_classes > 0 else None
+    if not arrays:
+        return PredictionArrays(out_next, out_score, out_probs)
     was_training = model.training
     device = next(model.parameters()).device
+    network = InferenceModel(model, norm)
     model.eval()
     try:
         with torch.inference_mode():
             for group in plan_predict_batches(lengths, token_budget):
                 batch = collate([arrays[i] for i in group]).to(device)
-                mask = batch.mask
-                x_norm = norm.normalize(batch.values).float() * mask[..., None]
-                output = model(x_norm, mask)
-                scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
-                last = mask.sum(dim=1) - 1
-                next_norm = output.forecast[torch.arange(len(group), device=device), last]
-                next_values = norm.denormalize(next_norm.double()).tolist()
-                probs = torch.softmax(output.logits.double(), dim=-1).tolist() if output.logits is not None else None
-                for row, index in enumerate(group):
-                    results[int(index)] = Prediction(
-                        next=next_values[row],
-                        anomaly_score=float(scores[row]),
-                        probs=probs[row] if probs is not None else None,
-                    )
+                outputs = network(batch.values, batch.lengths)
+                out_next[group] = outputs[0].cpu().numpy()
+                out_score[group] = outputs[1].cpu().numpy()
+                if out_probs is not None:
+                    out_probs[group] = outputs[2].cpu().numpy()
     finally:
         model.train(was_training)
-    return [r for r in results if r is not None]
+    return PredictionArrays(out_next, out_score, out_probs)
+
+
+def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:
+    """:func:`predict_arrays` as one :class:`Prediction` per input, in request order."""
+    if not values:
+        return []
+    return predict_arrays(model, norm, values, token_budget).to_predictions()

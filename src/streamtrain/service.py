@@ -52,6 +52,7 @@ class Service:
         self._checkpointer: threading.Thread | None = None
         self.metrics.window_capacity.set(settings.window_capacity)
         self.metrics.watch_window_age(lambda: tuple(self.window.age_quantiles([0.5, 0.9])))  # type: ignore[arg-type]
+        self.metrics.watch_models(self._model_versions)
 
     def _build_trainer(self) -> Any:
         if self.settings.dp == "on":
@@ -84,6 +85,12 @@ class Service:
     @property
     def published(self) -> PublishedModel | None:
         return self.trainer.published
+
+    def _model_versions(self) -> tuple[list[int], int | None, float | None]:
+        """(kept versions, the serving one, when it was published) for the model metrics."""
+        registry = self.trainer.registry
+        serving = registry.serving
+        return registry.versions(), None if serving is None else serving.version, None if serving is None else serving.published_at
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> LoadedCheckpoint | None:

@@ -30,6 +30,7 @@ import schemathesis
 import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import (
@@ -434,7 +435,12 @@ def test_openapi_operations_have_no_server_errors(tmp_path: Path) -> None:
                         assert str(response.status_code) in declared, (where, response.status_code, response.text)
                     case.validate_response(response, checks=CHECKS)
 
-            check()
+            try:
+                check()
+            except Unsatisfiable:
+                # Only plain string path parameters (the OIP routes' model name and
+                # version, the admin model route's version): no value breaks the schema.
+                assert mode is GenerationMode.NEGATIVE and not (operation.body or operation.query), operation.path
 
 
 # ---------------------------------------------------------------------------------------

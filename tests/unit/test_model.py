@@ -220,7 +220,7 @@ def test_predict_is_order_and_company_invariant() -> None:
                 assert other.anomaly_score == pytest.approx(reference[index].anomaly_score, abs=1e-5)
                 np.testing.assert_allclose(other.probs, reference[index].probs, atol=1e-5)
     assert all(p.anomaly_score == 0.0 for p, item in zip(reference, items) if len(item) == 1)
-    assert all(abs(sum(p.probs) - 1) < 1e-9 for p in reference)
+    assert all(abs(sum(p.probs) - 1) < 1e-6 for p in reference)  # float32 softmax, as exported
     assert model.training is False
 
 

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +25,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
-from streamtrain.model import predict as model_predict
+from streamtrain.export import encode_bundle
+from streamtrain.model import PredictionArrays, predict_arrays
+from streamtrain.registry import UnknownVersion
+from streamtrain.serve import oip
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     CheckpointResult,
@@ -120,10 +124,6 @@ def model_report(service: ServiceDep) -> ModelReport:
     )
 
 
-def _all_finite(*numbers: list[float]) -> bool:
-    return all(math.isfinite(x) for group in numbers for x in group)
-
-
 def _unprocessable(message: str) -> HTTPException:
     return HTTPException(status_code=422, detail=message)
 
@@ -154,19 +154,21 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
         raise HTTPException(status_code=503, detail="no model published yet: the window is still filling")
     batcher: PredictBatcher = request.app.state.predict_batcher
     try:
-        predictions = await batcher.submit(published, arrays)
+        predictions: PredictionArrays = await batcher.submit(published, arrays)
     except Overloaded as err:
         raise HTTPException(status_code=503, detail=f"overloaded: {err}; retry later") from None
-    for i, p in enumerate(predictions):
-        if not _all_finite(p.next, [p.anomaly_score], p.probs or []):
-            raise _unprocessable(
-                f"instances[{i}].values: non_finite: the forecast overflows for these readings; "
-                "they lie far outside the range the model works in"
-            )
+    overflowed = np.flatnonzero(~predictions.finite_rows())
+    if overflowed.size:
+        raise _unprocessable(
+            f"instances[{int(overflowed[0])}].values: non_finite: the forecast overflows for these readings; "
+            "they lie far outside the range the model works in"
+        )
     return PredictResponse(
         model_version=published.version,
-        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs} for p in predictions],
-    )
+        model_age_s=oip.model_age_s(published),
+        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs}
+                     for p in predictions.to_predictions()],
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- metrics
@@ -204,6 +206,31 @@ def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
     return CheckpointResult(path=path.name, step=service.trainer.step)
 
 
+@admin.get("/models/{version}", dependencies=[Depends(require_admin)], response_class=Response,
+           responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+                            "description": "safetensors bundle: the model's tensors, its normalization and a JSON description"},
+                      401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})  # fmt: skip
+def admin_model(version: str, service: ServiceDep) -> Response:
+    """A kept version (or ``serving``) as the bundle ``streamtrain export --url`` reads."""
+    registry = service.trainer.registry
+    published = None
+    if version == "serving":
+        published = registry.serving
+    elif version.isascii() and version.isdigit():
+        try:
+            published = registry.get(int(version))
+        except UnknownVersion:
+            published = None
+    if published is None:
+        kept = ", ".join(map(str, registry.versions())) or "none yet"
+        raise HTTPException(status_code=404, detail=f"no kept model version {version!r} (kept: {kept})")
+    return Response(
+        encode_bundle(published),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="streamtrain-v{published.version}.safetensors"'},
+    )
+
+
 # ---------------------------------------------------------------------- middleware
 class BodySizeLimit:
     """413 for request bodies over ``limit`` bytes, declared or streamed."""
@@ -218,7 +245,7 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
+            await self._reject(send, scope.get("path", ""))
             return
         received = 0
         exceeded = started = False
@@ -247,10 +274,12 @@ class BodySizeLimit:
         except _BodyTooLarge:
             pass
         if exceeded and not started:
-            await self._reject(send)
+            await self._reject(send, scope.get("path", ""))
 
-    async def _reject(self, send: Send) -> None:
-        body = b'{"detail":"request body too large"}'
+    async def _reject(self, send: Send, path: str = "") -> None:
+        # The Open Inference Protocol's routes answer errors as {"error": ...}.
+        key = b"error" if path.startswith("/v2/") else b"detail"
+        body = b'{"' + key + b'":"request body too large"}'
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -266,7 +295,8 @@ class _BodyTooLarge(Exception):
 def _predict_metrics(app: FastAPI, service: Service) -> None:
     @app.middleware("http")
     async def count_predictions(request: Request, call_next: Any) -> Response:
-        if request.url.path != "/v1/predict":
+        path = request.url.path
+        if path != "/v1/predict" and not (path.startswith("/v2/models/") and path.endswith("/infer")):
             return await call_next(request)
         started = time.perf_counter()
         response = await call_next(request)
@@ -295,7 +325,7 @@ def create_app(service: Service) -> FastAPI:
     )
     app.state.service = service
     app.state.predict_batcher = PredictBatcher(
-        model_predict,
+        predict_arrays,
         settings.token_budget,
         workers=settings.predict_concurrency,
         admit=settings.predict_concurrency + settings.predict_queue,
@@ -305,6 +335,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(window_router)
     app.include_router(model_router)
     app.include_router(metrics_router)
+    app.include_router(oip.router)
     if settings.admin_token is not None and settings.admin_token.get_secret_value():
         app.state.admin_token = settings.admin_token.get_secret_value()
         app.include_router(admin)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,6 +81,7 @@ class PredictionOut(BaseModel):
 
 class PredictResponse(BaseModel):
     model_version: int
+    model_age_s: float = Field(description="Seconds since the answering version was published")
     predictions: list[PredictionOut]
 
 
@@ -91,3 +92,85 @@ class CheckpointResult(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: Any
+
+
+# ---------------------------------------------------------------------- Open Inference Protocol v2
+# The KServe / Triton request and response bodies. The infer route reads the body itself
+# (JSON, or JSON plus binary tensor data), checks it with these models and answers
+# ``{"error": ...}``; they are also what the OpenAPI document shows.
+
+
+class OIPTensorIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(description="values (required) or lengths (optional)")
+    shape: list[Annotated[int, Field(ge=0)]] = Field(description="values: [batch, length, channels]; lengths: [batch]")
+    datatype: str = Field(description="values: FP32; lengths: INT32 or INT64", examples=["FP32"])
+    parameters: dict[str, Any] | None = Field(
+        None, description="binary_data_size: the tensor's bytes follow the JSON header (binary extension)"
+    )
+    data: list[Any] | None = Field(None, description="Row-major contents, flat or nested; absent with binary_data_size")
+
+
+class OIPRequestedOutput(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(description="next, anomaly_score or probs")
+    parameters: dict[str, Any] | None = Field(None, description="binary_data: true answers this output as raw bytes")
+
+
+class OIPInferRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = Field(None, description="Echoed in the answer")
+    model_name: str | None = Field(None, description="Ignored (the path names the model); KServe's client sends it")
+    parameters: dict[str, Any] | None = Field(None, description="binary_data_output: true answers every output as raw bytes")
+    inputs: list[OIPTensorIn] = Field(min_length=1)
+    outputs: list[OIPRequestedOutput] | None = Field(None, description="Outputs to answer, in this order (default: all)")
+
+
+class OIPTensorOut(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class OIPInferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    parameters: dict[str, Any] = Field(description="model_age_s: seconds since this version was published")
+    outputs: list[OIPTensorOut]
+
+
+class OIPTensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class OIPModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[OIPTensorMetadata]
+    outputs: list[OIPTensorMetadata]
+
+
+class OIPServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class OIPLive(BaseModel):
+    live: bool
+
+
+class OIPReady(BaseModel):
+    ready: bool
+    name: str | None = None
+    error: str | None = None
+
+
+class OIPError(BaseModel):
+    error: str
