@@ -176,10 +176,6 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def uniform_window(self) -> bool:
-        return math.isinf(self.half_life_s)
-
-    @property
     def dlq_topic(self) -> str:
         return f"{self.topic}.dlq"
 
