@@ -104,7 +104,12 @@ class Settings(BaseSettings):
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
     )
-    torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY predict forwards",
+    )
     train_nice: int = Field(
         10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
     )
