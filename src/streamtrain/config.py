@@ -29,7 +29,7 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseSettings):
-    """The outside contract's settings (SPEC section 4) plus tuning knobs."""
+    """The outside contract's settings (docs/contract.md, section 4) plus tuning knobs."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,

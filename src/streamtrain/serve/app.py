@@ -284,7 +284,7 @@ async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(service: Service) -> FastAPI:
-    """The HTTP API of SPEC section 2 over ``service``."""
+    """The HTTP API of docs/contract.md, section 2, over ``service``."""
     settings = service.settings
     app = FastAPI(
         title="streamtrain",
@@ -319,7 +319,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def unreadable_body(request: Request, exc: StarletteHTTPException) -> Response:
-        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as SPEC says."""
+        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as the contract says."""
         if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:
             return JSONResponse(status_code=422, content={"detail": "body: not UTF-8 JSON"})
         return await http_exception_handler(request, exc)
