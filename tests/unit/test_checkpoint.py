@@ -802,3 +802,15 @@ def test_torch_threads_is_the_count_of_every_thread_the_service_starts(tmp_path:
         assert seen == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
+
+
+def test_restore_across_dp_modes_is_refused_with_one_line(tmp_path: Path) -> None:
+    from streamtrain.service import IncompatibleCheckpoint
+
+    old = small_service(tmp_path)
+    feed(old, 0, 50)
+    assert old.checkpoint() is not None
+    dp = small_service(tmp_path, dp="on", shuffle="crypto")
+    with pytest.raises(IncompatibleCheckpoint, match=r"written with DP=off; .* DP=on") as refused:
+        dp.restore()
+    assert "\n" not in str(refused.value) and len(dp.window) == 0
