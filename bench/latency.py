@@ -118,7 +118,7 @@ def produce(
 @dataclass
 class Observations:
     inserts: list[tuple[float, np.ndarray]] = field(default_factory=list)
-    steps: list[tuple[float, int, np.ndarray, int]] = field(default_factory=list)  # end, step, ts, real tokens
+    steps: list[tuple[float, int, np.ndarray, int, int]] = field(default_factory=list)  # end, step, ts, real, padded tokens
     fresh_ts: list[np.ndarray] = field(default_factory=list)
     publishes: list[tuple[int, int, float]] = field(default_factory=list)  # version, step, published_at
     answers: list[tuple[float, int]] = field(default_factory=list)  # answered at, model_version
@@ -154,7 +154,7 @@ def instrument(service: Any, seen: Observations) -> None:
     def recording_step(batch: Any) -> Any:
         report = step(batch)
         if report.applied:
-            seen.steps.append((time.time(), report.step, batch.ts.numpy().copy(), report.real_tokens))
+            seen.steps.append((time.time(), report.step, batch.ts.numpy().copy(), report.real_tokens, report.padded_tokens))
         return report
 
     def recording_publish() -> Any:
@@ -195,6 +195,7 @@ class RunResult:
     publish_delay: np.ndarray
     steps_per_s: float
     tokens_per_s: float
+    padding_share: float
 
 
 def free_port() -> int:
@@ -294,8 +295,8 @@ def analyse(
     measured = in_interval(insert_ts)
     ingest_delay = insert_at[measured] - insert_ts[measured]
 
-    step_ts = np.concatenate([ts for _, _, ts, _ in seen.steps])
-    step_end = np.concatenate([np.full(ts.size, end_at) for end_at, _, ts, _ in seen.steps])
+    step_ts = np.concatenate([ts for _, _, ts, _, _ in seen.steps])
+    step_end = np.concatenate([np.full(ts.size, end_at) for end_at, _, ts, _, _ in seen.steps])
     unique_ts, first = np.unique(step_ts, return_index=True)  # steps are in time order: first = first trained
     latency = step_end[first] - unique_ts
     keep = in_interval(unique_ts)
@@ -310,7 +311,7 @@ def analyse(
     # The earliest answer at or after index i that includes step k: suffix max of steps answered.
     serving, publishing = [], []
     publishes = sorted(seen.publishes, key=lambda p: p[1])
-    for done_at, step, _, _ in seen.steps:
+    for done_at, step, _, _, _ in seen.steps:
         if not begin <= done_at < end:
             continue
         start = int(np.searchsorted(answer_at, done_at))
@@ -333,6 +334,7 @@ def analyse(
         publish_delay=np.asarray(publishing),
         steps_per_s=len(steps_in) / (end - begin),
         tokens_per_s=sum(s[3] for s in steps_in) / (end - begin),
+        padding_share=1.0 - sum(s[3] for s in steps_in) / max(1, sum(s[4] for s in steps_in)),
     )
 
 
@@ -362,6 +364,7 @@ def rows_for(result: RunResult, target_rate: float) -> list[Row]:
         Row(tag, "step end -> published p50 s", quantile(result.publish_delay, 0.5)),
         Row(tag, "training steps/s", result.steps_per_s),
         Row(tag, "real tokens trained/s", result.tokens_per_s),
+        Row(tag, "padding share of trained batches", result.padding_share),
     ]
 
 
