@@ -49,7 +49,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     public = settings.public_dict()
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
-    service.start()
+    from streamtrain.service import IncompatibleCheckpoint
+
+    try:
+        service.start()  # restores the newest checkpoint before any thread starts
+    except IncompatibleCheckpoint as err:
+        print(f"streamtrain: {err}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         create_app(service),
         host=settings.http_host,

@@ -29,7 +29,7 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseSettings):
-    """The outside contract's settings (SPEC section 4) plus tuning knobs."""
+    """The outside contract's settings (docs/contract.md, section 4) plus tuning knobs."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -117,7 +117,12 @@ class Settings(BaseSettings):
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
     )
-    torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY predict forwards",
+    )
     train_nice: int = Field(
         10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
     )
@@ -202,10 +207,6 @@ class Settings(BaseSettings):
                 "public clock, as its accounting assumes): set STREAMTRAIN_SAMPLING=uniform"
             )
         return self
-
-    @property
-    def uniform_window(self) -> bool:
-        return math.isinf(self.half_life_s)
 
     @property
     def dlq_topic(self) -> str:

@@ -65,7 +65,7 @@ def ensure_topics(bootstrap: str, topics: Mapping[str, int], timeout_s: float = 
 
 @dataclass
 class IngestStats:
-    """Counters for ``GET /v1/window`` (the window adds its own)."""
+    """What this process consumed since it started (``GET /v1/window`` reports the window's ledger)."""
 
     seen_total: int = 0
     accepted_total: int = 0
@@ -360,14 +360,14 @@ class Ingestor:
         messages = pending.messages
         for position, rejection in decoded.rejections:
             self._dead_letter(messages[position], rejection.reason)
+        reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         with self.apply_lock:
             if len(decoded.events):
-                self.window.insert_batch(decoded.events, pending.next_offsets)
+                self.window.insert_batch(decoded.events, pending.next_offsets, rejected=reasons)
             else:
-                self.window.advance_offsets(pending.next_offsets)
+                self.window.advance_offsets(pending.next_offsets, rejected=reasons)
             if self.on_events is not None:
                 self.on_events(decoded.events, pending.next_offsets)
-        reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         self.stats.seen_total += len(messages)
         self.stats.accepted_total += len(decoded.events)
         self.stats.rejected.update(reasons)
@@ -418,7 +418,7 @@ class Ingestor:
 
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
         now = time.monotonic()
-        evicted = self.window.evicted_total
+        evicted = self.window.evicted_since_start  # not evicted_total: a restored window's past is not news
         if evicted > self._reported_evicted:
             self.metrics.window_evicted.inc(evicted - self._reported_evicted)
             self._reported_evicted = evicted

@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the service, declared once (SPEC section 3).
+"""Every Prometheus metric of the service, declared once (docs/contract.md, section 3).
 
 One :class:`Metrics` instance per service, on its own registry, so tests can build as
 many services as they like. Names: ``streamtrain_`` prefix, base units, counters end in

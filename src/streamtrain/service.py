@@ -5,6 +5,18 @@ its offsets, model, optimizer), then start ingest, which seeks every assigned pa
 to the stored offset. A checkpoint saves the trainer state and the window state with the
 offsets that state covers, after the dead letters of those offsets are acknowledged; the
 offsets are committed to the consumer group only once the file is durable.
+
+A checkpoint written under other settings: another ``HALF_LIFE_S`` re-keys the window
+(see ``window.py``); another model shape (``CHANNELS``, ``N_CLASSES``, ``D_MODEL``,
+``N_HEADS``, ``N_LAYERS``, ``MAX_LEN``) cannot be loaded, and start-up stops with
+:class:`IncompatibleCheckpoint`, one line naming the settings and the way out. It is a
+refusal, not a fresh start: a fresh start would write lower-step checkpoints beside the
+old ones, which the store ranks first, so every restart would silently start over.
+
+Locks: a checkpoint waits for the trainer's step in progress *before* it takes ingest's
+``apply_lock`` (lock order: trainer, then ingest), holds both only while it copies the
+trainer state and fixes the window's columns, and gathers readings and writes the file
+with neither held.
 """
 
 from __future__ import annotations
@@ -14,6 +26,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from streamtrain.checkpoint import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
 from streamtrain.config import Settings
@@ -27,11 +42,34 @@ log = logging.getLogger(__name__)
 _CHECKPOINT_RETRY_S = 5.0
 
 
+class IncompatibleCheckpoint(ValueError):
+    """The newest checkpoint was written under settings it cannot be loaded with (one line)."""
+
+
+def _detached_copy(tree: Any) -> Any:
+    """A copy of a state tree whose tensors and arrays no later training step can change."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, (np.ndarray, np.generic)):
+        return tree.copy()
+    if isinstance(tree, dict):
+        copied = type(tree)((key, _detached_copy(value)) for key, value in tree.items())
+        if hasattr(tree, "_metadata"):
+            copied._metadata = tree._metadata  # type: ignore[attr-defined]  # Module.load_state_dict reads it
+        return copied
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_detached_copy(item) for item in tree)
+    return tree
+
+
 class Service:
     """Everything ``streamtrain serve`` runs, minus the HTTP server."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # Process-wide on purpose: torch keeps one intra-op default that every thread
+        # (trainer, prefetch, predict workers) takes on its first parallel op.
+        torch.set_num_threads(settings.torch_threads)
         self.metrics = Metrics()
         self.window = RecencyWindow(
             settings.window_capacity,
@@ -94,11 +132,16 @@ class Service:
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> LoadedCheckpoint | None:
-        """Load the newest valid checkpoint (corrupt ones are skipped, logged and counted)."""
+        """Load the newest valid checkpoint (corrupt ones are skipped, logged and counted).
+
+        Raises :class:`IncompatibleCheckpoint` before anything is loaded when the
+        checkpoint's model or window cannot serve the configured settings.
+        """
         loaded = self.store.load_latest()
         if loaded is None:
             log.info("no checkpoint in %s: starting fresh", self.settings.checkpoint_dir)
             return None
+        self._check_compatible(loaded)
         self.window.load_state_dict(loaded.state["window"])
         self.trainer.load_state_dict(loaded.state["trainer"])
         self.restored_from = loaded.path
@@ -111,13 +154,41 @@ class Service:
         )
         return loaded
 
+    def _check_compatible(self, loaded: LoadedCheckpoint) -> None:
+        trainer_state, window_state = loaded.state["trainer"], loaded.state["window"]
+        saved_dp = "on" if "dp" in trainer_state else "off"
+        if saved_dp != self.settings.dp:
+            raise IncompatibleCheckpoint(
+                f"checkpoint {loaded.path} was written with DP={saved_dp}; this service is configured with "
+                f"DP={self.settings.dp}, and a model cannot change DP mode (a DP model must never have seen data "
+                "outside the DP window). Point STREAMTRAIN_CHECKPOINT_DIR at an empty directory to start a new model"
+            )
+        saved = dict(trainer_state.get("model_config", {}))
+        saved["channels"] = window_state.get("channels", saved.get("channels"))
+        configured = dict(self.trainer.model.config)
+        changed = sorted(k for k, v in configured.items() if k in saved and saved[k] != v)
+        if changed:
+            was = ", ".join(f"{k.upper()}={saved[k]}" for k in changed)
+            now = ", ".join(f"{k.upper()}={configured[k]}" for k in changed)
+            raise IncompatibleCheckpoint(
+                f"checkpoint {loaded.path} was written with {was}; this service is configured with {now}, "
+                "which that model and window cannot serve. Set the old values again, or point "
+                "STREAMTRAIN_CHECKPOINT_DIR at an empty directory to start a new model"
+            )
+        try:
+            self.window.check_state(window_state)
+        except ValueError as err:
+            raise IncompatibleCheckpoint(f"checkpoint {loaded.path} cannot be restored: {err}") from None
+
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now; None (counted, logged, retried later) when it fails."""
         with self._checkpoint_lock:
-            with self.ingest.apply_lock, self.trainer.lock:  # both states cover the same offsets
-                trainer_state = self.trainer.state_dict()
-                window_state = self.window.state_dict()
+            # Trainer first: waiting for a step in progress must not hold ingest back.
+            with self.trainer.lock, self.ingest.apply_lock:  # both states cover the same offsets
+                trainer_state = _detached_copy(self.trainer.state_dict())
+                build_window_state = self.window.capture_state()
                 step = int(trainer_state["step"])
+            window_state = build_window_state()
             offsets = {int(p): int(o) for p, o in window_state["next_offsets"].items()}
             if not self.ingest.flush_dead_letters():
                 return self._checkpoint_failed("dead letters not acknowledged by Kafka")

@@ -224,17 +224,36 @@ def test_predict_is_order_and_company_invariant() -> None:
     assert model.training is False
 
 
-def test_predict_anomaly_score_is_standardized() -> None:
-    model = small_model(channels=1, n_classes=0)
-    norm = RunningNorm(1)
-    values, mask = pad_batch([np.random.default_rng(4).normal(size=(50, 1)).astype(np.float32) * 100])
-    norm.update(values, mask)
-    item = np.linspace(-100, 100, 20, dtype=np.float32)[:, None]
+def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
+    """Computed here from first principles, not with the functions predict uses:
+    z = (x − mean) / std of the training data per channel (population variance), and the
+    score is the mean over t of the channel-mean of (forecast_t − z_{t+1})²."""
+    rng = np.random.default_rng(4)
+    scale, shift = np.array([100.0, 0.5]), np.array([3.0, -7.0])
+    train = (rng.normal(size=(50, 2)) * scale + shift).astype(np.float32)
+    norm = RunningNorm(2)
+    norm.update(*pad_batch([train]))
+    mean, std = train.astype(np.float64).mean(axis=0), train.astype(np.float64).std(axis=0)
+    item = np.stack([np.linspace(-100, 100, 20), np.linspace(-8, -6, 20)], axis=1).astype(np.float32)
+    z = (item.astype(np.float64) - mean) / std
+
+    # a forecaster that always says 0 (the training mean): the score is the mean of z²
+    silent = small_model(channels=2, n_classes=0)
+    with torch.no_grad():
+        silent.forecast_head.weight.zero_()
+        silent.forecast_head.bias.zero_()
+    (quiet,) = predict(silent, norm, [item], token_budget=64)
+    assert quiet.anomaly_score == pytest.approx((z[1:] ** 2).mean(), rel=1e-4)
+    np.testing.assert_allclose(quiet.next, mean, rtol=1e-5)
+
+    # the real forecaster: its own forecasts, the same arithmetic
+    model = small_model(channels=2, n_classes=0)
+    with torch.no_grad():
+        forecast = model(torch.from_numpy(z).float()[None], torch.ones(1, 20, dtype=torch.bool)).forecast[0].double().numpy()
     (prediction,) = predict(model, norm, [item], token_budget=64)
-    x_norm = norm.normalize(torch.from_numpy(item)[None]).float()
-    expected = forecast_loss(model(x_norm, torch.ones(1, 20, dtype=torch.bool)), x_norm, torch.ones(1, 20, dtype=torch.bool), "per_sample")
-    assert prediction.anomaly_score == pytest.approx(expected.item(), rel=1e-5)
-    assert prediction.probs is None and len(prediction.next) == 1
+    assert prediction.anomaly_score == pytest.approx(((forecast[:-1] - z[1:]) ** 2).mean(), rel=1e-4)
+    np.testing.assert_allclose(prediction.next, forecast[-1] * std + mean, rtol=1e-4)
+    assert prediction.probs is None and len(prediction.next) == 2
 
 
 def ar1_batch(rng: np.random.Generator, batch: int, phi: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:

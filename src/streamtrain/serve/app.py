@@ -75,15 +75,14 @@ window_router = APIRouter(tags=["window"])
 
 @window_router.get("/v1/window", response_model=WindowReport)
 def window_report(service: ServiceDep) -> WindowReport:
-    """Window statistics; the ingest counters come with them."""
+    """Window statistics and the ledger of the Kafka messages the window covers (kept across restarts)."""
     stats = service.window.stats()
-    ingest = service.ingest.stats
     return WindowReport(
         size=stats.size,
         capacity=stats.capacity,
-        seen_total=ingest.seen_total,
+        seen_total=stats.seen_total,
         accepted_total=stats.accepted_total,
-        rejected_total={reason: int(ingest.rejected.get(reason, 0)) for reason in REASONS},
+        rejected_total={reason: int(stats.rejected_total.get(reason, 0)) for reason in REASONS},
         evicted_total=stats.evicted_total,
         half_life_s=None if math.isinf(stats.half_life_s) else stats.half_life_s,
         tokens=stats.tokens,
@@ -315,7 +314,7 @@ async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(service: Service) -> FastAPI:
-    """The HTTP API of SPEC section 2 over ``service``."""
+    """The HTTP API of docs/contract.md, section 2, over ``service``."""
     settings = service.settings
     app = FastAPI(
         title="streamtrain",
@@ -351,7 +350,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def unreadable_body(request: Request, exc: StarletteHTTPException) -> Response:
-        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as SPEC says."""
+        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as the contract says."""
         if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:
             return JSONResponse(status_code=422, content={"detail": "body: not UTF-8 JSON"})
         return await http_exception_handler(request, exc)

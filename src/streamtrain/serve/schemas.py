@@ -25,12 +25,20 @@ class Quantiles(BaseModel):
 
 
 class WindowReport(BaseModel):
-    size: int
-    capacity: int
-    seen_total: int = Field(description="Messages read from Kafka")
+    """The ``*_total`` fields count the Kafka messages the window's offsets cover, once each:
+    a checkpoint saves them with the offsets, so they survive restarts and never count a
+    replayed message twice. ``seen_total == accepted_total + sum(rejected_total)`` and
+    ``size == accepted_total - evicted_total``. The Prometheus counters of the same names
+    count what this process did since it started."""
+
+    size: int = Field(description="Items in the window")
+    capacity: int = Field(description="Most items the window holds (WINDOW_CAPACITY)")
+    seen_total: int = Field(description="Messages covered: accepted_total plus every rejected message")
     accepted_total: int = Field(description="Valid events offered to the window")
-    rejected_total: dict[str, int] = Field(description="Refused messages by reason")
-    evicted_total: int = Field(description="Accepted events pushed out (or never kept)")
+    rejected_total: dict[str, int] = Field(description="Refused (dead-lettered) messages by reason")
+    evicted_total: int = Field(
+        description="Accepted events not in the window: lost the reservoir race (on arrival or later) or expired (MAX_AGE_S)"
+    )
     half_life_s: float | None = Field(description="Recency half-life; null means a uniform reservoir")
     tokens: int = Field(description="Sum of lengths in the window")
     sensors: int = Field(description="Distinct sensor ids in the window")
