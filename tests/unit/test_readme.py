@@ -49,6 +49,7 @@ def exported_metrics() -> dict[str, str]:
     """Exposed metric name -> type, for every metric the service registers."""
     metrics = Metrics()
     metrics.watch_window_age(lambda: (0.0, 0.0))
+    metrics.watch_models(lambda: ([1], 1, 0.0))
     return {
         family.name + ("_total" if family.type == "counter" else ""): family.type
         for family in metrics.registry.collect()
