@@ -274,12 +274,6 @@ class RecencyWindow:
             self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
             self.version += 1
 
-    def forget_partitions(self, partitions: Sequence[int]) -> None:
-        """Drop offset bookkeeping for partitions this instance no longer owns."""
-        with self._lock:
-            for p in partitions:
-                self._next_offsets.pop(int(p), None)
-
     def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
         k = rows.shape[0]
         lengths = batch.lengths[rows]

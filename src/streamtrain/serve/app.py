@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
+from streamtrain.metrics import INGEST_RESTART_REASONS
 from streamtrain.model import predict as model_predict
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
@@ -87,6 +88,9 @@ def window_report(service: ServiceDep) -> WindowReport:
         age_s=None if stats.age_s is None else stats.age_s.__dict__,
         length=None if stats.length is None else stats.length.__dict__,
         next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
+        last_record_age_s=service.ingest.last_record_age_s,
+        ingest_restarts_total={reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS},
+        dead_letters_pending=service.ingest.dead_letters.pending,
     )
 
 
