@@ -16,10 +16,10 @@ headers, and ``original_size`` (bytes of the value), ``original_sha256`` (hex di
 the value) and ``stand_in_cause``. A stand-in is retried until acknowledged. A deleted
 dead-letter topic is created again (with its size limit) before the next attempt.
 
-Each dead letter is written once, unless a send's outcome is unknown (its connection
-broke after the broker may have appended it) or the service restarts before a checkpoint
-covered the message: then it can arrive twice; ``source_partition`` and ``source_offset``
-identify it.
+Each dead letter is written once, unless a send's outcome is unknown (a request timed
+out or its connection broke after the broker may have appended it, and the producer
+retried) or the service restarts before a checkpoint covered the message: then it can
+arrive twice; ``source_topic``, ``source_partition`` and ``source_offset`` identify it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from kafka.errors import (
 
 from streamtrain.config import Settings
 from streamtrain.metrics import Metrics
-from streamtrain.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic
+from streamtrain.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic, forbid_topic_auto_creation
 
 log = logging.getLogger(__name__)
 
@@ -289,19 +289,23 @@ class DeadLetterOutbox:
         return self._producer
 
     def _kafka_producer(self, max_request_size: int) -> KafkaProducer:
-        return KafkaProducer(
+        producer = KafkaProducer(
             bootstrap_servers=self.settings.kafka_bootstrap,
             client_id="streamtrain-dlq",
             acks="all",
-            enable_idempotence=True,
+            # Not idempotent: kafka-python 3.0.12 turns any non-retriable batch error of an
+            # idempotent producer (a record too large for the topic, say) into a fatal state
+            # that fails every later send; one refused dead letter would stop them all.
+            enable_idempotence=False,
+            max_in_flight_requests_per_connection=1,
             linger_ms=20,
             max_request_size=max_request_size,
             max_block_ms=5000,  # metadata for a missing topic: fail fast, repair, retry
             delivery_timeout_ms=30000,
             request_timeout_ms=15000,
-            allow_auto_create_topics=False,  # a deleted .dlq comes back with its size limit, not broker defaults
             reconnect_backoff_max_ms=2000,
         )
+        return forbid_topic_auto_creation(producer)  # a deleted .dlq comes back with its size limit, not broker defaults
 
     def _send(self, producer: Any, letter: DeadLetter) -> None:
         letter.in_flight = True

@@ -46,7 +46,7 @@ from streamtrain.config import Settings
 from streamtrain.dead_letters import DeadLetterOutbox
 from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
 from streamtrain.metrics import Metrics
-from streamtrain.topics import TopicLimits, ensure_topics, prepare_topics
+from streamtrain.topics import TopicLimits, ensure_topics, forbid_topic_auto_creation, prepare_topics
 from streamtrain.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.window import RecencyWindow
 
@@ -119,9 +119,9 @@ def open_consumer(settings: Settings) -> KafkaConsumer:
         fetch_max_bytes=64 << 20,
         reconnect_backoff_max_ms=2000,
         request_timeout_ms=30000,
-        metadata_max_age_ms=30000,  # a topic's partitions show up within 30 s, not 5 min
-        allow_auto_create_topics=False,  # the service creates its topic, with its settings
+        metadata_max_age_ms=10000,  # added partitions show up within 10 s, not 5 min
     )
+    forbid_topic_auto_creation(consumer)  # the service creates its topic, with its settings
     keep_rejoin_pending(consumer)
     return consumer
 
@@ -175,6 +175,7 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         self._ingestor = ingestor
 
     def on_partitions_revoked(self, revoked: Any) -> None:
+        self._ingestor.assigned = self._ingestor.assigned - {tp.partition for tp in revoked}
         log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
     def on_partitions_assigned(self, assigned: Any) -> None:
@@ -183,6 +184,7 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
                 consumer.seek(tp, stored[tp.partition])
+        self._ingestor.assigned = frozenset(tp.partition for tp in assigned)
         log.info(
             "partitions assigned: %s (resuming from stored offsets for %s)",
             sorted(tp.partition for tp in assigned),
@@ -291,6 +293,7 @@ class Ingestor:
         self.watchdog = IngestWatchdog(settings.ingest_stall_timeout_s)
         self.restarts: TallyCounter[str] = TallyCounter()
         self.topic_limits: TopicLimits | None = None
+        self.assigned: frozenset[int] = frozenset()  # partitions the consumer owns now
         self._consumer_factory = consumer_factory
         self._decoder = Decoder(settings.decode_workers)
         self._clock = clock
@@ -584,6 +587,7 @@ class Ingestor:
     def _close_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
         self._connected = False
+        self.assigned = frozenset()
         if consumer is None:
             return
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import TopicAlreadyExistsError
@@ -34,6 +35,21 @@ class TopicLimits:
 
     source_max_message_bytes: int
     dlq_max_message_bytes: int
+
+
+def forbid_topic_auto_creation(client: Any) -> Any:
+    """Make a kafka-python producer or consumer never create topics by asking for them.
+
+    kafka-python 3.0.12 accepts ``allow_auto_create_topics=False`` but never passes it to
+    its cluster metadata, which keeps asking the broker to auto-create every topic it
+    requests: a deleted dead-letter topic would come back with the broker's defaults
+    (1 MB limit, 1 partition) instead of being created again with its size limit.
+    """
+    cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
+    if cluster is None or "allow_auto_create_topics" not in getattr(cluster, "config", {}):
+        raise RuntimeError("kafka-python's cluster metadata changed: re-check streamtrain.topics.forbid_topic_auto_creation")
+    cluster.config["allow_auto_create_topics"] = False
+    return client
 
 
 def _admin(bootstrap: str, timeout_s: float) -> KafkaAdminClient:
