@@ -225,6 +225,12 @@ class DeadLetterOutbox:
     def pending(self) -> int:
         return len(self._pending)
 
+    def oldest_pending_age_s(self) -> float | None:
+        """Seconds the oldest unacknowledged dead letter has waited; None when none waits."""
+        with self._cond:
+            oldest = next(iter(self._pending.values()), None)
+            return None if oldest is None else self._clock() - oldest.submitted_at
+
     def describe(self) -> str:
         """One line on what is unacknowledged, for logs and /readyz."""
         with self._cond:

@@ -60,14 +60,16 @@ _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 # checkpoint's offsets are authoritative.
 _COMMIT_TIMEOUT_MS = 3000
 _END_OFFSETS_TIMEOUT_MS = 2000
-_FETCH_FLOOR_BYTES = 8 << 20
+_FETCH_FLOOR_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------- the consumer
 def fetch_bytes(settings: Settings) -> int:
-    """``max_partition_fetch_bytes``: at least one message of the accepted size (a larger
-    first record of a fetch still comes whole, so anything the topic holds can be read)."""
-    return max(_FETCH_FLOOR_BYTES, settings.max_message_bytes + 65536)
+    """``max_partition_fetch_bytes``: one accepted message (Kafka's default, 1 MiB, for the
+    default limit). Larger records still come whole (a fetch always returns its first
+    record batch, KIP-74), so anything the topic holds can be read; a small share per
+    partition keeps partitions taking turns within seconds while a backlog drains."""
+    return max(_FETCH_FLOOR_BYTES, settings.max_message_bytes)
 
 
 def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
@@ -233,6 +235,10 @@ class Decoder:
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
 
+    def start(self, limits: EventLimits) -> None:
+        """Start the worker now (a spawned process takes seconds to import), not at the first batch."""
+        self.submit([], limits, 0.0, [], [])
+
     def submit(self, *args: Any) -> Future[DecodedBatch] | None:
         if self.workers <= 0:
             return None
@@ -379,6 +385,7 @@ class Ingestor:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         attempt = 0
+        self._decoder.start(self.limits)  # imports while the topics are prepared and the group is joined
         while not self._stop.is_set():
             try:
                 self._connect()

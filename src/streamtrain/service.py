@@ -25,6 +25,7 @@ from streamtrain.window import RecencyWindow
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_RETRY_S = 5.0
+_DEAD_LETTERS_LATE_S = 30.0  # unacknowledged this long: /readyz lists them (checkpoints wait for them)
 
 
 class Service:
@@ -163,6 +164,9 @@ class Service:
         notes = []
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
+        waiting = self.ingest.dead_letters.oldest_pending_age_s()
+        if waiting is not None and waiting > _DEAD_LETTERS_LATE_S:
+            notes.append(f"dead_letters_pending: {self.ingest.dead_letters.describe()}")
         if not self.trainer.running and not self._stop.is_set():
             notes.append("trainer_not_running" + (f": {self.trainer.last_error}" if self.trainer.last_error else ""))
         return not blocking, blocking + notes

@@ -53,7 +53,12 @@ def forbid_topic_auto_creation(client: Any) -> Any:
 
 
 def _admin(bootstrap: str, timeout_s: float) -> KafkaAdminClient:
-    return KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    # A short reconnect backoff: after a broker outage the default grows to 30 s, and ingest
+    # (which prepares its topics on every reconnect) would wait that long after the broker is back.
+    return KafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), reconnect_backoff_max_ms=1000,
+        bootstrap_timeout_ms=int(timeout_s * 1000),
+    )
 
 
 def _create(

@@ -73,6 +73,7 @@ class IngestWatchdog:
         self._positions: dict[int, int] = {}
         self._behind_since: dict[int, float] = {}  # partition -> since when records wait, unread
         self._ends: dict[int, int] = {}
+        self._last_observed: float | None = None
         self.current: Stall | None = None
 
     def observe(self, probe: ConsumerProbe) -> Stall | None:
@@ -81,6 +82,7 @@ class IngestWatchdog:
         if not probe.connected:
             self.reset()
             return None
+        self._discount_absence(now)
         found: list[Stall] = []
         # unassigned: nothing to fetch, and not because the group gave this member nothing
         idle_member = not probe.assigned and probe.group_state in (None, STABLE)
@@ -129,6 +131,18 @@ class IngestWatchdog:
             )
         self.current = min(found, key=lambda s: s.since) if found else None
         return self.current
+
+    def _discount_absence(self, now: float) -> None:
+        """Time the ingest thread did not probe (it was busy applying a batch, waiting for a
+        checkpoint's lock) is not the consumer's fault: its clocks move on by that much."""
+        last, self._last_observed = self._last_observed, now
+        gap = 0.0 if last is None else now - last
+        if gap <= self.timeout_s / 3:
+            return
+        if self._unassigned_since is not None:
+            self._unassigned_since += gap
+        for partition in self._behind_since:
+            self._behind_since[partition] += gap
 
     def overdue(self, stall: Stall | None) -> bool:
         """True when ``stall`` has held long enough to recreate the consumer."""

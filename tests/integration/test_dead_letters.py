@@ -65,9 +65,9 @@ def settings_for(bootstrap: str, topic: str, **overrides: Any) -> Settings:
     return load_settings(**base)
 
 
-def start(settings: Settings, **kwargs: Any) -> tuple[Ingestor, RecencyWindow]:
+def start(settings: Settings, metrics: Metrics | None = None, **kwargs: Any) -> tuple[Ingestor, RecencyWindow]:
     window = RecencyWindow(settings.window_capacity, settings.half_life_s, channels=1)
-    ingestor = Ingestor(settings, window, Metrics(), **kwargs)
+    ingestor = Ingestor(settings, window, metrics or Metrics(), **kwargs)
     ingestor.start()
     return ingestor, window
 
@@ -153,8 +153,7 @@ def test_a_dlq_too_small_for_a_message_gets_its_stand_in(kafka_bootstrap: str, a
     )
     metrics = Metrics()
     settings = settings_for(kafka_bootstrap, topic)
-    ingestor, window = start(settings, dead_letters=DeadLetterOutbox(settings, metrics))
-    ingestor.metrics = metrics
+    ingestor, window = start(settings, metrics, dead_letters=DeadLetterOutbox(settings, metrics))
     stream = Placements(kafka_bootstrap, topic)
     original = bytes(range(256)) * 6000  # 1.5 MB: within the topic's limit, far beyond its .dlq's
     try:
