@@ -275,3 +275,40 @@ def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(sizes: 
             assert w["value"] == m.value and w["key"] == m.key
     written = sum(sample(metrics, "streamtrain_dead_letters_written_total", form=f) for f in ("raw", "stand_in"))
     assert written == len(messages) and box.pending == 0
+
+
+def test_a_checkpoint_is_neither_written_nor_committed_past_an_unacknowledged_dead_letter(tmp_path: Any) -> None:
+    """Service level: the old flush forgot a failure, so the next checkpoint (and commit) passed it."""
+    from streamtrain.service import Service
+
+    settings = load_settings(kafka_bootstrap="127.0.0.1:9", topic="events", checkpoint_dir=tmp_path / "ckpt", d_model=16,
+                             n_heads=2, n_layers=1, token_budget=512, max_len=32)  # fmt: skip
+    service = Service(settings)
+    deliver = threading.Event()
+    clock = [0.0]
+    box, producer, _, _ = outbox_with(lambda identity, attempt: None if deliver.is_set() else NotEnoughReplicasError(),
+                                      settings=load_settings(topic="events", dlq_send_attempts=1000))  # fmt: skip
+    box._clock = lambda: clock[0]
+    service.ingest.dead_letters = box
+    flush = service.ingest.flush_dead_letters
+    service.ingest.flush_dead_letters = lambda timeout_s=10.0, upto=None: flush(0.3, upto)  # type: ignore[method-assign]
+    commits: list[dict[int, int]] = []
+    service.ingest.request_commit = lambda offsets, timeout_s=10.0: commits.append(dict(offsets)) or True  # type: ignore[method-assign]
+    box.start()
+    try:
+        box.submit(message(9), "schema")
+        service.window.advance_offsets({0: 110})  # the window state covers the rejected message's offset
+        for _ in range(2):  # and the second attempt must fail as the first did
+            assert service.checkpoint() is None
+            assert "not acknowledged" in (service.checkpoint_error or "")
+        assert not list((tmp_path / "ckpt").glob("*.stck")) and commits == []
+        clock[0] = 31.0
+        _, reasons = service.readiness()
+        assert any(r.startswith("dead_letters_pending: 1 dead letters not acknowledged") for r in reasons), reasons
+        deliver.set()
+        assert box.wait_acknowledged(None, 5)
+        assert service.checkpoint() is not None and commits == [{0: 110}]
+        assert service.checkpoint_error is None
+    finally:
+        box.close(1)
+    assert [w["value"] for w in producer.written] == [message(9).value]
