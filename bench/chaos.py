@@ -725,12 +725,13 @@ def main() -> int:
     parser.add_argument("--window-capacity", type=int, default=defaults.window_capacity,
                         help="the service's WINDOW_CAPACITY; at least the events sent makes the audit complete")  # fmt: skip
     parser.add_argument("--fault-gap-s", type=float, default=defaults.fault_gap_s, help="mean time between faults")
+    parser.add_argument("--feed-processes", type=int, default=defaults.feed_processes, help="producer processes sharing --rate")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--keep", type=Path, default=None, help="work directory to keep (logs, checkpoints, broker data)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     config = ChaosConfig(duration_s=args.duration_s, rate=args.rate, window_capacity=args.window_capacity,
-                         fault_gap_s=args.fault_gap_s, seed=args.seed)  # fmt: skip
+                         fault_gap_s=args.fault_gap_s, feed_processes=args.feed_processes, seed=args.seed)  # fmt: skip
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos: work directory {workdir}", file=sys.stderr)

@@ -188,7 +188,8 @@ class DeadLetterOutbox:
         """Size requests for anything the consumer can fetch: the event topic's limit or the fetch limit."""
         with self._cond:
             self._source_limit = source_max_message_bytes
-            self._request_size = max(self._request_size, source_max_message_bytes, fetch_max_bytes) + DLQ_HEADROOM_BYTES
+            floor = max(1 << 20, self.settings.max_message_bytes)
+            self._request_size = max(floor, source_max_message_bytes, fetch_max_bytes) + DLQ_HEADROOM_BYTES
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the ingest thread's side

@@ -220,14 +220,18 @@ def test_letters_after_the_mark_do_not_hold_up_a_checkpoint() -> None:
 def test_the_request_size_follows_the_fetch_limits() -> None:
     sizes: list[int] = []
     box = DeadLetterOutbox(SETTINGS, Metrics(), producer_factory=lambda size: sizes.append(size) or ScriptedProducer(lambda i, a: None))
-    box.configure(16 << 20, 8 << 20)
+    box.configure(16 << 20, 1 << 20)
+    box.configure(16 << 20, 1 << 20)  # every reconnect configures it again: the same size, the same producer
     box.start()
     try:
         box.submit(message(8), "decode")
         assert box.wait_acknowledged(None, 5)
+        box.configure(16 << 20, 1 << 20)
+        box.submit(message(9), "decode")
+        assert box.wait_acknowledged(None, 5)
     finally:
         box.close(1)
-    assert sizes and sizes[-1] >= 16 << 20
+    assert sizes == [(16 << 20) + 64 * 1024]
 
 
 OUTCOMES = st.sampled_from(["ok", "transient", "too_large", "missing", "timeout", "denied"])
