@@ -10,7 +10,7 @@ counts as ingested when ``/v1/window`` has read every one of them within
 ``--catch-up-s`` after the simulator finished. Before the fix, 3 in 10 such starts
 stalled for good.
 
-    python bench/fresh_starts.py                 # 20 starts, about 12 minutes
+    python bench/fresh_starts.py                 # 20 starts: 15-30 minutes on a loaded 2-core machine
     python bench/fresh_starts.py --starts 3      # a quick look
 
 Needs Java and the Kafka jars (``deploy/kafka.sh``); it runs its own broker on a free
