@@ -50,9 +50,21 @@ class Settings(BaseSettings):
         description="Static group membership: a stable id per replica (e.g. the pod name); a restarted replica gets its partitions back at once instead of after the 45 s session timeout",
     )
     topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
+    topic_replication_factor: int | None = Field(
+        None, ge=1, le=32767, description="Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's default.replication.factor"
+    )
     poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
     max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
     decode_workers: int = Field(1, ge=0, le=64, description="Processes that decode poll batches (0 = ingest thread)")
+    ingest_stall_timeout_s: float = Field(
+        15.0, ge=1.0, le=3600.0, description="The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it"
+    )
+    dlq_send_attempts: int = Field(
+        5, ge=1, le=1000, description="Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes instead (at once when the .dlq refuses the record itself)"
+    )
+    dlq_stand_in_bytes: int = Field(
+        1024, ge=0, le=1 << 20, description="Bytes of the original value (and key) a dead-letter stand-in keeps"
+    )
 
     # --- HTTP ----------------------------------------------------------------------------
     http_host: str = Field("0.0.0.0", description="HTTP bind address")

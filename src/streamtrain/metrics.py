@@ -18,6 +18,11 @@ from streamtrain.events import REASONS
 
 disable_created_metrics()  # no *_created series: dashboards never use them
 
+#: Why the ingest thread recreated its consumer: the watchdog's three stall kinds, or an error.
+INGEST_RESTART_REASONS = ("unassigned", "no_fetch_progress", "no_heartbeat", "error")
+#: How a dead letter reached ``<topic>.dlq``: unchanged, or as a bounded stand-in.
+DEAD_LETTER_FORMS = ("raw", "stand_in")
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -79,7 +84,35 @@ class Metrics:
         for reason in REASONS:
             self.events_rejected.labels(reason)
         self.dead_letters_failed = Counter(
-            "streamtrain_dead_letters_failed", "Dead-letter sends that failed and were retried", registry=registry
+            "streamtrain_dead_letters_failed",
+            "Dead-letter send attempts that failed (each is retried, or replaced by a stand-in)",
+            registry=registry,
+        )
+        self.dead_letters_written = Counter(
+            "streamtrain_dead_letters_written",
+            "Dead letters acknowledged by Kafka, by form (raw, stand_in)",
+            ["form"],
+            registry=registry,
+        )
+        for form in DEAD_LETTER_FORMS:
+            self.dead_letters_written.labels(form)
+        self.dead_letters_pending = Gauge(
+            "streamtrain_dead_letters_pending",
+            "Dead letters not yet acknowledged (checkpoints and commits wait for them)",
+            registry=registry,
+        )
+        self.ingest_restarts = Counter(
+            "streamtrain_ingest_restarts",
+            "Consumers recreated by the ingest thread, by reason (unassigned, no_fetch_progress, no_heartbeat, error)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in INGEST_RESTART_REASONS:
+            self.ingest_restarts.labels(reason)
+        self.ingest_last_record_age = Gauge(
+            "streamtrain_ingest_last_record_age_seconds",
+            "Seconds since the consumer last read a record (since start before the first)",
+            registry=registry,
         )
         self.consumer_lag = Gauge(
             "streamtrain_consumer_lag_messages",

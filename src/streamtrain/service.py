@@ -40,6 +40,7 @@ from streamtrain.window import RecencyWindow
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_RETRY_S = 5.0
+_DEAD_LETTERS_LATE_S = 30.0  # unacknowledged this long: /readyz lists them (checkpoints wait for them)
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -188,10 +189,13 @@ class Service:
                 trainer_state = _detached_copy(self.trainer.state_dict())
                 build_window_state = self.window.capture_state()
                 step = int(trainer_state["step"])
+                dead_letters = self.ingest.dead_letter_mark()  # the dead letters of those offsets
             window_state = build_window_state()
             offsets = {int(p): int(o) for p, o in window_state["next_offsets"].items()}
-            if not self.ingest.flush_dead_letters():
-                return self._checkpoint_failed("dead letters not acknowledged by Kafka")
+            # Neither saved nor committed past a dead letter Kafka has not acknowledged;
+            # it stays queued and retried, and the next checkpoint asks again.
+            if not self.ingest.flush_dead_letters(upto=dead_letters):
+                return self._checkpoint_failed(self.ingest.dead_letters.describe())
             try:
                 path = self.store.save({"window": window_state, "trainer": trainer_state}, step=step)
             except CheckpointWriteError as err:
@@ -222,15 +226,25 @@ class Service:
 
     # ------------------------------------------------------------------ health
     def readiness(self) -> tuple[bool, list[str]]:
-        """(ready, reasons): ready needs a connected consumer and a published model."""
+        """(ready, reasons): ready needs a connected, unstalled consumer and a published model."""
         blocking: list[str] = []
         if not self.ingest.connected:
             blocking.append("kafka_not_connected" + (f": {self.ingest.last_error}" if self.ingest.last_error else ""))
+        stalled = self.ingest.stall_report()
+        if stalled is not None:
+            blocking.append(f"ingest_stalled: {stalled}")
         if self.published is None:
-            blocking.append(f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed")
+            age = self.ingest.last_record_age_s
+            last = "no record read yet" if age is None else f"last record read {age:.0f} s ago"
+            blocking.append(
+                f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed ({last})"
+            )
         notes = []
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
+        waiting = self.ingest.dead_letters.oldest_pending_age_s()
+        if waiting is not None and waiting > _DEAD_LETTERS_LATE_S:
+            notes.append(f"dead_letters_pending: {self.ingest.dead_letters.describe()}")
         if not self.trainer.running and not self._stop.is_set():
             notes.append("trainer_not_running" + (f": {self.trainer.last_error}" if self.trainer.last_error else ""))
         return not blocking, blocking + notes

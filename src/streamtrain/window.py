@@ -384,12 +384,6 @@ class RecencyWindow:
             if count:
                 self._rejected[str(reason)] = self._rejected.get(str(reason), 0) + int(count)
 
-    def forget_partitions(self, partitions: Sequence[int]) -> None:
-        """Drop offset bookkeeping for partitions this instance no longer owns."""
-        with self._lock:
-            for p in partitions:
-                self._next_offsets.pop(int(p), None)
-
     def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
         k = rows.shape[0]
         lengths = batch.lengths[rows]

@@ -29,6 +29,7 @@ from streamtrain.export import encode_bundle
 from streamtrain.model import PredictionArrays, predict_arrays
 from streamtrain.registry import UnknownVersion
 from streamtrain.serve import oip
+from streamtrain.metrics import INGEST_RESTART_REASONS
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     CheckpointResult,
@@ -90,6 +91,9 @@ def window_report(service: ServiceDep) -> WindowReport:
         age_s=None if stats.age_s is None else stats.age_s.__dict__,
         length=None if stats.length is None else stats.length.__dict__,
         next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
+        last_record_age_s=service.ingest.last_record_age_s,
+        ingest_restarts_total={reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS},
+        dead_letters_pending=service.ingest.dead_letters.pending,
     )
 
 

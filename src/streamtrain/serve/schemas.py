@@ -45,6 +45,13 @@ class WindowReport(BaseModel):
     age_s: Quantiles | None
     length: Quantiles | None
     next_offsets: dict[str, int] = Field(description="Partition -> next offset the window covers")
+    last_record_age_s: float | None = Field(
+        None, description="Seconds since the consumer last read a record from Kafka; null before the first"
+    )
+    ingest_restarts_total: dict[str, int] = Field(
+        default_factory=dict, description="Consumers recreated since start, by reason (unassigned, no_fetch_progress, no_heartbeat, error)"
+    )
+    dead_letters_pending: int = Field(0, description="Dead letters not yet acknowledged by Kafka")
 
 
 class DPReport(BaseModel):
