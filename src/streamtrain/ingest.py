@@ -183,10 +183,14 @@ class Ingestor:
         metrics: Metrics,
         *,
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
+        before_insert: Callable[[EventBatch], EventBatch] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
+        # Test-then-train: the serving model scores a batch before the window (and so the
+        # trainer) can see it; returns the events the window gets (held-out ones stay out).
+        self.before_insert = before_insert
         self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics
@@ -361,8 +365,11 @@ class Ingestor:
         for position, rejection in decoded.rejections:
             self._dead_letter(messages[position], rejection.reason)
         with self.apply_lock:
-            if len(decoded.events):
-                self.window.insert_batch(decoded.events, pending.next_offsets)
+            to_window = decoded.events
+            if self.before_insert is not None and len(to_window):
+                to_window = self.before_insert(to_window)
+            if len(to_window):
+                self.window.insert_batch(to_window, pending.next_offsets)
             else:
                 self.window.advance_offsets(pending.next_offsets)
             if self.on_events is not None:

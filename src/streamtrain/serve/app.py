@@ -7,6 +7,7 @@ into shared forwards (serve/batcher.py); requests beyond the workers and their q
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 import time
@@ -34,8 +35,11 @@ from streamtrain.serve.schemas import (
     PredictRequest,
     PredictResponse,
     Readiness,
+    RollbackRequest,
+    RollbackResult,
     WindowReport,
 )
+from streamtrain.registry import UnknownVersion
 from streamtrain.service import Service
 
 
@@ -109,7 +113,13 @@ def model_report(service: ServiceDep) -> ModelReport:
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }
     dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
+    quality = getattr(trainer, "quality", None)
+    if quality is not None:
+        training["publish_held"] = trainer.publish_held
+        training["last_gate"] = None if trainer.last_gate is None else dataclasses.asdict(trainer.last_gate)
     return ModelReport(
+        quality=None if quality is None else quality.report(None if published is None else published.version),
+        versions=trainer.registry.versions(),
         version=None if published is None else published.version,
         step=trainer.step if published is None else published.step,
         tokens_trained=trainer.tokens_trained if published is None else published.tokens_trained,
@@ -202,6 +212,19 @@ def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
     if path is None:
         raise HTTPException(status_code=503, detail=f"checkpoint failed: {service.checkpoint_error}")
     return CheckpointResult(path=path.name, step=service.trainer.step)
+
+
+@admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})
+def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
+    """Make a kept earlier version serve again; training continues from its weights."""
+    before = service.published
+    try:
+        service.trainer.rollback(body.version, trigger="admin", reason="asked by an admin")
+    except UnknownVersion:
+        kept = service.trainer.registry.versions()
+        raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
+    return RollbackResult(version=body.version, previous=None if before is None else before.version)
 
 
 # ---------------------------------------------------------------------- middleware

@@ -46,6 +46,15 @@ class DPReport(BaseModel):
     target_epsilon: float
 
 
+class QualityReport(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    n: int = Field(description="Events scored by the serving model before they were trained on")
+    prequential_mse: float | None = Field(description="Forecast MSE per step of the serving model (fading average)")
+    naive_mse: float | None = Field(description="The last-value forecast's MSE on the same events")
+    skill: float | None = Field(description="1 - prequential_mse / naive_mse")
+    drifts: int = Field(description="Drift detections so far")
+
+
 class ModelReport(BaseModel):
     version: int | None
     step: int
@@ -54,6 +63,19 @@ class ModelReport(BaseModel):
     published_at: float | None
     dp: DPReport | None
     training: dict[str, Any] = Field(default_factory=dict, description="Pass diagnostics and timings")
+    quality: QualityReport | None = Field(
+        None, description="Test-then-train quality of the serving model; null until the first event was scored"
+    )
+    versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
+
+
+class RollbackRequest(BaseModel):
+    version: int = Field(description="A kept version (see /v1/model versions)")
+
+
+class RollbackResult(BaseModel):
+    version: int = Field(description="The version that serves now")
+    previous: int | None = Field(description="The version that served before")
 
 
 class Instance(BaseModel):
