@@ -49,6 +49,13 @@ SPEC_METRICS = {
     "streamtrain_predict_requests_total",
     "streamtrain_predict_latency_seconds",
 }
+#: SPEC section 6 (learning quality): more names dashboards may rely on.
+SPEC_QUALITY_METRICS = {
+    "streamtrain_prequential_mse",
+    "streamtrain_prequential_naive_mse",
+    "streamtrain_prequential_events_total",
+    "streamtrain_drift_detected_total",
+}
 SPEC_HISTOGRAMS = {"streamtrain_train_step_seconds", "streamtrain_train_batch_sequences", "streamtrain_predict_latency_seconds"}
 METRIC_NAME = re.compile(r"\bstreamtrain_[a-z0-9_]+")
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
@@ -204,7 +211,9 @@ def test_dashboard_uses_only_spec_metric_names():
         names = METRIC_NAME.findall(expr)
         assert names, f"panel {title!r}: {expr!r} reads no streamtrain metric"
         for name in names:
-            assert base_metric(name) in SPEC_METRICS, f"panel {title!r} uses {name}, which SPEC section 3 does not define"
+            assert base_metric(name) in SPEC_METRICS | SPEC_QUALITY_METRICS, (
+                f"panel {title!r} uses {name}, which SPEC sections 3 and 6 do not define"
+            )
             used.add(base_metric(name))
         assert expr.count("(") == expr.count(")"), f"panel {title!r}: unbalanced parentheses"
     # the panels the operators asked for
@@ -213,7 +222,8 @@ def test_dashboard_uses_only_spec_metric_names():
         "streamtrain_window_size", "streamtrain_window_capacity", "streamtrain_window_age_seconds",
         "streamtrain_train_loss", "streamtrain_train_padding_tokens_total", "streamtrain_train_tokens_total",
         "streamtrain_predict_latency_seconds", "streamtrain_dp_epsilon", "streamtrain_consumer_lag_messages",
-        "streamtrain_model_version",
+        "streamtrain_model_version", "streamtrain_prequential_mse", "streamtrain_prequential_naive_mse",
+        "streamtrain_drift_detected_total",
     } <= used
 
 

@@ -215,7 +215,7 @@ def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
 
 
 @admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
-            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}})
 def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
     """Make a kept earlier version serve again; training continues from its weights."""
     before = service.published

@@ -70,7 +70,8 @@ class ModelReport(BaseModel):
 
 
 class RollbackRequest(BaseModel):
-    version: int = Field(description="A kept version (see /v1/model versions)")
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(strict=True, description="A kept version (see /v1/model versions)")
 
 
 class RollbackResult(BaseModel):
