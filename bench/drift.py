@@ -131,7 +131,7 @@ def real(name: str, args: argparse.Namespace) -> Stream:
 def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, reset_on_drift: bool = False) -> np.ndarray:
     """Per-chunk (sse, naive_sse, steps) of one window kind, scored before training."""
     overrides: dict[str, Any] = dict(
-        channels=stream.channels, d_model=32, n_heads=2, n_layers=1, max_len=64, token_budget=args.token_budget,
+        channels=stream.channels, d_model=32, n_heads=2, n_layers=1, max_len=512, token_budget=args.token_budget,
         min_window_items=16, warmup_steps=5, learning_rate=3e-3, pass_max_items=256, pass_fresh_share=0.5,
         publish_interval_s=1e9, seed=args.seed, checkpoint_dir="unused", window_capacity=args.capacity,
     )  # fmt: skip
@@ -348,8 +348,9 @@ def main() -> None:
     parser.add_argument("--streams", default="abrupt,recurring,skewed,occupancy", help="comma separated: abrupt, recurring, skewed, occupancy, water_flow")
     parser.add_argument("--duration-s", type=float, default=180.0, help="event seconds of each simulated stream")
     parser.add_argument("--rate", type=float, default=40.0, help="simulated events per event-second")
-    parser.add_argument("--capacity", type=int, default=1200, help="window capacity W of every arm (events)")
-    parser.add_argument("--steps-per-tick", type=int, default=2, help="training steps after each tick of events (every arm)")
+    parser.add_argument("--capacity", type=int, default=1200, help="window capacity W of every arm (events), simulated streams")
+    parser.add_argument("--real-capacity", type=int, default=96, help="window capacity W on the real series (~480 events)")
+    parser.add_argument("--steps-per-tick", type=int, default=4, help="training steps after each tick of events (every arm)")
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--sampling", default=None, help="pass policy (the SAMPLING setting), when the service has one")
     parser.add_argument("--seed", type=int, default=0)
@@ -367,7 +368,7 @@ def main() -> None:
         else:
             stream = real(name, args)
         width = 5 if stream.simulated else 4
-        curves, timings = run_stream(stream, args)
+        curves, timings = run_stream(stream, argparse.Namespace(**{**vars(args), "capacity": args.capacity if stream.simulated else args.real_capacity}))
         results.append((stream, curves))
         rows.extend(rows_for(stream, curves, width))
         rows.extend(Row(f"drift/{stream.name}", f"{arm} seconds", t) for arm, t in timings.items())

@@ -249,7 +249,7 @@ class ModelTrainer:
         }
 
     def load_registry_state(self, state: dict[str, Any]) -> bool:
-        """Bring the kept versions back; True when one of them serves again."""
+        """Bring the kept versions back (the one that served, serving); True when one serves."""
         serving = state.get("serving")
         for entry in state.get("versions", []):
             model = build_model(self.settings)
@@ -560,6 +560,7 @@ class Trainer(ModelTrainer):
             torch.set_rng_state(state["rng"]["torch"])
             if "quality" in state:
                 self.quality.load_state_dict(state["quality"], self.settings.channels)
-        # The version that served before the restart serves again (with those kept beside it).
-        if not self.load_registry_state(state.get("registry", {})):
-            self.publish()
+        # The kept versions come back as rollback targets; the restored live model (whose
+        # step the checkpoint covers) is published as the next version, through the gate.
+        self.load_registry_state(state.get("registry", {}))
+        self.publish()

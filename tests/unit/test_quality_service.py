@@ -179,12 +179,14 @@ def test_kept_versions_and_quality_survive_a_checkpoint(service: Service, tmp_pa
     assert service.checkpoint() is not None
     restored = build_service(service.settings.checkpoint_dir, holdout_share=0.25, holdout_min_events=16)
     restored.restore()
-    assert restored.trainer.registry.versions() == trainer.registry.versions()
-    assert restored.published.version == first.version  # the same version serves after the restart
+    kept = trainer.registry.versions()
+    # The kept versions come back as rollback targets; the restored live model is the next version.
+    assert restored.trainer.registry.versions() == [*kept, trainer._version + 1]
+    assert restored.published.version == trainer._version + 1
+    assert restored.published.step == trainer.step
+    back = restored.trainer.rollback(first.version)
     values = [np.sin(np.arange(20, dtype=np.float32))[:, None]]
-    assert predict(restored.published.model, restored.published.norm, values, 512)[0].next == pytest.approx(
-        predict(first.model, first.norm, values, 512)[0].next
-    )
+    assert predict(back.model, back.norm, values, 512)[0].next == pytest.approx(predict(first.model, first.norm, values, 512)[0].next)
     report, before = restored.trainer.quality.report(first.version), trainer.quality.report(first.version)
     assert report["n"] == before["n"] and report["prequential_mse"] == pytest.approx(before["prequential_mse"])
     assert len(restored.trainer.quality.holdout) == len(trainer.quality.holdout)
