@@ -343,6 +343,30 @@ def plot(results: list[tuple[Stream, dict[str, np.ndarray]]], path: Path, width:
     fig.savefig(path, dpi=110)
 
 
+def scoring_cost(seconds: float = 3.0) -> list[Row]:
+    """What test-then-train scoring costs with the default model and event shape (one thread)."""
+    from streamtrain.config import Settings
+    from streamtrain.model import build_model
+
+    settings = Settings()
+    fleet = SensorFleet(SimulationConfig(seed=1, length_median=32))
+    batch = _decode(fleet, 512, 0.0, 1.7e9)
+    values = [batch.event(i).values for i in range(len(batch))]
+    model, norm = build_model(settings).eval(), RunningNorm(1)
+    score_events(model, norm, values[:64], None, settings.token_budget)  # warm-up
+    scored, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        score_events(model, norm, values[:128], None, settings.token_budget)
+        scored += 128
+    per_event = (time.perf_counter() - started) / scored
+    cap = settings.quality_max_events_per_s
+    return [
+        Row("drift/scoring", "seconds per scored event (default model, 32-step events)", per_event),
+        Row("drift/scoring", f"core share at 5k events/s with the default cap ({cap:g}/s)", per_event * min(cap, 5000.0), 0.10, "<= 0.1 of a core"),
+        Row("drift/scoring", "share of events scored at 5k events/s", min(cap, 5000.0) / 5000.0),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", default="abrupt,recurring,skewed,occupancy", help="comma separated: abrupt, recurring, skewed, occupancy, water_flow")
@@ -372,6 +396,7 @@ def main() -> None:
         results.append((stream, curves))
         rows.extend(rows_for(stream, curves, width))
         rows.extend(Row(f"drift/{stream.name}", f"{arm} seconds", t) for arm, t in timings.items())
+    rows.extend(scoring_cost())
     emit(rows, args.json)
     if args.plot:
         plot(results, args.plot, 5)
