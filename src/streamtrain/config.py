@@ -142,6 +142,37 @@ class Settings(BaseSettings):
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
     )
 
+    # --- Learning quality ----------------------------------------------------------------------
+    quality_max_events_per_s: float = Field(
+        100.0, ge=0, description="Events a second the serving model scores before training on them (a random sample beyond); 0 = prequential scoring off"
+    )
+    quality_half_life_events: float = Field(
+        2000.0, gt=0, description="Half-life, in scored events, of the fading prequential averages in /v1/model quality"
+    )
+    drift_detector: Literal["adwin", "page_hinkley", "off"] = Field(
+        "adwin", description="River drift detector on the prequential error: adwin, page_hinkley or off"
+    )
+    drift_adwin_delta: float = Field(0.002, gt=0, lt=1, description="ADWIN confidence delta (smaller: fewer, surer detections)")
+    drift_ph_threshold: float = Field(
+        100.0, gt=0, description="Page-Hinkley threshold on the cumulative change of the error relative to its earlier level"
+    )
+    drift_reaction: Literal["none", "reset_optimizer"] = Field(
+        "none", description="What a detected drift does to training: none, or reset_optimizer (clear AdamW's moments)"
+    )
+    holdout_share: float = Field(
+        0.0, ge=0, description="Share of fresh events kept out of training to gate publishing (0 = gate off); must be below 1"
+    )
+    holdout_capacity: int = Field(256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores")
+    holdout_min_events: int = Field(32, ge=1, description="Held-out events needed before the gate can hold a candidate back")
+    publish_gate_tolerance: float = Field(
+        0.05, ge=0, description="A candidate is held back when its holdout MSE exceeds (1 + this) x the serving model's"
+    )
+    auto_rollback: bool = Field(
+        True, description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN"
+    )
+    rollback_min_events: int = Field(100, ge=1, description="Scored events each version needs before an automatic rollback")
+    rollback_margin: float = Field(0.1, ge=0, description="Skill drop (1 - mse/naive units) that triggers an automatic rollback")
+
     # --- Checkpoints ---------------------------------------------------------------------------
     checkpoint_dir: Path = Field(Path("var/checkpoints"), description="Where checkpoints go")
     checkpoint_interval_s: float = Field(60.0, gt=0, description="Seconds between checkpoints")
@@ -190,6 +221,13 @@ class Settings(BaseSettings):
             return math.inf
         return value
 
+    @field_validator("holdout_share")
+    @classmethod
+    def _holdout_leaves_training_data(cls, value: float) -> float:
+        if value >= 1:
+            raise ValueError("must be below 1: a share of 1 or more would train on nothing; use e.g. 0.02, or 0 for no gate")
+        return value
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap_has_port(cls, value: str) -> str:
@@ -217,6 +255,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"sampling={self.sampling} does not apply in DP mode (DP-SGD samples events by Poisson on its "
                 "public clock, as its accounting assumes): set STREAMTRAIN_SAMPLING=uniform"
+            )
+        if self.dp == "on" and self.holdout_share > 0:
+            raise ValueError(
+                f"holdout_share ({self.holdout_share}) must be 0 with dp=on: the publish gate scores private events "
+                "outside the DP guarantee; set HOLDOUT_SHARE=0 (docs/privacy.md)"
             )
         return self
 

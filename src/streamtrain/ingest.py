@@ -284,12 +284,16 @@ class Ingestor:
         metrics: Metrics,
         *,
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
+        before_insert: Callable[[EventBatch], EventBatch] | None = None,
         clock: Callable[[], float] = time.time,
         consumer_factory: ConsumerFactory = subscribed_consumer,
         dead_letters: DeadLetterOutbox | None = None,
     ) -> None:
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
+        # Test-then-train: the serving model scores a batch before the window (and so the
+        # trainer) can see it; returns the events the window gets (held-out ones stay out).
+        self.before_insert = before_insert
         self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics
@@ -488,10 +492,14 @@ class Ingestor:
             self.dead_letters.submit(messages[position], rejection.reason)
         reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         with self.apply_lock:
-            if len(decoded.events):
-                self.window.insert_batch(decoded.events, pending.next_offsets, rejected=reasons)
+            to_window = decoded.events
+            if self.before_insert is not None and len(to_window):
+                to_window = self.before_insert(to_window)
+            held_out = len(decoded.events) - len(to_window)
+            if len(to_window):
+                self.window.insert_batch(to_window, pending.next_offsets, rejected=reasons, held_out=held_out)
             else:
-                self.window.advance_offsets(pending.next_offsets, rejected=reasons)
+                self.window.advance_offsets(pending.next_offsets, rejected=reasons, held_out=held_out)
             if self.on_events is not None:
                 self.on_events(decoded.events, pending.next_offsets)
         self.stats.seen_total += len(messages)

@@ -166,6 +166,31 @@ class Metrics:
             registry=registry,
         )
         self.model_version = Gauge("streamtrain_model_version", "Version of the model that serves", registry=registry)
+        # Learning quality (quality.py)
+        self.prequential_mse = Gauge(
+            "streamtrain_prequential_mse",
+            "Serving model's forecast MSE on events scored before training on them (fading average)",
+            registry=registry,
+        )
+        self.prequential_naive_mse = Gauge(
+            "streamtrain_prequential_naive_mse",
+            "Last-value forecast's MSE on the same scored events (fading average)",
+            registry=registry,
+        )
+        self.prequential_events = Counter(
+            "streamtrain_prequential_events", "Events scored by the serving model before training", registry=registry
+        )
+        self.drift_detected = Counter(
+            "streamtrain_drift_detected", "Drifts detected in the prequential error", registry=registry
+        )
+        self.publish_held = Counter(
+            "streamtrain_publish_held", "Candidate models held back by the publish gate", registry=registry
+        )
+        self.model_rollbacks = Counter(
+            "streamtrain_model_rollbacks", "Rollbacks to an earlier version, by trigger", ["trigger"], registry=registry
+        )
+        for trigger in ("admin", "automatic"):
+            self.model_rollbacks.labels(trigger)
         self.dp_epsilon = Gauge(
             "streamtrain_dp_epsilon", "Largest per-event epsilon spent so far (DP mode only)", registry=registry
         )

@@ -5,6 +5,19 @@ are a fixed sinusoidal buffer and attention is written with ``nn.Linear`` projec
 that (a) an instance's output never depends on its batch company or on padding, which the
 no-shuffle predict endpoint relies on, and (b) per-sample gradients exist for every
 parameter, which DP-SGD relies on (``torch.func`` and Opacus hooks both work).
+
+Forecasts survive level shifts. A network that maps absolute levels to absolute
+forecasts through statistics frozen on the past breaks on the first level it has not
+seen, where the last value simply follows. So, inside :meth:`SensorModel.forward` and per
+instance: every position is centred on the instance's own running (causal) mean and
+described by its step from the previous reading, both in units of the instance's own
+running step size, and the network forecasts the *change* from the last reading in those
+units (a residual over the last-value forecast, with a zero-initialised
+head, so an untrained model is exactly the last-value forecast). Adding a constant to an
+instance's readings adds it to every forecast and changes nothing else; no statistic
+looks ahead, so training on every position sees what serving sees. Everything stays in
+tensor ops (cumulative sums, no per-instance Python), so ``predict``, the losses, the DP
+per-sample gradients and an ONNX export all get it from the same forward.
 """
 
 from __future__ import annotations
@@ -23,6 +36,10 @@ from streamtrain.data.collate import collate
 from streamtrain.events import NO_LABEL
 
 ForecastReduction = Literal["tokens", "per_sample"]
+
+#: Checkpoints record it in the model config, so one written for another input/output form
+#: of the network is refused with a clear line instead of a tensor-shape error.
+MODEL_FORM = "level_free_residual/v2"
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,12 +296,15 @@ class SensorModel(nn.Module):
         self.config = {
             "channels": channels, "n_classes": n_classes, "d_model": d_model, "n_heads": n_heads,
             "n_layers": n_layers, "ff_mult": ff_mult, "max_len": max_len, "dropout": dropout,
+            "form": MODEL_FORM,
         }  # fmt: skip
-        self.input = nn.Linear(channels, d_model)
+        self.input = nn.Linear(2 * channels, d_model)  # [centred on the causal mean, step from the previous]
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, ff_mult, dropout) for _ in range(n_layers))
         self.final_norm = nn.LayerNorm(d_model)
         self.forecast_head = nn.Linear(d_model, channels)
+        nn.init.zeros_(self.forecast_head.weight)  # untrained = the last-value forecast
+        nn.init.zeros_(self.forecast_head.bias)
         self.class_head = nn.Linear(d_model, n_classes) if n_classes > 0 else None
 
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
@@ -300,18 +320,43 @@ class SensorModel(nn.Module):
         real = mask[..., None]
         # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
         x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
-        hidden = self.input(x) + self.positions[:length]
+        features, scale = level_free_features(x, real)
+        hidden = self.input(features) + self.positions[:length]
         allowed = attention_allowed(mask)
         for block in self.blocks:
             hidden = block(hidden, allowed)
         hidden = self.final_norm(hidden)
-        forecast = self.forecast_head(hidden) * real
+        # The forecast is the last reading plus a change in the instance's own step scale.
+        forecast = (x + scale * self.forecast_head(hidden)) * real
         logits = None
         if self.class_head is not None:
             last = (mask.sum(dim=1) - 1).clamp_min(0)  # real positions come first
             last_hidden = hidden[torch.arange(batch, device=hidden.device), last]
             logits = self.class_head(last_hidden)
         return ModelOutput(forecast=forecast, logits=logits)
+
+
+SCALE_FLOOR = 0.05  # in units of the running (global) std: a flat instance is not blown up
+
+
+def level_free_features(x: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-instance, causal features that no level shift changes, and the scale they use.
+
+    Returns ``features [B, L, 2C]`` (each reading minus the instance's mean up to it, and
+    its step from the previous reading, both divided by ``scale``) and ``scale [B, L, C]``,
+    the instance's mean absolute step up to each position (plus :data:`SCALE_FLOOR`). Adding a constant to an instance changes neither; multiplying it
+    by a factor (above the floor) changes only ``scale``. ``x`` is zero at pad positions
+    and real positions come first, so running sums over real positions are plain cumsums.
+    """
+    count = torch.cumsum(real.to(x.dtype), dim=1).clamp_min(1.0)
+    centred = (x - torch.cumsum(x, dim=1) / count) * real
+    previous = torch.cat([x[:, :1], x[:, :-1]], dim=1)  # the first reading has no step: 0
+    step = (x - previous) * real
+    steps_seen = (count - 1.0).clamp_min(1.0)
+    # Mean absolute step (x 1.25: the RMS of Gaussian steps): one jump inflates it far less
+    # than a root mean square would, so the positions after a level jump keep their scale.
+    scale = 1.25 * torch.cumsum(step.abs(), dim=1) / steps_seen + SCALE_FLOOR
+    return torch.cat([centred / scale, step / scale], dim=-1), scale
 
 
 def build_model(settings: Any) -> SensorModel:

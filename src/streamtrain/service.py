@@ -79,7 +79,14 @@ class Service:
             max_age_s=settings.max_age_s,
         )
         self.trainer = self._build_trainer()
-        self.ingest = Ingestor(settings, self.window, self.metrics, on_events=getattr(self.trainer, "admit", None))
+        quality = getattr(self.trainer, "quality", None)  # DP mode: no scoring of private events
+        self.ingest = Ingestor(
+            settings,
+            self.window,
+            self.metrics,
+            on_events=getattr(self.trainer, "admit", None),
+            before_insert=None if quality is None else quality.observe,
+        )
         self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
         self.checkpoint_error: str | None = None
         self.last_checkpoint: Path | None = None

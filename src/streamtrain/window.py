@@ -18,10 +18,11 @@ arrays (no copy on insert) and compacted at cuts once garbage dominates.
 Counters: the window keeps the ledger of the Kafka messages its offsets cover, and a
 checkpoint saves it with them, so after a restart it counts every covered message once
 (replayed messages are not counted twice). ``accepted_total`` counts valid events
-offered, ``rejected_total`` refused messages by reason, ``seen_total`` both, and
-``evicted_total`` the accepted events that are not in the window: they lost the
-reservoir race (on arrival or at a later cut) or expired (``max_age_s``). Hence
-``seen_total == accepted_total + Σ rejected_total`` and
+offered, ``rejected_total`` refused messages by reason, ``held_out_total`` valid events
+kept out of the window for the publish gate's holdout (``HOLDOUT_SHARE``), ``seen_total``
+all three, and ``evicted_total`` the accepted events that are not in the window: they
+lost the reservoir race (on arrival or at a later cut) or expired (``max_age_s``). Hence
+``seen_total == accepted_total + Σ rejected_total + held_out_total`` and
 ``size == accepted_total − evicted_total`` at every moment. ``evicted_since_start`` is
 the part of ``evicted_total`` that happened in this process (what a Prometheus counter,
 which starts at zero with the process, reports).
@@ -225,6 +226,7 @@ class WindowStats:
     seen_total: int
     accepted_total: int
     rejected_total: dict[str, int]
+    held_out_total: int
     evicted_total: int
     half_life_s: float
     tokens: int
@@ -283,6 +285,7 @@ class RecencyWindow:
         self._next_offsets: dict[int, int] = {}
         self.accepted_total = 0  # the ledger of the covered offsets (module docstring)
         self._rejected: dict[str, int] = {}
+        self.held_out_total = 0
         self._evicted_at_start = 0  # evicted_total when this process took the window over
         self.version = 0
         self._reset_storage(0)
@@ -319,9 +322,9 @@ class RecencyWindow:
 
     @property
     def seen_total(self) -> int:
-        """Messages covered: accepted events plus rejected messages."""
+        """Messages covered: accepted events, rejected messages and held-out events."""
         with self._lock:
-            return self.accepted_total + sum(self._rejected.values())
+            return self.accepted_total + sum(self._rejected.values()) + self.held_out_total
 
     @property
     def tokens(self) -> int:
@@ -348,12 +351,14 @@ class RecencyWindow:
         next_offsets: Mapping[int, int] | None = None,
         *,
         rejected: Mapping[str, int] | None = None,
+        held_out: int = 0,
     ) -> InsertReport:
         """Offer a batch of valid events; record the Kafka offsets the new state covers.
 
         ``next_offsets`` is the next offset per partition once this batch is in, and
-        ``rejected`` the messages of the same poll batch refused by reason; both are
-        stored under the same lock as the items, so every state knows what it covers.
+        ``rejected`` the messages of the same poll batch refused by reason and ``held_out``
+        its valid events kept out for the holdout; all are stored under the same lock as
+        the items, so every state knows what it covers.
         """
         if batch.values.ndim != 2 or batch.values.shape[1] != self.channels:
             raise ValueError(f"batch values must be [tokens, {self.channels}], got {batch.values.shape}")
@@ -368,15 +373,19 @@ class RecencyWindow:
             if next_offsets:
                 self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
             self._count_rejected_locked(rejected)
+            self.held_out_total += int(held_out)
             self.accepted_total += n
             self.version += 1
         return InsertReport(offered=n, stored=int(contenders.size), dropped=n - int(contenders.size))
 
-    def advance_offsets(self, next_offsets: Mapping[int, int], *, rejected: Mapping[str, int] | None = None) -> None:
-        """Record offsets consumed without valid events (all dead-lettered, counted in ``rejected``)."""
+    def advance_offsets(
+        self, next_offsets: Mapping[int, int], *, rejected: Mapping[str, int] | None = None, held_out: int = 0
+    ) -> None:
+        """Record offsets consumed without events for the window (dead-lettered or held out)."""
         with self._lock:
             self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
             self._count_rejected_locked(rejected)
+            self.held_out_total += int(held_out)
             self.version += 1
 
     def _count_rejected_locked(self, rejected: Mapping[str, int] | None) -> None:
@@ -512,13 +521,14 @@ class RecencyWindow:
             ts = cols["ts"][:n].copy()
             lengths = cols["lengths"][:n].copy()
             sensor_ids = cols["sensor_ids"][:n].copy()
-            accepted, rejected = self.accepted_total, dict(self._rejected)
+            accepted, rejected, held_out = self.accepted_total, dict(self._rejected), self.held_out_total
         return WindowStats(
             size=n,
             capacity=self.capacity,
-            seen_total=accepted + sum(rejected.values()),
+            seen_total=accepted + sum(rejected.values()) + held_out,
             accepted_total=accepted,
             rejected_total=rejected,
+            held_out_total=held_out,
             evicted_total=accepted - n,
             half_life_s=self.half_life_s,
             tokens=int(lengths.sum()),
@@ -557,6 +567,7 @@ class RecencyWindow:
                 "reference_ts": self._reference_ts,
                 "accepted_total": self.accepted_total,
                 "rejected_total": dict(self._rejected),
+                "held_out_total": self.held_out_total,
                 "rng_state": self._rng.bit_generator.state,
             }
 
@@ -636,6 +647,7 @@ class RecencyWindow:
             self._next_offsets = {int(p): int(o) for p, o in dict(state.get("next_offsets", {})).items()}
             self.accepted_total = int(state.get("accepted_total", self._n))
             self._rejected = {str(r): int(c) for r, c in dict(state.get("rejected_total", {})).items()}
+            self.held_out_total = int(state.get("held_out_total", 0))
             self._evicted_at_start = self.accepted_total - self._n
             self.version = int(state.get("version", 0))
             rng_state = state.get("rng_state")

@@ -207,7 +207,8 @@ def test_dashboard_uses_only_spec_metric_names():
         "streamtrain_window_size", "streamtrain_window_capacity", "streamtrain_window_age_seconds",
         "streamtrain_train_loss", "streamtrain_train_padding_tokens_total", "streamtrain_train_tokens_total",
         "streamtrain_predict_latency_seconds", "streamtrain_dp_epsilon", "streamtrain_consumer_lag_messages",
-        "streamtrain_model_version",
+        "streamtrain_model_version", "streamtrain_prequential_mse", "streamtrain_prequential_naive_mse",
+        "streamtrain_drift_detected_total",
     } <= used
 
 

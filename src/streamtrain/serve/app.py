@@ -7,6 +7,7 @@ into shared forwards (serve/batcher.py); requests beyond the workers and their q
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 import time
@@ -39,8 +40,11 @@ from streamtrain.serve.schemas import (
     PredictRequest,
     PredictResponse,
     Readiness,
+    RollbackRequest,
+    RollbackResult,
     WindowReport,
 )
+from streamtrain.registry import UnknownVersion
 from streamtrain.service import Service
 
 
@@ -84,6 +88,7 @@ def window_report(service: ServiceDep) -> WindowReport:
         seen_total=stats.seen_total,
         accepted_total=stats.accepted_total,
         rejected_total={reason: int(stats.rejected_total.get(reason, 0)) for reason in REASONS},
+        held_out_total=stats.held_out_total,
         evicted_total=stats.evicted_total,
         half_life_s=None if math.isinf(stats.half_life_s) else stats.half_life_s,
         tokens=stats.tokens,
@@ -116,7 +121,13 @@ def model_report(service: ServiceDep) -> ModelReport:
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }
     dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
+    quality = getattr(trainer, "quality", None)
+    if quality is not None:
+        training["publish_held"] = trainer.publish_held
+        training["last_gate"] = None if trainer.last_gate is None else dataclasses.asdict(trainer.last_gate)
     return ModelReport(
+        quality=None if quality is None else quality.report(None if published is None else published.version),
+        versions=trainer.registry.versions(),
         version=None if published is None else published.version,
         step=trainer.step if published is None else published.step,
         tokens_trained=trainer.tokens_trained if published is None else published.tokens_trained,
@@ -232,6 +243,19 @@ def admin_model(version: str, service: ServiceDep) -> Response:
         media_type="application/octet-stream",
         headers={"Content-Disposition": f'attachment; filename="streamtrain-v{published.version}.safetensors"'},
     )
+
+
+@admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}})
+def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
+    """Make a kept earlier version serve again; training continues from its weights."""
+    before = service.published
+    try:
+        service.trainer.rollback(body.version, trigger="admin", reason="asked by an admin")
+    except UnknownVersion:
+        kept = service.trainer.registry.versions()
+        raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
+    return RollbackResult(version=body.version, previous=None if before is None else before.version)
 
 
 # ---------------------------------------------------------------------- middleware

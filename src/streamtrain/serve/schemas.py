@@ -27,15 +27,16 @@ class Quantiles(BaseModel):
 class WindowReport(BaseModel):
     """The ``*_total`` fields count the Kafka messages the window's offsets cover, once each:
     a checkpoint saves them with the offsets, so they survive restarts and never count a
-    replayed message twice. ``seen_total == accepted_total + sum(rejected_total)`` and
+    replayed message twice. ``seen_total == accepted_total + sum(rejected_total) + held_out_total`` and
     ``size == accepted_total - evicted_total``. The Prometheus counters of the same names
     count what this process did since it started."""
 
     size: int = Field(description="Items in the window")
     capacity: int = Field(description="Most items the window holds (WINDOW_CAPACITY)")
-    seen_total: int = Field(description="Messages covered: accepted_total plus every rejected message")
+    seen_total: int = Field(description="Messages covered: accepted_total, every rejected message and held_out_total")
     accepted_total: int = Field(description="Valid events offered to the window")
     rejected_total: dict[str, int] = Field(description="Refused (dead-lettered) messages by reason")
+    held_out_total: int = Field(description="Valid events kept out of the window for the publish gate's holdout (HOLDOUT_SHARE)")
     evicted_total: int = Field(
         description="Accepted events not in the window: lost the reservoir race (on arrival or later) or expired (MAX_AGE_S)"
     )
@@ -61,6 +62,15 @@ class DPReport(BaseModel):
     target_epsilon: float
 
 
+class QualityReport(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    n: int = Field(description="Events scored by the serving model before they were trained on")
+    prequential_mse: float | None = Field(description="Forecast MSE per step of the serving model (fading average)")
+    naive_mse: float | None = Field(description="The last-value forecast's MSE on the same events")
+    skill: float | None = Field(description="1 - prequential_mse / naive_mse")
+    drifts: int = Field(description="Drift detections so far")
+
+
 class ModelReport(BaseModel):
     version: int | None
     step: int
@@ -69,6 +79,20 @@ class ModelReport(BaseModel):
     published_at: float | None
     dp: DPReport | None
     training: dict[str, Any] = Field(default_factory=dict, description="Pass diagnostics and timings")
+    quality: QualityReport | None = Field(
+        None, description="Test-then-train quality of the serving model; null until the first event was scored"
+    )
+    versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(strict=True, description="A kept version (see /v1/model versions)")
+
+
+class RollbackResult(BaseModel):
+    version: int = Field(description="The version that serves now")
+    previous: int | None = Field(description="The version that served before")
 
 
 class Instance(BaseModel):
