@@ -160,7 +160,7 @@ class Settings(BaseSettings):
         "none", description="What a detected drift does to training: none, or reset_optimizer (clear AdamW's moments)"
     )
     holdout_share: float = Field(
-        0.0, ge=0, description="Share of fresh events kept out of training to gate publishing (0 = gate off); must be below 1"
+        0.0, ge=0, description="Share of fresh events kept out of training to gate publishing (0 = gate off); must be below 1; refused with DP=on"
     )
     holdout_capacity: int = Field(256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores")
     holdout_min_events: int = Field(32, ge=1, description="Held-out events needed before the gate can hold a candidate back")

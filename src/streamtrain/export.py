@@ -100,7 +100,7 @@ def _bundle_metadata(data: bytes) -> dict[str, str]:
 
 
 def _build(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> SensorModel:
-    model = SensorModel(**config)
+    model = SensorModel.from_config(config)
     model.load_state_dict(dict(weights))
     for parameter in model.parameters():
         parameter.requires_grad_(False)

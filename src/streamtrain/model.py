@@ -23,7 +23,7 @@ per-sample gradients and an ONNX export all get it from the same forward.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -306,6 +306,18 @@ class SensorModel(nn.Module):
         nn.init.zeros_(self.forecast_head.weight)  # untrained = the last-value forecast
         nn.init.zeros_(self.forecast_head.bias)
         self.class_head = nn.Linear(d_model, n_classes) if n_classes > 0 else None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SensorModel:
+        """The network a saved ``config`` describes; refuses one of another input/output form."""
+        arguments = dict(config)
+        form = arguments.pop("form", None)
+        if form != MODEL_FORM:
+            raise ValueError(
+                f"this model was saved in form {form!r}; this streamtrain builds {MODEL_FORM!r}, whose "
+                "inputs and outputs differ: export or serve it with the streamtrain version that trained it"
+            )
+        return cls(**arguments)
 
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
         batch, length, channels = x_norm.shape

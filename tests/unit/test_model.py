@@ -237,14 +237,14 @@ def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
     item = np.stack([np.linspace(-100, 100, 20), np.linspace(-8, -6, 20)], axis=1).astype(np.float32)
     z = (item.astype(np.float64) - mean) / std
 
-    # a forecaster that always says 0 (the training mean): the score is the mean of z²
+    # a zero forecast head forecasts the last reading: the score is the mean of (z_{t+1} − z_t)²
     silent = small_model(channels=2, n_classes=0)
     with torch.no_grad():
         silent.forecast_head.weight.zero_()
         silent.forecast_head.bias.zero_()
     (quiet,) = predict(silent, norm, [item], token_budget=64)
-    assert quiet.anomaly_score == pytest.approx((z[1:] ** 2).mean(), rel=1e-4)
-    np.testing.assert_allclose(quiet.next, mean, rtol=1e-5)
+    assert quiet.anomaly_score == pytest.approx(((z[1:] - z[:-1]) ** 2).mean(), rel=1e-4)
+    np.testing.assert_allclose(quiet.next, item[-1], rtol=1e-5)
 
     # the real forecaster: its own forecasts, the same arithmetic
     model = small_model(channels=2, n_classes=0)
