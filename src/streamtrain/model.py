@@ -22,6 +22,7 @@ per-sample gradients and an ONNX export all get it from the same forward.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -624,8 +625,10 @@ def predict_arrays(
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device a model's parameters live on."""
-    return next(model.parameters()).device
+    """The device a model's parameters (else buffers) live on; the CPU for a module with neither."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def forward_on_model_device(model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
