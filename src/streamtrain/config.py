@@ -27,12 +27,14 @@ ENV_PREFIX = "STREAMTRAIN_"
 
 #: What a GPU gets instead of the CPU defaults, field by field, unless that field was set
 #: (keyword, environment or TOML). The CPU defaults would leave a GPU idle: a step of a
-#: 64-wide, 2-layer model over 8,192 tokens is a few hundred microseconds of kernels, less
-#: than the host needs to plan and launch it. docs/accelerators.md has the reasoning.
+#: 64-wide, 2-layer model over 8,192 tokens is well under a millisecond of kernels, less
+#: than the host needs to plan, launch and check it, so the GPU would wait on the host. A
+#: 512-wide, 6-layer model over 65,536-token batches gives each step tens of milliseconds
+#: of kernels, against a few milliseconds of host work per step. docs/accelerators.md.
 GPU_PROFILE: dict[str, Any] = {
-    "d_model": 256,
+    "d_model": 512,
     "n_heads": 8,
-    "n_layers": 4,
+    "n_layers": 6,
     "token_budget": 65536,
     "max_batch_sequences": 4096,
     "amp": "bf16",
