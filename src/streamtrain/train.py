@@ -30,7 +30,7 @@ from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
 from streamtrain.data.passes import pass_sampler_from_settings
 from streamtrain.data.randomness import derive_seed
-from streamtrain.device import autocast, is_cuda, settle
+from streamtrain.device import autocast, describe, is_cuda, settle
 from streamtrain.metrics import Metrics
 from streamtrain.model import (
     ModelOutput,
@@ -323,6 +323,10 @@ class Trainer(ModelTrainer):
         # Built on the CPU from the seed, then moved: the same initial weights on every device.
         self.model = build_model(settings).to(self.device)
         self.model.train()
+        log.info(
+            "training on %s, amp=%s%s", describe(self.device), settings.amp,
+            f"; GPU profile: {', '.join(settings.gpu_profile_applied)}" if settings.gpu_profile_applied else "",
+        )  # fmt: skip
         self.norm = RunningNorm(settings.channels)  # float64 statistics, on the host
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
