@@ -241,18 +241,27 @@ def test_the_prefetcher_transforms_in_its_own_thread_and_closes_through_the_stag
 # --------------------------------------------------------------------------- training on a device
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_trainer_lives_on_its_device_and_a_staged_step_equals_a_host_step(device: str) -> None:
+    """A batch staged by the device pipeline trains exactly as the same host batch does.
+
+    On the CPU bit for bit. On a GPU the first step too (same weights, same inputs, a
+    deterministic forward); later steps to a tolerance, since CUDA's memory-efficient
+    attention accumulates its backward with atomics (not bit-reproducible) and AdamW's
+    normalized steps can enlarge such last-bit differences.
+    """
     torch.manual_seed(0)
     host, staged = trainer_on(device), trainer_on(device)
     assert next(host.model.parameters()).device.type == device
-    for batch in batches(6, 8, seed=5):
+    exact = device == "cpu"
+    for index, batch in enumerate(batches(6, 8, seed=5)):
         a = host.train_step(batch)
         source = pin_batch(batch) if device == "cuda" else batch
         b = staged.train_step(stage_batch(source, host.device).ready())
         assert a.applied and b.applied and a.real_tokens == b.real_tokens
-        assert a.loss == pytest.approx(b.loss, rel=1e-6)
+        assert a.loss == pytest.approx(b.loss, rel=1e-6 if exact or index == 0 else 1e-3)
     for p, q in zip(host.model.parameters(), staged.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(p, q, **({} if exact else {"rtol": 1e-2, "atol": 5e-3}))
     assert host.norm.mean.dtype == torch.float64 and host.norm.mean.device.type == "cpu"  # statistics stay on the host
+    torch.testing.assert_close(host.norm.mean, staged.norm.mean, rtol=0, atol=0)  # the same host arithmetic
     published = host.publish()
     assert next(published.model.parameters()).device.type == device  # the frozen copy serves from the device
     answers = predict(published.model, published.norm, sinusoids(np.random.default_rng(6), 5), 512)
@@ -325,7 +334,7 @@ def test_a_checkpoint_loads_on_another_device_and_back_with_the_same_answers(wri
     for batch in more:
         writer.train_step(batch)
         reader.train_step(batch)
-    tolerance = 1e-6 if written_on == loaded_on else 1e-3
+    tolerance = 1e-6 if written_on == loaded_on else 1e-2
     for a, b in zip(predict(writer.model, writer.norm, items, 512), predict(reader.model, reader.norm, items, 512), strict=True):
         np.testing.assert_allclose(b.next, a.next, rtol=tolerance, atol=tolerance)
     back = trainer_on(written_on)
