@@ -55,6 +55,7 @@ WHEELS=(
   typing-inspection==0.4.5 annotated-types==0.8.0 typing_extensions==4.16.0
   fastapi==0.163.2 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2
   uvicorn==0.54.0 kafka-python==3.0.12 crc32c==2.9.post0 orjson==3.13.0 river==0.26.1
+  narwhals==2.29.0  # river needs >= 2.0; the image's may be older
 )
 
 if [ "$MODE" = fetch ]; then
@@ -83,8 +84,11 @@ export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   SITE=/tmp/streamtrain-site
   say "installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE (no index, no network)"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >>"$LOG" 2>&1
-  export PYTHONPATH="$PYTHONPATH:$SITE"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >>"$LOG" 2>&1; then
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+  else  # e.g. --dry-run with another Python than the wheels' 3.12: the environment may hold it all
+    say "  the wheels do not install for $("$PY" -V 2>&1) (see the log); going on with its own packages"
+  fi
 fi
 if ! "$PY" -c "import torch, pydantic_settings, fastapi, uvicorn, kafka, orjson, river, streamtrain.serve.app" >>"$LOG" 2>&1; then
   say "FAILED: $PY cannot import the project (the log says what is missing): without network, carry"

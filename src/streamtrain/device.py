@@ -106,11 +106,6 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """A pinned (page-locked) copy of a CPU tensor, or the tensor when it already is."""
-    return tensor if tensor.is_pinned() else tensor.pin_memory()
-
-
 class Transfer:
     """Named host tensors copied to ``device`` on ``stream``, ready when :meth:`wait` says so.
 

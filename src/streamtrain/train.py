@@ -437,10 +437,12 @@ class Trainer(ModelTrainer):
     def _placed(self, batch: Batch) -> tuple[Batch, Batch]:
         """(host batch, its values/mask/labels on the training device) for any batch given."""
         on_device = getattr(batch, "on_device", None)
-        if batch.values.device.type != "cpu":  # a hand-made batch on the device
+        if on_device is None and batch.values.device == self.device:
+            on_device = batch
+        if batch.values.device.type != "cpu":  # a hand-made batch on the device: statistics need a host copy
             batch = batch.to("cpu")
         if on_device is None:
-            on_device = batch if batch.values.device == self.device else stage_batch(batch, self.device).ready().on_device
+            on_device = stage_batch(batch, self.device).ready().on_device
         return batch, on_device
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from streamtrain.data._validate import require_int
 from streamtrain.data.collate import Batch
-from streamtrain.device import Transfer, is_cuda, pin, side_stream
+from streamtrain.device import Transfer, is_cuda, side_stream
 
 T = TypeVar("T")
 
