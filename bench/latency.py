@@ -30,6 +30,12 @@ from the step's end until the first answer whose version includes that step.
 Each ``--configs`` run (service settings, e.g. ``pass_max_items=256,pass_fresh_share=0.9``;
 runs separated by ``;``) gets a fresh service and topic. Needs the broker
 (``deploy/kafka.sh up``). Run: ``python bench/latency.py [--configs ...] [--json]``.
+
+``--in-process`` needs no broker (the GPU machine has none): a feeder thread inserts the
+same events (same lengths, same unique ``ts``, same 20 ms ticks) straight into the
+service's window, and only the trainer and the HTTP app run (no Kafka, no ingest thread,
+no prequential scoring), so the ingest delay is ~0 and the figure is the trainer's part
+of the latency. ``--device cuda`` (any service setting: ``--configs``) trains on a GPU.
 """
 
 from __future__ import annotations
@@ -112,6 +118,43 @@ def produce(
     producer.flush(30)
     producer.close(10)
     results.put((index, sent, elapsed))
+
+
+def feed(window: Any, rate: float, start_at: float, duration_s: float, median: float, results: list[Any],
+         stop: threading.Event) -> None:  # fmt: skip
+    """In-process stand-in for the producers: ``rate`` events/s into ``window``, ts as they stamp it."""
+    import json
+
+    from streamtrain.events import EventBatch, SensorEvent
+
+    templates = []
+    for _, head, tail in encoded_templates(2048, median, seed=0):  # the producers' events, decoded once
+        body = json.loads(head + b"0" + tail)
+        templates.append((body["sensor_id"], np.asarray(body["values"], dtype=np.float32)[:, None]))
+    per_tick = rate * TICK_S
+    if per_tick > TS_SLOTS:
+        raise ValueError(f"rate {rate}/s needs more than {TS_SLOTS} ts slots per tick")
+    sent, owed, tick = 0, 0.0, 0
+    time.sleep(max(0.0, start_at - time.time()))
+    while not stop.is_set():
+        due = start_at + tick * TICK_S
+        if due >= start_at + duration_s:
+            break
+        delay = due - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        owed += per_tick
+        n, owed = int(owed), owed - int(owed)
+        base = math.floor(time.time() * 1000.0) / 1000.0
+        events = []
+        for j in range(n):
+            sensor, values = templates[(sent + j) % len(templates)]
+            events.append(SensorEvent(sensor, base + j * 1e-6, values))
+        if events:
+            window.insert_batch(EventBatch.from_events(events))
+        sent += n
+        tick += 1
+    results.append((0, sent, time.time() - start_at))
 
 
 # ---------------------------------------------------------------------- observation
@@ -227,6 +270,8 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
             kafka_bootstrap=args.bootstrap, topic=topic, group_id=f"g-{topic}", checkpoint_dir=Path(workdir),
             http_host="127.0.0.1", **overrides,
         )  # fmt: skip
+        if args.in_process:
+            return run_in_process(args, overrides, settings)
         # The topic exists before anyone produces: a producer's metadata request must not
         # auto-create it with the broker's default partition count.
         ensure_topics(args.bootstrap, {topic: settings.topic_partitions, settings.dlq_topic: settings.topic_partitions})
@@ -279,6 +324,50 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     produced_rate = sum(sent for _, sent, _ in reports) / max(elapsed for _, _, elapsed in reports)
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))  # ordered, no repeats
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown)
+    begin = start_at + args.warmup_s
+    return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+
+
+def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings: Any) -> RunResult:
+    """:func:`run_once` with a feeder thread in place of Kafka, the producers and ingest."""
+    import uvicorn
+
+    from streamtrain.serve.app import create_app
+    from streamtrain.service import Service
+
+    service = Service(settings)
+    seen = Observations()
+    instrument(service, seen)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    service.trainer.start()
+    server_thread.start()
+    start_at = time.time() + 1.0
+    duration = args.warmup_s + args.measure_s + args.tail_s
+    reports: list[Any] = []
+    stop_feeding, stop_polling = threading.Event(), threading.Event()
+    feeder = threading.Thread(
+        target=feed, args=(service.window, args.rate, start_at, duration, args.length_median, reports, stop_feeding),
+        name="feeder", daemon=True,
+    )  # fmt: skip
+    poller = threading.Thread(target=poll_predictions, args=(port, stop_polling, seen), daemon=True)
+    try:
+        feeder.start()
+        wait_until(lambda: service.published is not None, 1.0 + args.warmup_s + 30, "a first published model", service)
+        poller.start()
+        feeder.join(duration + 120)
+    finally:
+        stop_feeding.set()
+        stop_polling.set()
+        server.should_exit = True
+        service.stop(final_checkpoint=False)
+        server_thread.join(10)
+    if not seen.steps or not reports:
+        raise RuntimeError(f"no training step or no feed: trainer error {service.trainer.last_error}")
+    produced_rate = sum(sent for _, sent, _ in reports) / max(elapsed for _, _, elapsed in reports)
+    shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))
+    label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown) + ", in-process"
     begin = start_at + args.warmup_s
     return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
 
@@ -378,6 +467,8 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=20.0, help="events sent in this interval are measured")
     parser.add_argument("--tail-s", type=float, default=6.0, help="sent after the interval, not measured")
     parser.add_argument("--producer-start-s", type=float, default=3.0, help="lead time for producer processes")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no broker: events fed straight into the window (the trainer's part of the latency)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

@@ -32,7 +32,18 @@ that floor next to the measured p50.
 ``--lengths fixed`` makes every instance 48 steps long (32 x 48 x 1 requests: no padding
 in the OIP tensor); the default draws the lognormal mix.
 
-Needs the broker (``deploy/kafka.sh up``). Run: ``python bench/predict_latency.py [--json]``.
+``--device cuda`` puts the service and the bare forward on a GPU (with the GPU profile's
+model and token budget, docs/accelerators.md); the bare forward is then the GPU forward.
+
+``--in-process`` needs no broker (the GPU machine has none): the same FastAPI app
+(:func:`streamtrain.serve.app.create_app`, with its predict batcher) over a
+:class:`~streamtrain.service.Service` in this process, served by uvicorn on a thread, HTTP
+over loopback as before; the trainer thread trains meanwhile on events a feeder thread
+inserts straight into the window at ``--stream-rate`` (no Kafka, no ingest thread, no
+prequential scoring). The load generator and the baselines are unchanged.
+
+Needs the broker (``deploy/kafka.sh up``) unless ``--in-process``. Run:
+``python bench/predict_latency.py [--in-process] [--device cpu|cuda] [--json]``.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.config import load_settings  # noqa: E402
+from streamtrain.config import Settings, load_settings  # noqa: E402
+from streamtrain.device import describe  # noqa: E402
 from streamtrain.model import RunningNorm, build_model, plan_predict_batches, predict  # noqa: E402
 
 BENCH = "predict_latency"
@@ -162,11 +174,18 @@ class Stack:
         self._wait(lambda: self.client.get("/readyz").status_code == 200, timeout_s, "readiness")
         self._wait(lambda: self.model()["training"]["live_step"] >= 5, timeout_s, "5 training steps")
 
+    def _exited(self) -> str | None:
+        """Why the service is gone, or None while it runs."""
+        if self.processes[0].poll() is not None:
+            return f"streamtrain serve exited: {self.log.read_text()[-2000:]}"
+        return None
+
     def _wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.processes[0].poll() is not None:
-                raise RuntimeError(f"streamtrain serve exited: {self.log.read_text()[-2000:]}")
+            gone = self._exited()
+            if gone is not None:
+                raise RuntimeError(gone)
             try:
                 if condition():
                     return
@@ -205,6 +224,81 @@ class Stack:
                     process.wait(10)
 
 
+class InProcessStack(Stack):
+    """The real app over a Service in this process (uvicorn on a thread); a feeder thread
+    inserts events into the window at ``stream_rate`` instead of Kafka and ingest."""
+
+    def __init__(self, stream_rate: float, workdir: Path, overrides: dict[str, str]) -> None:
+        import uvicorn
+
+        from streamtrain.serve.app import create_app
+        from streamtrain.service import Service
+
+        self.port = _free_port()
+        self.log = workdir / "serve.log"
+        self.settings = load_settings(checkpoint_dir=workdir / "ckpt", http_host="127.0.0.1", log_level="WARNING", **overrides)
+        self.service = Service(self.settings)
+        self.stream_rate = stream_rate
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self._threads = [
+            threading.Thread(target=self.server.run, name="uvicorn", daemon=True),
+            threading.Thread(target=self._feed, name="feeder", daemon=True),
+        ]
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self.processes = []
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+
+    def _feed(self) -> None:
+        """Events of the lognormal mix (noisy sinusoids, 64 sensors) at ``stream_rate``, in 20 ms ticks."""
+        from streamtrain.events import EventBatch, SensorEvent
+
+        rng = np.random.default_rng(1)
+        try:
+            # A first window's worth at once, so the trainer starts without waiting for the rate.
+            owed, started = float(self.settings.min_window_items), time.monotonic()
+            tick = 0
+            while not self._stop.is_set():
+                n, owed = int(owed), owed - int(owed)
+                if n:
+                    events = [
+                        SensorEvent(f"sensor-{i % 64}", time.time(),
+                                    (np.sin(rng.uniform(0.1, 0.8) * np.arange(length) + rng.uniform(0, 6.3))
+                                     + 0.1 * rng.standard_normal(length)).astype(np.float32)[:, None])
+                        for i, length in enumerate(lognormal_lengths(n, rng).tolist())
+                    ]  # fmt: skip
+                    self.service.window.insert_batch(EventBatch.from_events(events))
+                tick += 1
+                self._stop.wait(max(0.0, started + tick * 0.02 - time.monotonic()))
+                owed += self.stream_rate * 0.02
+        except Exception as err:  # noqa: BLE001 - reported by _wait
+            self._error = f"feeder failed: {type(err).__name__}: {err}"
+
+    def _exited(self) -> str | None:
+        if self._error is not None:
+            return self._error
+        if self.service.trainer.last_error is not None:
+            return f"trainer failed: {self.service.trainer.last_error}"
+        return None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.service.trainer.start()
+        for thread in self._threads:
+            thread.start()
+        self._wait(lambda: self._get("/healthz") is not None, timeout_s, "health")
+        self._wait(lambda: self.service.published is not None, timeout_s, "a published model")
+        self._wait(lambda: self.model()["training"]["live_step"] >= 5, timeout_s, "5 training steps")
+
+    def stop(self) -> None:
+        self.client.close()
+        self._stop.set()
+        self.server.should_exit = True  # its shutdown stops the service (trainer, final checkpoint)
+        for thread in self._threads:
+            thread.join(60)
+
+
 def _free_port() -> int:
     import socket
 
@@ -237,12 +331,13 @@ def http_latencies(
 
 # ---------------------------------------------------------------------- the bare forward
 def bare_latencies(
-    batches: list[list[np.ndarray]], total: int, concurrency: int, token_budget: int
+    batches: list[list[np.ndarray]], total: int, concurrency: int, settings: Settings
 ) -> tuple[list[float], float]:
-    """Latencies of ``total`` bare forwards from ``concurrency`` callers, and the wall time of all."""
-    settings = load_settings()
+    """Latencies of ``total`` bare forwards from ``concurrency`` callers, and the wall time of all
+    (the service's model size, token budget and device)."""
+    token_budget = settings.token_budget
     torch.manual_seed(0)
-    model = build_model(settings).eval()
+    model = build_model(settings).to(settings.device).eval()
     norm = RunningNorm(settings.channels)
 
     def one(i: int) -> float:
@@ -290,17 +385,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the bare forward (the service: 1)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a service setting, e.g. --set predict_concurrency=1 (repeatable)")
+    parser.add_argument("--device", default="cpu", help="DEVICE of the service and the bare forward (cpu, cuda, ...)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no broker: the app over a Service in this process, events fed into its window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = {"device": args.device, **dict(item.split("=", 1) for item in args.set)}
     routes = [r for r in args.routes.split(",") if r]
     unknown = set(routes) - set(ROUTES)
     if unknown:
         parser.error(f"--routes: unknown {sorted(unknown)}; choose from {', '.join(ROUTES)}")
 
     torch.set_num_threads(args.threads)
-    settings = load_settings()
+    settings = load_settings(**overrides)  # what the service runs with (the GPU profile on a GPU)
     batches = request_batches(16, args.seed, 48 if args.lengths == "fixed" else None)
     bodies = {
         "v1": [encode(b) for b in batches],
@@ -308,14 +406,17 @@ def main() -> None:
         "oip-binary": [encode_oip(b, binary=True) for b in batches],
     }
 
-    bare_single, _ = bare_latencies(batches, args.bare_calls, 1, settings.token_budget)
-    bare_concurrent, bare_wall = bare_latencies(batches, args.bare_calls * 2, args.concurrency, settings.token_budget)
+    bare_single, _ = bare_latencies(batches, args.bare_calls, 1, settings)
+    bare_concurrent, bare_wall = bare_latencies(batches, args.bare_calls * 2, args.concurrency, settings)
 
     runs = {route: RouteRun() for route in routes}
     versions: set[int] = set()
     per_phase = max(args.concurrency, args.requests // max(1, args.rounds))
     with tempfile.TemporaryDirectory(prefix="bench-predict-") as workdir:
-        stack = Stack(args.bootstrap, args.stream_rate, Path(workdir), overrides)
+        if args.in_process:
+            stack: Stack = InProcessStack(args.stream_rate, Path(workdir), overrides)
+        else:
+            stack = Stack(args.bootstrap, args.stream_rate, Path(workdir), overrides)
         try:
             stack.start()
             for route in routes:  # warm-up
@@ -344,7 +445,8 @@ def main() -> None:
     floor_p50 = args.concurrency * single_p50 / cores
     floor_p99 = args.concurrency * single_p99 / cores
     shape = f"{INSTANCES} x {'48' if args.lengths == 'fixed' else 'lognormal(48)'} x 1"
-    settings_tag = "".join(f", {o}" for o in args.set)
+    settings_tag = "".join(f", {o}" for o in args.set) + (f", {settings.device}" if settings.device != "cpu" else "") + (
+        ", in-process" if args.in_process else "")
     rows: list[Row] = []
     p50s: dict[str, tuple[float, float]] = {}
     for route in routes:
@@ -357,8 +459,10 @@ def main() -> None:
             Row(tag, "p99 s (HTTP while training vs bare forward)", p99, single_p99, "<= 3x bare forward" if route == "v1" else ""),
             Row(tag, f"p50 s (HTTP vs bare forward x{args.concurrency} threads)", p50, concurrent_p50),
             Row(tag, f"p99 s (HTTP vs bare forward x{args.concurrency} threads)", p99, concurrent_p99),
-            Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
-            Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
+            *([] if settings.device != "cpu" else [
+                Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
+                Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
+            ]),
             Row(tag, "mean s (server side vs client side)", run.server_seconds / max(1, run.server_count),
                 float(np.mean(run.latencies))),
             Row(tag, f"requests/s (HTTP vs bare forward x{args.concurrency} threads)", len(run.latencies) / run.seconds,
@@ -376,6 +480,8 @@ def main() -> None:
         Row(tag, "training steps/s during the load", (step_after - step_before) / elapsed),
         Row(tag, "model versions seen", len(versions)),
     ]
+    if not args.json:
+        print(f"# device: {describe(torch.device(settings.device))}")
     emit(rows, args.json)
 
 

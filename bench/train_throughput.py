@@ -21,8 +21,23 @@ Data-wait share is the time the loop blocked on the Prefetcher over wait + step 
 The default of 800k real tokens per arm is about 100 of our steps (and ~400 fixed ones);
 the spread of our tokens/s across segments is reported so an unstable figure shows.
 
-Run: ``python bench/train_throughput.py [--tokens N] [--threads 1,2] [--json]`` (default: 1 thread,
-the service default ``TORCH_THREADS``; about 4 minutes on a loaded 2-core machine).
+On a device (``--device cuda``, or ``--device cpu --amp bf16`` for the CPU's bf16) the
+arms run exactly as the trainer thread does there: batches pinned in the producer thread,
+copied one batch ahead on a side stream (:class:`~streamtrain.data.prefetch.DevicePrefetcher`),
+with the settings the device brings (on a GPU the GPU profile: wider model, 65,536-token
+budget, bf16; ``--set NAME=VALUE`` overrides any). Further rows:
+
+* collate cost per batch: the producer thread's time per batch (plan + gather + collate,
+  then pinning on a GPU), and :func:`~streamtrain.data.collate.collate_flat` alone on the
+  same batches; ``producer batches/s`` against ``steps/s`` says whether the host keeps up;
+* GPU busy share (CUDA only): the union of kernel and copy intervals recorded by
+  ``torch.profiler`` over ``--profile-steps`` steps of ours, over the wall time of those
+  steps, and NVML's utilization (``torch.cuda.utilization``, sampled every 50 ms) over the
+  timed segments as a cross-check.
+
+Run: ``python bench/train_throughput.py [--tokens N] [--threads 1,2] [--device cpu|cuda] [--amp bf16|off]
+[--arms ours,fixed] [--set NAME=VALUE] [--json]`` (default: 1 thread, the service default
+``TORCH_THREADS``, on the CPU; about 4 minutes on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -30,10 +45,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +60,9 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.data import Batch, Prefetcher, collate  # noqa: E402
+from streamtrain.data.collate import collate_flat  # noqa: E402
+from streamtrain.data.prefetch import DevicePrefetcher, pin_batch  # noqa: E402
+from streamtrain.device import describe, is_cuda  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
 from streamtrain.train import Trainer  # noqa: E402
@@ -103,13 +123,48 @@ def fixed_random_batches(snapshot: WindowSnapshot, batch_size: int, seed: int) -
             yield collate([values[i] for i in index.tolist()], snapshot.labels[index], snapshot.ts[index])
 
 
+class ProducerClock:
+    """Times the producer thread's work per batch: drawing it from the source, and pinning it."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.source_seconds = 0.0
+        self.pin_seconds = 0.0
+        self.samples: list[Batch] = []  # a few batches for timing collate alone afterwards
+
+    def timed(self, source: Iterable[Batch]) -> Iterator[Batch]:
+        iterator = iter(source)
+        try:
+            while True:
+                started = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                self.source_seconds += time.perf_counter() - started
+                self.batches += 1
+                if len(self.samples) < 16 and self.batches % 3 == 1:
+                    self.samples.append(batch)
+                yield batch
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    def pin(self, batch: Batch) -> Batch:
+        started = time.perf_counter()
+        pinned = pin_batch(batch)
+        self.pin_seconds += time.perf_counter() - started
+        return pinned
+
+
 @dataclass
 class Arm:
     """One training setup and what it has done so far."""
 
     name: str
     trainer: Trainer
-    source: object  # a zero-argument callable returning a fresh batch iterable
+    source: Callable[[], Iterable[Batch]]  # a fresh batch iterable
     real_tokens: int = 0
     padded_tokens: int = 0
     steps: int = 0
@@ -118,15 +173,26 @@ class Arm:
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     segment_rates: list[float] = field(default_factory=list)
+    producer: ProducerClock = field(default_factory=ProducerClock)
+
+    def pipeline(self) -> DevicePrefetcher:
+        """The trainer thread's pipeline: a Prefetcher (pinning on a GPU), then the device stage."""
+        device = self.trainer.device
+        prefetcher = Prefetcher(
+            self.producer.timed(self.source()),
+            depth=self.trainer.settings.prefetch_depth,
+            name=f"bench-{self.name}",
+            transform=self.producer.pin if is_cuda(device) else None,
+        )
+        return DevicePrefetcher(prefetcher, device)
 
     def run_segment(self, until_tokens: int) -> None:
-        """Train until this arm's real tokens reach ``until_tokens`` (a fresh Prefetcher)."""
+        """Train until this arm's real tokens reach ``until_tokens`` (a fresh pipeline)."""
         started, tokens_before = time.perf_counter(), self.real_tokens
-        depth = self.trainer.settings.prefetch_depth
-        with Prefetcher(self.source(), depth=depth, name=f"bench-{self.name}") as prefetcher:
+        with self.pipeline() as stage:
             while self.real_tokens < until_tokens:
                 waited = time.perf_counter()
-                batch = next(prefetcher)
+                batch = next(stage)
                 stepped = time.perf_counter()
                 self.trainer.train_step(batch)
                 done = time.perf_counter()
@@ -152,30 +218,138 @@ class Arm:
         return self.wait_seconds / (self.wait_seconds + self.step_seconds)
 
 
+def collate_seconds(samples: list[Batch], repeats: int = 3) -> float:
+    """Mean time of :func:`collate_flat` alone (the dataset's last stage) on these batches."""
+    inputs = [(b.values[b.mask].numpy(), b.lengths.numpy(), b.labels.numpy(), b.ts.numpy()) for b in samples]
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for flat, lengths, labels, ts in inputs:
+            collate_flat(flat, lengths, labels, ts)
+        best = min(best, time.perf_counter() - started)
+    return best / max(1, len(inputs))
+
+
+class UtilizationSampler:
+    """NVML's GPU utilization (percent of time a kernel ran), sampled on a thread."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.05) -> None:
+        self.device, self.interval_s = device, interval_s
+        self.samples: list[float] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self.device)) / 100.0)
+            except Exception as err:  # noqa: BLE001 - no NVML (pynvml) here: the row says so
+                self.error = f"{type(err).__name__}: {err}"
+                return
+
+    def __enter__(self) -> UtilizationSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.samples)) if self.samples else math.nan
+
+
+def profiled_busy_share(arm: Arm, steps: int) -> tuple[float, str]:
+    """(share of wall time some kernel or copy ran on the GPU, how measured) over ``steps`` steps of ``arm``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = arm.trainer.device
+    try:
+        with arm.pipeline() as stage:
+            next(stage)  # the pipeline's cold start is not part of the steady state
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                started = time.perf_counter()
+                for _ in range(steps):
+                    arm.trainer.train_step(next(stage))
+                torch.cuda.synchronize(device)
+                wall_us = (time.perf_counter() - started) * 1e6
+        intervals = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+        )
+    except Exception as err:  # noqa: BLE001 - CUPTI may be unavailable: the row says why
+        return math.nan, f"torch.profiler failed: {type(err).__name__}: {err}"
+    if not intervals:
+        return math.nan, "torch.profiler recorded no GPU activity"
+    busy, (start, end) = 0.0, intervals[0]
+    for a, b in intervals[1:]:
+        if a > end:
+            busy += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return busy / wall_us, f"torch.profiler kernel+copy union over {steps} steps"
+
+
 def warm_up(trainer: Trainer, batch: Batch, steps: int = 2) -> None:
     for _ in range(steps):
         trainer.train_step(batch)
 
 
-def measure(settings: Settings, window: RecencyWindow, tokens: int, segments: int, seed: int) -> tuple[Arm, Arm, int]:
+def measure(
+    settings: Settings, window: RecencyWindow, tokens: int, segments: int, seed: int, arms: list[str]
+) -> tuple[dict[str, Arm], int, float | None]:
     snapshot = window.snapshot()
     batch_size = fixed_batch_size(snapshot.lengths, settings.token_budget, seed)
-    trainer = Trainer(settings, window, Metrics())
-    ours = Arm("ours", trainer, lambda: trainer.dataset)  # the trainer thread's own pipeline
-    fixed_seed = iter(range(seed, seed + 10_000))
-    fixed = Arm(
-        "fixed",
-        Trainer(settings, window, Metrics()),
-        lambda: fixed_random_batches(snapshot, batch_size, next(fixed_seed)),
-    )
-    # Allocator and kernel warm-up on a batch of each shape family, outside the timing.
-    warm_up(ours.trainer, next(iter(trainer.dataset)))
-    warm_up(fixed.trainer, next(fixed_random_batches(snapshot, batch_size, seed)))
-    for segment in range(1, segments + 1):
-        goal = tokens * segment // segments
-        for arm in (ours, fixed) if segment % 2 else (fixed, ours):
-            arm.run_segment(goal)
-    return ours, fixed, batch_size
+    built: dict[str, Arm] = {}
+    if "ours" in arms:
+        trainer = Trainer(settings, window, Metrics())
+        built["ours"] = Arm("ours", trainer, lambda: trainer.dataset)  # the trainer thread's own pipeline
+    if "fixed" in arms:
+        fixed_seed = iter(range(seed, seed + 10_000))
+        built["fixed"] = Arm(
+            "fixed",
+            Trainer(settings, window, Metrics()),
+            lambda: fixed_random_batches(snapshot, batch_size, next(fixed_seed)),
+        )
+    # Allocator and kernel warm-up on batches of each shape family, outside the timing.
+    for arm in built.values():
+        with arm.pipeline() as stage:
+            for _ in range(3):
+                arm.trainer.train_step(next(stage))
+        arm.producer = ProducerClock()
+    device = next(iter(built.values())).trainer.device
+    sampler = UtilizationSampler(device) if is_cuda(device) else None
+    with sampler if sampler is not None else _nothing():
+        for segment in range(1, segments + 1):
+            goal = tokens * segment // segments
+            order = list(built.values())
+            for arm in order if segment % 2 else order[::-1]:
+                arm.run_segment(goal)
+    return built, batch_size, None if sampler is None else sampler.mean
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE")
+        out[name.strip().lower()] = value.strip()
+    return out
 
 
 def main() -> None:
@@ -186,31 +360,77 @@ def main() -> None:
     parser.add_argument("--threads", default="1", help="torch intra-op thread counts, comma separated (e.g. 1,2)")
     parser.add_argument("--items", type=int, default=20_000, help="window size")
     parser.add_argument("--segments", type=int, default=4, help="interleaved segments per arm")
+    parser.add_argument("--device", default="cpu", help="DEVICE: cpu, cuda, cuda:N or auto (a GPU brings the GPU profile)")
+    parser.add_argument("--amp", choices=["bf16", "off"], default=None, help="AMP (default: the device's, off on the CPU)")
+    parser.add_argument("--arms", default="ours,fixed", help="which arms to run: ours, fixed or both")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="any other setting (repeatable)")
+    parser.add_argument("--profile-steps", type=int, default=30, help="steps of ours under torch.profiler (CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or set(arms) - {"ours", "fixed"}:
+        parser.error("--arms: ours, fixed or ours,fixed")
 
-    settings = load_settings(window_capacity=args.items, seed=args.seed)
+    overrides = {"device": args.device, **({"amp": args.amp} if args.amp else {}), **parse_sets(args.set)}
+    settings = load_settings(window_capacity=args.items, seed=args.seed, **overrides)
     window = filled_window(args.items, args.seed)
+    device = torch.device(settings.device)
     rows: list[Row] = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        ours, fixed, batch_size = measure(settings, window, args.tokens, args.segments, args.seed)
-        tag = f"{BENCH}[threads={threads}]"
+        built, batch_size, utilization = measure(settings, window, args.tokens, args.segments, args.seed, arms)
+        ours, fixed = built.get("ours"), built.get("fixed")
+        tag = f"{BENCH}[threads={threads}]" if device.type == "cpu" and settings.amp == "off" else (
+            f"{BENCH}[{device.type}, amp={settings.amp}, threads={threads}]")  # fmt: skip
+        if ours is not None and fixed is not None:
+            rows += [
+                Row(tag, "real tokens/s (ours vs fixed)", ours.tokens_per_s, fixed.tokens_per_s, ">= 2.0x fixed"),
+                Row(tag, "data-wait share of step time (ours)", ours.data_wait_share, None, "<= 0.05"),
+                Row(tag, "data-wait share of step time (fixed)", fixed.data_wait_share),
+                Row(tag, "padding share (ours vs fixed)", ours.padding_share, fixed.padding_share),
+                Row(tag, "padded tokens/step (ours vs fixed)", ours.padded_tokens / ours.steps,
+                    fixed.padded_tokens / fixed.steps),
+                Row(tag, "sequences/step (ours vs fixed)", ours.sequences / ours.steps, fixed.sequences / fixed.steps),
+                Row(tag, f"steps (fixed batch size {batch_size})", ours.steps, fixed.steps),
+                Row(tag, "real tokens trained (ours vs fixed)", ours.real_tokens, fixed.real_tokens),
+            ]  # fmt: skip
+        else:
+            arm = ours or fixed
+            assert arm is not None
+            rows += [
+                Row(tag, f"real tokens/s ({arm.name})", arm.tokens_per_s),
+                Row(tag, f"data-wait share of step time ({arm.name})", arm.data_wait_share, None, "<= 0.05"),
+                Row(tag, f"padding share ({arm.name})", arm.padding_share),
+                Row(tag, f"padded tokens/step ({arm.name})", arm.padded_tokens / arm.steps),
+                Row(tag, f"steps ({arm.name})", arm.steps),
+            ]
+        for arm in built.values():
+            clock = arm.producer
+            per_batch = clock.source_seconds / max(1, clock.batches)
+            rows += [
+                Row(tag, f"producer ms/batch: plan + gather + collate ({arm.name})", 1e3 * per_batch),
+                Row(tag, f"collate_flat alone ms/batch ({arm.name})", 1e3 * collate_seconds(clock.samples)),
+                Row(tag, f"producer batches/s vs training steps/s ({arm.name})",
+                    clock.batches / max(1e-9, clock.source_seconds + clock.pin_seconds),
+                    arm.steps / (arm.wait_seconds + arm.step_seconds)),
+            ]  # fmt: skip
+            if is_cuda(device):
+                rows.append(Row(tag, f"pin ms/batch, producer thread ({arm.name})", 1e3 * clock.pin_seconds / max(1, clock.batches)))
+        if ours is not None:
+            rows.append(Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates)))
+            if is_cuda(device):
+                busy, how = profiled_busy_share(ours, args.profile_steps)
+                rows.append(Row(tag, f"GPU busy share ({how})", busy, None, ">= 0.90"))
+                rows.append(Row(tag, "GPU utilization, NVML mean over the timed segments", utilization if utilization is not None else math.nan))
         rows += [
-            Row(tag, "real tokens/s (ours vs fixed)", ours.tokens_per_s, fixed.tokens_per_s, ">= 2.0x fixed"),
-            Row(tag, "data-wait share of step time (ours)", ours.data_wait_share, None, "<= 0.05"),
-            Row(tag, "data-wait share of step time (fixed)", fixed.data_wait_share),
-            Row(tag, "padding share (ours vs fixed)", ours.padding_share, fixed.padding_share),
-            Row(tag, "padded tokens/step (ours vs fixed)", ours.padded_tokens / ours.steps,
-                fixed.padded_tokens / fixed.steps),
-            Row(tag, "sequences/step (ours vs fixed)", ours.sequences / ours.steps, fixed.sequences / fixed.steps),
-            Row(tag, f"steps (fixed batch size {batch_size})", ours.steps, fixed.steps),
-            Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates)),
             Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
             Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),
-            Row(tag, "real tokens trained (ours vs fixed)", ours.real_tokens, fixed.real_tokens),
+            Row(tag, f"TOKEN_BUDGET, D_MODEL, N_LAYERS (GPU profile: {', '.join(settings.gpu_profile_applied) or 'none'})",
+                settings.token_budget, None, f"d_model={settings.d_model}, n_layers={settings.n_layers}, heads={settings.n_heads}"),
         ]  # fmt: skip
+    if not args.json:
+        print(f"# device: {describe(device)}; amp={settings.amp}")
     emit(rows, args.json)
 
 

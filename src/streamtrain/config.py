@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -21,7 +21,24 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from streamtrain.device import check_device_spec, resolve_device
+
 ENV_PREFIX = "STREAMTRAIN_"
+
+#: What a GPU gets instead of the CPU defaults, field by field, unless that field was set
+#: (keyword, environment or TOML). The CPU defaults would leave a GPU idle: a step of a
+#: 64-wide, 2-layer model over 8,192 tokens is well under a millisecond of kernels, less
+#: than the host needs to plan, launch and check it, so the GPU would wait on the host. A
+#: 512-wide, 6-layer model over 65,536-token batches gives each step tens of milliseconds
+#: of kernels, against a few milliseconds of host work per step. docs/accelerators.md.
+GPU_PROFILE: dict[str, Any] = {
+    "d_model": 512,
+    "n_heads": 8,
+    "n_layers": 6,
+    "token_budget": 65536,
+    "max_batch_sequences": 4096,
+    "amp": "bf16",
+}
 
 
 class SettingsError(ValueError):
@@ -38,6 +55,7 @@ class Settings(BaseSettings):
         validate_default=True,
     )
     _toml_path: ClassVar[Path | None] = None
+    _gpu_profile: tuple[str, ...] = PrivateAttr(default=())
 
     # --- Kafka -------------------------------------------------------------------------
     kafka_bootstrap: str = Field("localhost:9092", description="Kafka bootstrap servers, comma separated")
@@ -138,6 +156,12 @@ class Settings(BaseSettings):
     train_nice: int = Field(
         10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
     )
+    device: str = Field(
+        "auto", description="Where the model trains and predicts: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)"
+    )
+    amp: Literal["bf16", "off"] = Field(
+        "off", description="Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on in the GPU profile; refused with DP=on"
+    )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
     )
@@ -221,6 +245,15 @@ class Settings(BaseSettings):
             return math.inf
         return value
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_exists(cls, value: Any) -> str:
+        """cpu and cuda[:N] are checked against this machine here; auto is decided with DP (below)."""
+        spec = check_device_spec(value)
+        if spec != "auto":
+            spec = str(resolve_device(spec))
+        return spec
+
     @field_validator("holdout_share")
     @classmethod
     def _holdout_leaves_training_data(cls, value: float) -> float:
@@ -239,6 +272,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
+        self._place_on_device()
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if self.sampling == "stratified" and self.n_classes == 0:
@@ -262,6 +296,42 @@ class Settings(BaseSettings):
                 "outside the DP guarantee; set HOLDOUT_SHARE=0 (docs/privacy.md)"
             )
         return self
+
+    def _place_on_device(self) -> None:
+        """Resolve ``auto``, refuse what DP mode cannot do, and apply the GPU profile on a GPU."""
+        if self.dp == "on":
+            if self.device.startswith("cuda"):
+                raise ValueError(
+                    f"device={self.device} with dp=on: DP-SGD (privacy/) trains on the CPU, its per-sample "
+                    "clipping and noise in float32 or better; set STREAMTRAIN_DEVICE=cpu or auto"
+                )
+            if self.amp != "off":
+                raise ValueError(
+                    f"amp={self.amp} with dp=on: the DP step's per-sample gradients, clipping and noise must stay "
+                    "float32 or better (its privacy analysis assumes exact clipping); set STREAMTRAIN_AMP=off"
+                )
+            self.__dict__["device"] = "cpu"  # auto: DP mode runs where its guarantees were checked
+            return
+        if self.device == "auto":
+            self.__dict__["device"] = str(resolve_device("auto"))
+        if self.device.startswith("cuda"):
+            self._apply_gpu_profile()
+
+    def _apply_gpu_profile(self) -> None:
+        applied = []
+        for name, value in GPU_PROFILE.items():
+            if name in self.model_fields_set:
+                continue
+            if name == "n_heads" and self.d_model % value:
+                continue  # a D_MODEL set by hand keeps the CPU default heads when the profile's do not divide it
+            self.__dict__[name] = value  # not marked as set: model_fields_set keeps meaning "the user set it"
+            applied.append(name)
+        self._gpu_profile = tuple(applied)
+
+    @property
+    def gpu_profile_applied(self) -> tuple[str, ...]:
+        """The settings the GPU profile chose (empty on the CPU, or when the user set them all)."""
+        return self._gpu_profile
 
     @property
     def dlq_topic(self) -> str:

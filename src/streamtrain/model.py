@@ -22,6 +22,7 @@ per-sample gradients and an ONNX export all get it from the same forward.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamtrain.data.collate import collate
+from streamtrain.device import inference_stream, to_device_async
 from streamtrain.events import NO_LABEL
 
 ForecastReduction = Literal["tokens", "per_sample"]
@@ -147,7 +149,15 @@ class RunningNorm:
         return clamped
 
     def _as_float(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._mean.to(x.device, x.dtype), self.std.to(x.device, x.dtype)
+        """Mean and std in ``x``'s dtype on ``x``'s device; the statistics stay float64 on the host.
+
+        On a GPU both go over in one non-blocking copy from pinned memory: a plain ``.to``
+        from pageable memory would make the trainer wait for every queued kernel each step.
+        """
+        if x.device.type == "cpu":
+            return self._mean.to(x.dtype), self.std.to(x.dtype)
+        both = to_device_async(torch.stack([self._mean, self.std]).to(x.dtype), x.device)
+        return both[0], both[1]
 
     def normalize(self, x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
         if isinstance(x, np.ndarray):
@@ -495,8 +505,8 @@ class InferenceModel(nn.Module):
         # The float32 constants RunningNorm.normalize uses for float32 inputs, made on the
         # model's device: no .to() on a module that other threads may be running.
         device = next(model.parameters()).device
-        self.register_buffer("mean", norm.mean.float().to(device))
-        self.register_buffer("std", norm.std.float().to(device))
+        self.register_buffer("mean", to_device_async(norm.mean.float(), device))
+        self.register_buffer("std", to_device_async(norm.std.float(), device))
         self.n_classes = model.n_classes
 
     @property
@@ -592,21 +602,49 @@ def predict_arrays(
     if not arrays:
         return PredictionArrays(out_next, out_score, out_probs)
     was_training = model.training
-    device = next(model.parameters()).device
-    network = InferenceModel(model, norm)
+    device = model_device(model)
     model.eval()
     try:
-        with torch.inference_mode():
-            for group in plan_predict_batches(lengths, token_budget):
-                batch = collate([arrays[i] for i in group]).to(device)
-                outputs = network(batch.values, batch.lengths)
-                out_next[group] = outputs[0].cpu().numpy()
-                out_score[group] = outputs[1].cpu().numpy()
-                if out_probs is not None:
-                    out_probs[group] = outputs[2].cpu().numpy()
+        # On a GPU: this thread's own high-priority stream, every micro-batch queued before
+        # anything is read back, and one copy back per output at the end.
+        with inference_stream(device), torch.inference_mode():
+            network = InferenceModel(model, norm)
+            groups = plan_predict_batches(lengths, token_budget)
+            outputs = []
+            for group in groups:
+                batch = collate([arrays[i] for i in group])
+                outputs.append(network(to_device_async(batch.values, device), to_device_async(batch.lengths, device)))
+            order = np.concatenate(groups)
+            out_next[order] = torch.cat([o[0] for o in outputs]).cpu().numpy()
+            out_score[order] = torch.cat([o[1] for o in outputs]).cpu().numpy()
+            if out_probs is not None:
+                out_probs[order] = torch.cat([o[2] for o in outputs]).cpu().numpy()
     finally:
         model.train(was_training)
     return PredictionArrays(out_next, out_score, out_probs)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device a model's parameters (else buffers) live on; the CPU for a module with neither."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def forward_on_model_device(model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+    """``model(x_norm, mask)`` for host tensors, wherever the model lives; the output back on the host.
+
+    For callers that score on the host in float64 (the quality monitor): the forward runs
+    on the model's device (on this thread's inference stream there), the rest stays as it was.
+    """
+    device = model_device(model)
+    if device.type == "cpu":
+        return model(x_norm, mask)
+    with inference_stream(device):
+        output = model(to_device_async(x_norm, device), to_device_async(mask, device))
+        return ModelOutput(
+            forecast=output.forecast.cpu(), logits=None if output.logits is None else output.logits.cpu()
+        )
 
 
 def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:

@@ -45,7 +45,7 @@ from streamtrain.data.collate import collate
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import NO_LABEL, EventBatch
 from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm, SensorModel, plan_predict_batches
+from streamtrain.model import RunningNorm, SensorModel, forward_on_model_device, plan_predict_batches
 from streamtrain.window import token_positions
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def score_events(
                 batch = collate([values[i] for i in group])
                 mask = batch.mask
                 x_norm = norm.normalize(batch.values).float() * mask[..., None]
-                output = model(x_norm, mask)
+                output = forward_on_model_device(model, x_norm, mask)  # the serving copy may live on a GPU
                 # Back to data units, then into the common units: (forecast - target) / unit std.
                 forecast = norm.denormalize(output.forecast.double()).float()
                 data = batch.values

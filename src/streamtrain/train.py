@@ -27,11 +27,20 @@ from streamtrain.config import Settings
 from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
-from streamtrain.data.prefetch import Prefetcher
+from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
 from streamtrain.data.passes import pass_sampler_from_settings
 from streamtrain.data.randomness import derive_seed
+from streamtrain.device import autocast, describe, is_cuda, settle
 from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
+from streamtrain.model import (
+    ModelOutput,
+    RunningNorm,
+    SensorModel,
+    build_model,
+    forecast_loss,
+    naive_last_value_loss,
+    total_loss,
+)
 from streamtrain.quality import Drift, GateDecision, QualityConfig, QualityMonitor
 from streamtrain.registry import ModelRegistry, UnknownVersion
 from streamtrain.window import RecencyWindow
@@ -72,6 +81,12 @@ class StepReport:
     seconds: float
 
 
+def _float32(output: ModelOutput) -> ModelOutput:
+    """``output`` in float32 (the same tensors when they already are: AMP off)."""
+    logits = output.logits
+    return ModelOutput(forecast=output.forecast.float(), logits=None if logits is None else logits.float())
+
+
 def build_budget(settings: Settings) -> TokenBudget:
     return TokenBudget(
         max_tokens=settings.token_budget,
@@ -94,6 +109,7 @@ class ModelTrainer:
         self.settings = settings
         self.metrics = metrics
         self._clock = clock
+        self.device = torch.device(settings.device)  # resolved by Settings: never "auto" here
         self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
         self.registry: ModelRegistry[PublishedModel] = ModelRegistry(settings.model_versions_keep)
         self.last_error: str | None = None
@@ -125,9 +141,10 @@ class ModelTrainer:
         candidate is kept (not served) and counted; the serving version answers on.
         """
         with self.lock:
-            frozen = copy.deepcopy(self.model).eval()
+            frozen = copy.deepcopy(self.model).eval()  # on the training device
             for parameter in frozen.parameters():
                 parameter.requires_grad_(False)
+            settle(self.device)  # predict streams read these weights: the copy must be done
             norm = RunningNorm(self.settings.channels)
             norm.load_state_dict(self.norm.state_dict())
             self._version += 1
@@ -212,7 +229,7 @@ class ModelTrainer:
         for entry in state.get("versions", []):
             model = build_model(self.settings)
             model.load_state_dict(entry["model"])
-            model.eval()
+            model.to(self.device).eval()
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
             norm = RunningNorm(self.settings.channels)
@@ -230,6 +247,7 @@ class ModelTrainer:
             self.registry.add(published, serve=published.version == serving)
         if self.published is None:
             return False
+        settle(self.device)
         self._last_publish = time.monotonic()
         self.metrics.model_version.set(self.published.version)
         return True
@@ -302,11 +320,19 @@ class Trainer(ModelTrainer):
         super().__init__(settings, metrics, clock)
         self.window = window
         torch.manual_seed(settings.seed)
-        self.model = build_model(settings)
+        # Built on the CPU from the seed, then moved: the same initial weights on every device.
+        self.model = build_model(settings).to(self.device)
         self.model.train()
-        self.norm = RunningNorm(settings.channels)
+        log.info(
+            "training on %s, amp=%s%s", describe(self.device), settings.amp,
+            f"; GPU profile: {', '.join(settings.gpu_profile_applied)}" if settings.gpu_profile_applied else "",
+        )  # fmt: skip
+        self.norm = RunningNorm(settings.channels)  # float64 statistics, on the host
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
+            self.model.parameters(),
+            lr=settings.learning_rate,
+            weight_decay=settings.weight_decay,
+            **({"fused": True} if is_cuda(self.device) else {}),  # one kernel for the whole update
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -344,17 +370,24 @@ class Trainer(ModelTrainer):
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
-        """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged."""
+        """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged.
+
+        ``batch`` is a host batch, a batch already on the training device, or a
+        :class:`~streamtrain.data.prefetch.StagedBatch` (both: the trainer's own pipeline).
+        """
         started = time.perf_counter()
+        batch, on_device = self._placed(batch)
         with self.lock:
             if self._reset_optimizer_due:
                 self._reset_optimizer_due = False
                 self.optimizer.state.clear()
             norm_before = self.norm.state_dict()  # a refused step must not move the normalization
-            self.norm.update(batch.values, batch.mask)
-            x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
-            output = self.model(x_norm, batch.mask)
-            loss = total_loss(output, x_norm, batch.mask, batch.labels)
+            self.norm.update(batch.values, batch.mask)  # float64, on the host
+            x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
+            with autocast(self.device, self.settings.amp):
+                output = self.model(x_norm, on_device.mask)
+            output = _float32(output)  # the loss, its gradient seed and the EMAs in float32
+            loss = total_loss(output, x_norm, on_device.mask, on_device.labels)
             if self.fault_injector is not None:
                 loss = self.fault_injector(loss)
             skipped = None
@@ -377,8 +410,8 @@ class Trainer(ModelTrainer):
             self.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
             value = float(loss.detach())
             if skipped is None:
-                self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, batch.mask).detach()))
-                self.naive_loss_ema = _smooth(self.naive_loss_ema, float(naive_last_value_loss(x_norm, batch.mask)))
+                self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, on_device.mask).detach()))
+                self.naive_loss_ema = _smooth(self.naive_loss_ema, float(naive_last_value_loss(x_norm, on_device.mask)))
         seconds = time.perf_counter() - started
         self._record(batch, skipped, seconds)
         return StepReport(
@@ -394,9 +427,23 @@ class Trainer(ModelTrainer):
 
     def evaluate(self, batch: Batch) -> float:
         """Forecast loss of the live model on ``batch`` (no update)."""
+        _, on_device = self._placed(batch)
         with self.lock, torch.no_grad():
-            x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
-            return float(forecast_loss(self.model(x_norm, batch.mask), x_norm, batch.mask))
+            x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
+            with autocast(self.device, self.settings.amp):
+                output = self.model(x_norm, on_device.mask)
+            return float(forecast_loss(_float32(output), x_norm, on_device.mask))
+
+    def _placed(self, batch: Batch) -> tuple[Batch, Batch]:
+        """(host batch, its values/mask/labels on the training device) for any batch given."""
+        on_device = getattr(batch, "on_device", None)
+        if on_device is None and batch.values.device == self.device:
+            on_device = batch
+        if batch.values.device.type != "cpu":  # a hand-made batch on the device: statistics need a host copy
+            batch = batch.to("cpu")
+        if on_device is None:
+            on_device = stage_batch(batch, self.device).ready().on_device
+        return batch, on_device
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop at once, also while waiting for the window to fill (the prefetcher is closed)."""
@@ -408,16 +455,22 @@ class Trainer(ModelTrainer):
 
     def _work(self) -> None:
         """Train on prefetched batches until stopped (a fresh prefetcher after an error)."""
-        prefetcher = Prefetcher(self.dataset, depth=self.settings.prefetch_depth, name="trainer-prefetch")
+        prefetcher = Prefetcher(
+            self.dataset,
+            depth=self.settings.prefetch_depth,
+            name="trainer-prefetch",
+            transform=pin_batch if is_cuda(self.device) else None,  # pinned in the producer thread
+        )
         self._prefetcher = prefetcher
+        staged = DevicePrefetcher(prefetcher, self.device)  # on a GPU: copied one batch ahead on a side stream
         try:
             while not self._stop.is_set():
-                waited_before = prefetcher.data_wait_seconds
-                batch = next(prefetcher, None)
+                waited_before = staged.data_wait_seconds
+                batch = next(staged, None)
                 if batch is None:  # closed by stop()
                     break
                 # The first batch waits for the window to fill: that is warm-up, not data wait.
-                wait = prefetcher.data_wait_seconds - waited_before if prefetcher.items_delivered > 1 else 0.0
+                wait = staged.data_wait_seconds - waited_before if staged.items_delivered > 1 else 0.0
                 if self._stop.is_set():
                     break
                 self.train_step(batch)

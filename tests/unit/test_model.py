@@ -17,6 +17,8 @@ from streamtrain.model import (
     total_loss,
 )
 
+from device_params import CUDA, DEVICES
+
 torch.set_num_threads(1)
 
 
@@ -201,9 +203,10 @@ def test_public_norm_is_frozen() -> None:
         norm.update(torch.zeros(1, 1, 2), torch.ones(1, 1, dtype=torch.bool))
 
 
-def test_predict_is_order_and_company_invariant() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_predict_is_order_and_company_invariant(device: str) -> None:
     rng = np.random.default_rng(3)
-    model = small_model()
+    model = small_model().to(device)
     norm = RunningNorm(2)
     values, mask = pad_batch(ragged(rng, 20, 2))
     norm.update(values * 3 + 1, mask)
@@ -222,6 +225,24 @@ def test_predict_is_order_and_company_invariant() -> None:
     assert all(p.anomaly_score == 0.0 for p, item in zip(reference, items) if len(item) == 1)
     assert all(abs(sum(p.probs) - 1) < 1e-6 for p in reference)  # float32 softmax, as exported
     assert model.training is False
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_predictions_on_the_device_equal_the_cpu_path(device: str) -> None:
+    """The same weights answer the same on the GPU as on the CPU, in float32 (kernels and
+    reduction orders differ, so to a float32 tolerance, not bit for bit)."""
+    rng = np.random.default_rng(11)
+    model = small_model()
+    norm = RunningNorm(2)
+    values, mask = pad_batch(ragged(rng, 20, 2))
+    norm.update(values * 3 + 1, mask)
+    items = ragged(rng, 64, 2, max_len=60)
+    on_cpu = predict(model, norm, items, token_budget=512)
+    on_device = predict(small_model().to(device), norm, items, token_budget=512)
+    for expected, got in zip(on_cpu, on_device, strict=True):
+        np.testing.assert_allclose(got.next, expected.next, rtol=1e-4, atol=1e-5)
+        assert got.anomaly_score == pytest.approx(expected.anomaly_score, rel=1e-4, abs=1e-5)
+        np.testing.assert_allclose(got.probs, expected.probs, rtol=1e-4, atol=1e-5)
 
 
 def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:

@@ -15,10 +15,13 @@ import torch
 from streamtrain.model import Prediction, RunningNorm, SensorModel, predict
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 
+from device_params import DEVICES
 
-def _published(seed: int = 0) -> SimpleNamespace:
+
+def _published(seed: int = 0, device: str = "cpu") -> SimpleNamespace:
     torch.manual_seed(seed)
-    return SimpleNamespace(model=SensorModel(channels=1, d_model=16, n_heads=2, n_layers=1, max_len=64), norm=RunningNorm(1))
+    model = SensorModel(channels=1, d_model=16, n_heads=2, n_layers=1, max_len=64).to(device)
+    return SimpleNamespace(model=model, norm=RunningNorm(1))
 
 
 def _requests(count: int, seed: int) -> list[list[np.ndarray]]:
@@ -67,10 +70,13 @@ async def submit_while_busy(
     return [await blocker] + [await task for task in queued]
 
 
-def test_merged_requests_get_the_same_answers_as_alone_in_order() -> None:
-    published = _published()
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_requests_get_the_same_answers_as_alone_in_order(device: str) -> None:
+    """Also on a GPU: the merged forward runs there (the model's device), answers as on the CPU."""
+    published = _published(device=device)
     requests = _requests(12, seed=1)
     alone = [predict(published.model, published.norm, r, 4096) for r in requests]
+    on_cpu = [predict(_published().model, published.norm, r, 4096) for r in requests]
     gated = _Gated()
     batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
 
@@ -84,6 +90,10 @@ def test_merged_requests_get_the_same_answers_as_alone_in_order() -> None:
         for g, w in zip(got, want, strict=True):
             np.testing.assert_allclose(g.next, w.next, atol=1e-5)
             assert g.anomaly_score == pytest.approx(w.anomaly_score, abs=1e-5)
+    for got, want in zip(merged, on_cpu, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.next, w.next, rtol=1e-4, atol=1e-5)
+            assert g.anomaly_score == pytest.approx(w.anomaly_score, rel=1e-4, abs=1e-5)
 
 
 def test_requests_of_different_model_versions_are_not_merged() -> None:

@@ -5,6 +5,11 @@ the GIL, so one producer thread overlaps them with the training step without a s
 process. A
 thread also reads the live window: a DataLoader worker process would see a copy of the
 window frozen at fork time (see :mod:`streamtrain.data.dataset`).
+
+On a GPU a second, small stage follows (:class:`DevicePrefetcher`): the producer thread
+also pins each collated batch (``transform``), and the stage copies the next batch to
+the device on a side stream while the current one trains, so a step never waits for a
+transfer (:mod:`streamtrain.device` explains the stream discipline).
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, Generic, TypeVar
+
+import torch
 
 from streamtrain.data._validate import require_int
+from streamtrain.data.collate import Batch
+from streamtrain.device import Transfer, is_cuda, side_stream
 
 T = TypeVar("T")
 
@@ -40,12 +50,20 @@ class Prefetcher(Generic[T]):
     zero means the trainer never waits for data. An exception in the source is raised
     in the consumer at the point it would have happened. ``close()`` (or leaving the
     ``with`` block) stops the producer, which closes the source iterator in its own thread.
+    ``transform`` (e.g. :func:`pin_batch`) runs on each item in the producer thread too.
     """
 
-    def __init__(self, iterable: Iterable[T], depth: int = 2, name: str = "streamtrain-prefetch") -> None:
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        depth: int = 2,
+        name: str = "streamtrain-prefetch",
+        transform: Callable[[Any], T] | None = None,
+    ) -> None:
         self.depth = require_int(depth, "Prefetcher depth", 1)
         self.data_wait_seconds = 0.0
         self.items_delivered = 0
+        self._transform = transform
         self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
@@ -65,6 +83,8 @@ class Prefetcher(Generic[T]):
     def _produce(self, source: Iterator[T]) -> None:
         try:
             for item in source:
+                if self._transform is not None:
+                    item = self._transform(item)
                 if not self._put(item):
                     return
             self._put(_End())
@@ -119,6 +139,130 @@ class Prefetcher(Generic[T]):
         return self._thread.is_alive()
 
     def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The device stage
+# --------------------------------------------------------------------------------------------
+
+_ON_DEVICE = ("values", "mask", "labels")  # what the forward and the loss read; lengths and ts are host-side counters
+
+
+@dataclass(frozen=True)
+class StagedBatch(Batch):
+    """A host batch (pinned on a GPU machine) together with its copy on the training device.
+
+    Everything a :class:`Batch` offers reads the host tensors (counters, timestamps and the
+    float64 normalization statistics stay on the host, so reading them never waits for the
+    GPU). ``on_device`` is the same batch with ``values``, ``mask`` and ``labels`` on the
+    device, ready on the current stream; its ``lengths`` and ``ts`` are the host tensors.
+    """
+
+    on_device: Batch | None = None
+
+
+def pin_batch(batch: Batch) -> Batch:
+    """``batch`` in pinned host memory (what a non-blocking copy to a GPU needs)."""
+    return batch.pin_memory()
+
+
+def stage_batch(batch: Batch, device: torch.device, stream: torch.cuda.Stream | None = None) -> _Staging:
+    """Start copying ``batch`` to ``device`` (on ``stream`` when given); :meth:`_Staging.ready` finishes it."""
+    return _Staging(batch, Transfer({name: getattr(batch, name) for name in _ON_DEVICE}, device, stream))
+
+
+class _Staging:
+    def __init__(self, batch: Batch, transfer: Transfer) -> None:
+        self.batch = batch
+        self.transfer = transfer
+
+    def ready(self) -> StagedBatch:
+        """The staged batch, safe to use on the current stream (the host does not wait)."""
+        host = self.batch
+        on_device = _replace_batch(host, **self.transfer.wait())
+        return StagedBatch(**{f.name: getattr(host, f.name) for f in fields(Batch)}, on_device=on_device)
+
+
+def _replace_batch(batch: Batch, **tensors: torch.Tensor) -> Batch:
+    return Batch(**{f.name: tensors.get(f.name, getattr(batch, f.name)) for f in fields(Batch)})
+
+
+class DevicePrefetcher:
+    """Batches from ``source`` (a :class:`Prefetcher`) as :class:`StagedBatch` on ``device``, one batch ahead.
+
+    On CUDA, each ``next()`` hands over the batch whose copy was queued on the side stream
+    during the previous step (the compute stream waits for that copy's event, the host
+    does not), then takes the next host batch from ``source`` and queues its copy, so the
+    copy runs while the step just handed over computes. ``ahead=False`` (the default off
+    CUDA) copies each batch when it is asked for, keeping the CPU pipeline exactly as deep
+    as ``PREFETCH_DEPTH`` says; tests set ``ahead=True`` on the CPU to exercise the
+    one-ahead logic. ``data_wait_seconds`` is the time spent inside ``next()`` (waiting for
+    ``source`` included): the data wait the trainer sees. An error of ``source`` while
+    staging ahead is raised by the ``next()`` after the batch in hand was delivered.
+    """
+
+    def __init__(self, source: Iterable[Batch], device: torch.device | str, *, ahead: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.ahead = is_cuda(self.device) if ahead is None else ahead
+        self.data_wait_seconds = 0.0
+        self.items_delivered = 0
+        self._source = source
+        self._iterator = iter(source)
+        self._stream = side_stream(self.device)
+        self._next: _Staging | None = None
+        self._pending_error: BaseException | None = None
+        self._exhausted = False
+
+    def __iter__(self) -> DevicePrefetcher:
+        return self
+
+    def _stage_next(self) -> _Staging | None:
+        """Queue the copy of the source's next batch; None when the source is done."""
+        if self._exhausted:
+            return None
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        return stage_batch(batch, self.device, self._stream)
+
+    def __next__(self) -> StagedBatch:
+        started = time.perf_counter()
+        try:
+            if self._pending_error is not None:
+                error, self._pending_error = self._pending_error, None
+                self._exhausted = True
+                raise error
+            current = self._next if self._next is not None else self._stage_next()
+            self._next = None
+            if current is None:
+                raise StopIteration
+            if self.ahead:
+                try:
+                    self._next = self._stage_next()
+                except Exception as error:  # noqa: BLE001 - delivered after the batch in hand
+                    self._pending_error = error
+            staged = current.ready()
+        finally:
+            self.data_wait_seconds += time.perf_counter() - started
+        self.items_delivered += 1
+        return staged
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the source (a batch staged ahead is dropped: planned, never trained)."""
+        self._next = None
+        self._exhausted = True
+        if isinstance(self._source, Prefetcher):
+            self._source.close(timeout=timeout)
+        elif callable(getattr(self._source, "close", None)):
+            self._source.close()
+
+    def __enter__(self) -> DevicePrefetcher:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
