@@ -182,6 +182,8 @@ def assign_owned(consumer: KafkaConsumer, topic: str, partitions: list[int], lis
     """Assign exactly ``partitions`` (positions of those already assigned are kept) and let
     ``listener`` seek them to where the window goes on."""
     wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
+    if isinstance(listener, _SeekOnAssign):
+        listener.consumer = consumer  # it seeks this one: the ingestor may not hold it yet
     if not wanted:
         if consumer.assignment():
             consumer.unsubscribe()
@@ -235,13 +237,14 @@ class _SeekOnAssign(ConsumerRebalanceListener):
 
     def __init__(self, ingestor: Ingestor) -> None:
         self._ingestor = ingestor
+        self.consumer: KafkaConsumer | None = None  # set when partitions are assigned by hand
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         self._ingestor.assigned = self._ingestor.assigned - {tp.partition for tp in revoked}
         log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        consumer = self._ingestor._consumer
+        consumer = self.consumer if self.consumer is not None else self._ingestor._consumer
         stored = self._ingestor.resume_offsets()
         for tp in assigned:
             if tp.partition in stored and consumer is not None:

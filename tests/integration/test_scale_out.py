@@ -24,12 +24,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from kafka_helpers import Placements, assert_window_holds_exactly, free_port
+from kafka.admin import KafkaAdminClient, NewPartitions
+from kafka_helpers import Placements, assert_window_holds_exactly, free_port, wait_for
 from service_process import FAST_MODEL, ServiceProcess, wait_until
 
 from streamtrain.checkpoint import CheckpointStore
+from streamtrain.config import load_settings
 from streamtrain.distributed import Collectives, DistContext
 from streamtrain.export import fetch_bundle
+from streamtrain.ingest import Ingestor
+from streamtrain.metrics import Metrics
 from streamtrain.sharded_checkpoint import DistributedCheckpointer, ShardedCheckpointStore
 from streamtrain.window import RecencyWindow
 
@@ -111,12 +115,17 @@ def send(placements: Placements, per_partition: int, partitions: int) -> None:
         placements.events(per_partition, partition=partition)
 
 
-def assert_ownership(windows: list[dict[str, Any]], partitions: int) -> None:
-    world = len(windows)
+def assert_ownership(ranks: list[Any], partitions: int) -> None:
+    """Rank r consumes the partitions p with p mod WORLD_SIZE == r (once its consumer is up), and holds no other."""
+    world = len(ranks)
+    owned = [[p for p in range(partitions) if p % world == rank] for rank in range(world)]
+    windows = wait_until(
+        lambda: (ws := [r.get("/v1/window") for r in ranks]) and [w["partitions"] for w in ws] == owned and ws,
+        60,
+        f"ranks to consume {owned}",
+    )
     for rank, window in enumerate(windows):
-        owned = [p for p in range(partitions) if p % world == rank]
-        assert window["partitions"] == owned, f"rank {rank} consumes {window['partitions']}, owns {owned}"
-        assert {int(p) for p in window["next_offsets"]} <= set(owned)
+        assert {int(p) for p in window["next_offsets"]} <= set(owned[rank]), f"rank {rank} holds {window['next_offsets']}"
 
 
 def assert_checkpoint_exact(checkpoint_dir: Path, topic: str, placements: Placements) -> Any:
@@ -226,7 +235,8 @@ def test_torchrun_two_ranks_train_one_model_over_three_partitions(kafka_bootstra
         for rank in ranks:
             wait_until(lambda r=rank: r.healthy(launcher), 180, f"a rank on :{rank.port} (log {log_path})")
         send(placements, 120, 3)
-        assert_ownership(wait_holding(ranks, placements), 3)
+        wait_holding(ranks, placements)
+        assert_ownership(ranks, 3)
         assert_one_model(ranks)
         launcher.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
         launcher.wait(90)
@@ -279,7 +289,7 @@ def test_a_killed_rank_stops_the_others_and_a_restart_restores_exactly_once(
     again = Group(2, kafka_bootstrap, topic, checkpoint_dir, tmp_path, checkpoint_interval_s=300).start()
     try:
         windows = again.wait_holding(placements)
-        assert_ownership(windows, 3)
+        assert_ownership(again.ranks, 3)
         assert all(w["accepted_total"] == w["size"] for w in windows)
         assert again.terminate_all() == [0, 0]
     finally:
@@ -301,7 +311,8 @@ def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(kafka_bootstra
     try:
         two = Group(2, kafka_bootstrap, topic, checkpoint_dir, tmp_path).start()
         send(placements, 100, 4)
-        assert_ownership(two.wait_holding(placements), 4)
+        two.wait_holding(placements)
+        assert_ownership(two.ranks, 4)
         assert_one_model(two.ranks)
         assert two.terminate_all() == [0, 0], "SIGTERM to every rank ends each with status 0"
         assert newest_manifest(checkpoint_dir).world_size == 2
@@ -318,12 +329,77 @@ def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(kafka_bootstra
         assert share.loaded is not None, "one process writes one-file checkpoints"
 
         three = Group(3, kafka_bootstrap, topic, checkpoint_dir, tmp_path).start()
-        assert_ownership(three.wait_holding(placements), 4)  # the one-file checkpoint split over 3 ranks
+        three.wait_holding(placements)  # the one-file checkpoint split over 3 ranks
+        assert_ownership(three.ranks, 4)
         send(placements, 50, 4)
-        assert_ownership(three.wait_holding(placements), 4)
+        three.wait_holding(placements)
         assert three.terminate_all() == [0, 0, 0]
         manifest = newest_manifest(checkpoint_dir)
         assert manifest.world_size == 3 and [s["partitions"] for s in manifest.shards] == [[0, 3], [1], [2]]
         assert_checkpoint_exact(checkpoint_dir, topic, placements)
     finally:
         placements.close()
+
+
+def test_an_owning_rank_resumes_from_its_window_and_picks_up_new_partitions(kafka_bootstrap: str, make_topic: Any) -> None:
+    """Rank 0 of 2 at the ingest level: only even partitions, from the window's offsets, not the group's."""
+    topic = make_topic(partitions=2)
+    placements = Placements(kafka_bootstrap, topic)
+    settings = load_settings(
+        kafka_bootstrap=kafka_bootstrap, topic=topic, group_id=f"g-{topic}", decode_workers=0, max_len=64,
+        window_capacity=10_000, half_life_s="inf",
+    )  # fmt: skip
+    window = RecencyWindow(10_000, math.inf)
+
+    def rank_zero() -> Ingestor:
+        return Ingestor(settings, window, Metrics(), owned_partitions=lambda count: list(range(0, count, 2)))
+
+    def mine() -> dict[tuple[int, int], Any]:
+        return {po: label for po, label in placements.placed.items() if po[0] % 2 == 0}
+
+    try:
+        send(placements, 30, 2)
+        first = rank_zero()
+        first.start()
+        try:
+            wait_for(lambda: window.next_offsets == {0: 30}, 60, "partition 0 consumed")
+            assert first.assigned == frozenset({0})
+        finally:
+            first.stop()
+        # as after a restore: the window holds partition 0 up to offset 30, the group has no commit
+        send(placements, 20, 2)
+        second = rank_zero()
+        second.start()
+        try:
+            wait_for(lambda: window.next_offsets == {0: 50}, 60, "partition 0 resumed")
+            assert_window_holds_exactly(window, mine())  # from offset 30, not from the earliest
+            admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap, request_timeout_ms=15000)
+            try:
+                admin.create_partitions({topic: NewPartitions(total_count=3)})
+            finally:
+                admin.close()
+            placements.placed.update(produce_to_new_partition(kafka_bootstrap, topic, 2, 10))
+            wait_for(lambda: window.next_offsets == {0: 50, 2: 10}, 60, "the added partition 2 picked up")
+            assert second.assigned == frozenset({0, 2}) and second.partition_count == 3
+            assert_window_holds_exactly(window, mine())
+        finally:
+            second.stop()
+    finally:
+        placements.close()
+
+
+def produce_to_new_partition(bootstrap: str, topic: str, partition: int, count: int) -> dict[tuple[int, int], Any]:
+    """Events for a partition just added (a fresh producer, once its metadata shows the partition)."""
+
+    def sent() -> dict[tuple[int, int], Any] | None:
+        producer = Placements(bootstrap, topic)
+        producer.next_id = 10_000
+        try:
+            producer.events(count, partition=partition)
+            return producer.placed
+        except ValueError:  # "Unrecognized partition": the metadata is not there yet
+            return None
+        finally:
+            producer.close()
+
+    return wait_until(sent, 60, f"a producer that knows partition {partition}")
