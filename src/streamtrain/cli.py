@@ -62,8 +62,25 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
+    from streamtrain.distributed import CollectiveFailure, exit_after_collective_failure
     from streamtrain.service import IncompatibleCheckpoint
 
+    server: uvicorn.Server | None = None
+
+    def stop_http() -> None:
+        """The ranks agreed to stop and cut the final checkpoint: this rank's HTTP server stops
+        too, also when it was not the one signalled."""
+        if server is not None:
+            server.should_exit = True
+
+    service.on_agreed_stop = stop_http
+    try:
+        service.start()  # restores the newest checkpoint before any thread starts
+    except IncompatibleCheckpoint as err:
+        print(f"streamtrain: {err}", file=sys.stderr)
+        return 2
+    except CollectiveFailure as err:  # a peer died or hung while the ranks restored together
+        exit_after_collective_failure(err)
     config = uvicorn.Config(
         create_app(service),
         host=settings.http_host,
@@ -74,21 +91,13 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     if ctx.distributed:
-        # The ranks stop together: one that was not signalled still cuts the final checkpoint
-        # with the others, then its HTTP server stops too.
-        service.on_agreed_stop = lambda: setattr(server, "should_exit", True)
-        # uvicorn re-raises SIGTERM after its graceful shutdown; a rank that stopped cleanly
-        # (final checkpoint cut by every rank) then exits 0, as torchrun and Kubernetes expect.
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    from streamtrain.distributed import CollectiveFailure, exit_after_collective_failure
-
-    try:
-        service.start()  # restores the newest checkpoint before any thread starts
-    except IncompatibleCheckpoint as err:
-        print(f"streamtrain: {err}", file=sys.stderr)
-        return 2
-    except CollectiveFailure as err:  # a peer died or hung while the ranks restored together
-        exit_after_collective_failure(err)
+        if service.loop is not None and service.loop.finished.is_set():
+            server.should_exit = True  # the stop was agreed before the server existed
+        # Not before: a rank still waiting for the others ends at once on SIGTERM. From here
+        # on, SIGTERM stops the server (uvicorn's handler while it runs; ours for the moment
+        # before it does), and uvicorn re-raises it after its graceful shutdown: a rank
+        # whose final checkpoint all ranks cut then exits 0, as torchrun and Kubernetes expect.
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
     try:
         server.run()  # returns on SIGINT/SIGTERM, or once the ranks agreed to stop
     finally:
