@@ -51,6 +51,7 @@ from streamtrain.distributed import Collectives, DistContext, StepSignals, free_
 from streamtrain.events import EventBatch  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
 from streamtrain.parallel import DataParallelStep  # noqa: E402
+from streamtrain.scale_out import join_trainer_state, split_trainer_state  # noqa: E402
 from streamtrain.sharded_checkpoint import (  # noqa: E402
     DistributedCheckpointer,
     ShardedCheckpointStore,
@@ -194,11 +195,13 @@ def checkpoint_times(args: argparse.Namespace, ctx: DistContext, collectives: Co
     collectives.barrier()
     started = time.perf_counter()
     state = window.state_dict()
+    shared, local = split_trainer_state(trainer.state_dict())  # as the service cuts it
     result = checkpointer.save(
         step=1,
         partition_count=args.partitions,
         window_state=state,
-        common_state={"trainer": trainer.state_dict()} if ctx.rank == 0 else None,
+        common_state={"trainer": shared} if ctx.rank == 0 else None,
+        rank_state=local,
     )
     write_s = collectives_max(collectives, time.perf_counter() - started)
     assert result.ok, result.error
@@ -208,7 +211,7 @@ def checkpoint_times(args: argparse.Namespace, ctx: DistContext, collectives: Co
     again = RecencyWindow(window.capacity, math.inf)
     assert share is not None
     again.load_state_dict(share.window_state)
-    trainer.load_state_dict(share.common["trainer"])
+    trainer.load_state_dict(join_trainer_state(trainer, share.common["trainer"], share.rank_state))
     restore_s = collectives_max(collectives, time.perf_counter() - started)
     size = sum(p.stat().st_size for p in result.path.iterdir())
     return {"ckpt_write_s": write_s, "ckpt_restore_s": restore_s, "ckpt_bytes": float(size), "ckpt_path": str(result.path)}  # type: ignore[dict-item]

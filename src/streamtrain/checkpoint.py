@@ -663,6 +663,11 @@ class CheckpointStore:
                     return loaded
             return None
 
+    def read(self, path: Path | str) -> LoadedCheckpoint | None:
+        """Read and verify one checkpoint file of this store; None (logged and reported once) when corrupt."""
+        with self._lock:
+            return self._read(Path(path))
+
     def list(self) -> list[CheckpointInfo]:
         """Checkpoint files by name, newest first (step, then time); not verified."""
         with self._lock:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +26,11 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
+def _port_given_to_the_process(args: argparse.Namespace) -> bool:
+    """``--port`` or ``STREAMTRAIN_HTTP_PORT``: a port for this process alone, not one per host."""
+    return args.port is not None or any(name.upper() == f"{ENV_PREFIX}HTTP_PORT" for name in os.environ)
+
+
 def _serve(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.host is not None:
@@ -33,13 +40,17 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **overrides)
         _setup_logging(settings.log_level)
-        from streamtrain.service import Service  # heavy imports (torch) after the settings check
+        # heavy imports (torch) after the settings check
+        from streamtrain.distributed import DistContext
+        from streamtrain.service import Service
 
-        service = Service(settings)
+        ctx = DistContext.from_env()  # torchrun's WORLD_SIZE, RANK, ...; unset: one process
+        port = ctx.http_port(settings.http_port, explicit=_port_given_to_the_process(args))
+        service = Service(settings, ctx)
     except SettingsError as err:
         print(f"streamtrain: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:  # e.g. the DP refuse-list: one line naming the setting and the fix
+    except ValueError as err:  # the DP refuse-list, a bad launch environment: one line naming the fix
         print(f"streamtrain: {err}", file=sys.stderr)
         return 2
 
@@ -49,24 +60,46 @@ def _serve(args: argparse.Namespace) -> int:
 
     public = settings.public_dict()
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
+    if ctx.distributed:
+        log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
+    from streamtrain.distributed import CollectiveFailure, exit_after_collective_failure
     from streamtrain.service import IncompatibleCheckpoint
 
+    server: uvicorn.Server | None = None
+
+    def stop_http() -> None:
+        """The ranks agreed to stop and cut the final checkpoint: this rank's HTTP server stops
+        too, also when it was not the one signalled."""
+        if server is not None:
+            server.should_exit = True
+
+    service.on_agreed_stop = stop_http
     try:
         service.start()  # restores the newest checkpoint before any thread starts
     except IncompatibleCheckpoint as err:
         print(f"streamtrain: {err}", file=sys.stderr)
         return 2
+    except CollectiveFailure as err:  # a peer died or hung while the ranks restored together
+        exit_after_collective_failure(err)
     config = uvicorn.Config(
         create_app(service),
         host=settings.http_host,
-        port=settings.http_port,
+        port=port,
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
+    if ctx.distributed:
+        if service.loop is not None and service.loop.finished.is_set():
+            server.should_exit = True  # the stop was agreed before the server existed
+        # Not before: a rank still waiting for the others ends at once on SIGTERM. From here
+        # on, SIGTERM stops the server (uvicorn's handler while it runs; ours for the moment
+        # before it does), and uvicorn re-raises it after its graceful shutdown: a rank
+        # whose final checkpoint all ranks cut then exits 0, as torchrun and Kubernetes expect.
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
     try:
-        server.run()  # returns on SIGINT/SIGTERM
+        server.run()  # returns on SIGINT/SIGTERM, or once the ranks agreed to stop
     finally:
         log.info("shutting down: final checkpoint")
         service.stop(final_checkpoint=True)

@@ -202,6 +202,14 @@ class Settings(BaseSettings):
     checkpoint_interval_s: float = Field(60.0, gt=0, description="Seconds between checkpoints")
     checkpoint_keep: int = Field(3, ge=1, le=1000, description="Checkpoints kept")
 
+    # --- Scale-out (WORLD_SIZE > 1, docs/scale-out.md) -----------------------------------------
+    dist_timeout_s: float = Field(
+        60.0, gt=0, le=3600.0, description="Scale-out: deadline of every collective; a rank that dies or hangs makes the others exit (status 17) within it"
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Scale-out: torch.distributed backend; auto = NCCL when training on CUDA, gloo on CPU"
+    )
+
     # --- Differential privacy ------------------------------------------------------------------
     dp: Literal["on", "off"] = Field("off", description="DP-SGD training (needs shuffle=crypto)")
     dp_noise_multiplier: float = Field(1.0, description="Gaussian noise multiplier sigma")

@@ -85,6 +85,7 @@ class DistContext:
     master_addr: str | None = None
     master_port: int | None = None
     restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torchrun restarted the group
+    agent_store: bool = False  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store at MASTER_PORT
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -122,6 +123,7 @@ class DistContext:
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=None if port < 0 else port,
             restart_count=_env_int(env, "TORCHELASTIC_RESTART_COUNT", minimum=0, default=0),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true"),
         )
 
     @property
@@ -393,18 +395,20 @@ class Collectives:
         # The rendezvous gets its own, longer deadline: ranks start minutes apart (a pod
         # pulling its image, a slow import) and that is no failure. Rank 0's store waits
         # until every rank has connected; only then is the group built, with the
-        # collectives' deadline, which a late start can no longer trip.
+        # collectives' deadline, which a late start can no longer trip. Under torchrun
+        # its agent already hosts the store at MASTER_PORT and outlives restarts of the
+        # group: every rank is its client, and each attempt keeps its keys apart.
         store = dist.TCPStore(
             host_name=str(self.ctx.master_addr),
             port=int(self.ctx.master_port),  # type: ignore[arg-type]
-            world_size=self.world_size,
-            is_master=self.rank == 0,
+            world_size=None if self.ctx.agent_store else self.world_size,
+            is_master=self.rank == 0 and not self.ctx.agent_store,
             timeout=timedelta(seconds=self.rendezvous_timeout_s),
-            wait_for_workers=True,
+            wait_for_workers=not self.ctx.agent_store,
         )
         dist.init_process_group(
             backend=self.backend,
-            store=store,
+            store=dist.PrefixStore(f"streamtrain/attempt_{self.ctx.restart_count}", store),
             world_size=self.world_size,
             rank=self.rank,
             timeout=timedelta(seconds=self.timeout_s),

@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 import torch.fx.experimental._config  # noqa: F401 - _size_oblivious reads it
 
-from streamtrain.checkpoint import CheckpointStore
+from streamtrain.sharded_checkpoint import load_latest_common
 from streamtrain.model import InferenceModel, RunningNorm, SensorModel
 
 BUNDLE_FORMAT = "streamtrain.model"
@@ -158,7 +158,7 @@ def bundle_from_checkpoint(directory: Path | str, settings: Any = None) -> Model
     path = Path(directory)
     if not path.is_dir():
         raise ExportError(f"checkpoint directory {path} does not exist")
-    loaded = CheckpointStore(path).load_latest()
+    loaded = load_latest_common(path)  # one-file or sharded (scaled out), whichever is newest
     if loaded is None:
         raise ExportError(f"no valid checkpoint in {path}")
     trainer = loaded.state["trainer"]

@@ -18,6 +18,14 @@ Liveness: the consumer comes from a factory (:func:`subscribed_consumer` joins t
 consumer group), with :func:`keep_rejoin_pending` installed against a lost-rejoin bug of
 kafka-python 3.0.12; the watchdog (``watchdog.py``) judges it after every poll, and an
 overdue stall closes it and opens a new one that resumes from the window's offsets.
+
+Scale-out (``owned_partitions`` given): the partitions are *assigned*, not subscribed, so
+ownership is the pure rule of ``distributed.py`` and no rebalance ever moves a partition;
+offsets are still committed under ``GROUP_ID``. The consumer thread looks at the topic's
+partition count every few seconds and assigns partitions added to the topic that this
+rank owns; they start from the group's committed offset, or the earliest. The watchdog
+works the same ("unassigned" cannot happen to a rank that owns partitions; "no fetch
+progress while the log end moves" can).
 """
 
 from __future__ import annotations
@@ -50,7 +58,15 @@ from streamtrain.topics import TopicLimits, ensure_topics, forbid_topic_auto_cre
 from streamtrain.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.window import RecencyWindow
 
-__all__ = ["ConsumerFactory", "Ingestor", "ensure_topics", "keep_rejoin_pending", "open_consumer", "subscribed_consumer"]
+__all__ = [
+    "ConsumerFactory",
+    "Ingestor",
+    "assigned_consumer",
+    "ensure_topics",
+    "keep_rejoin_pending",
+    "open_consumer",
+    "subscribed_consumer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +77,8 @@ _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 _COMMIT_TIMEOUT_MS = 3000
 _END_OFFSETS_TIMEOUT_MS = 2000
 _FETCH_FLOOR_BYTES = 1 << 20
+_PARTITION_CHECK_S = 5.0  # scale-out: how often the topic's partition count is looked at
+_METADATA_WAIT_S = 15.0
 
 
 # ---------------------------------------------------------------------- the consumer
@@ -104,15 +122,15 @@ def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
     coordinator.need_rejoin = need_rejoin
 
 
-def open_consumer(settings: Settings) -> KafkaConsumer:
+def open_consumer(settings: Settings, *, static_membership: bool = True) -> KafkaConsumer:
     """A consumer configured for the service (not yet subscribed or assigned)."""
     consumer = KafkaConsumer(
         bootstrap_servers=settings.kafka_bootstrap,
         group_id=settings.group_id,
         # Static membership (KIP-345): a replica that comes back under the same id
         # takes over its old member at once; without it, a crashed member holds its
-        # partitions until the session times out.
-        group_instance_id=settings.group_instance_id,
+        # partitions until the session times out. Assigned partitions join no group.
+        group_instance_id=settings.group_instance_id if static_membership else None,
         client_id="streamtrain-ingest",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -148,6 +166,50 @@ def subscribed_consumer(settings: Settings, listener: ConsumerRebalanceListener)
 #: ``listener.on_partitions_assigned`` for them, so they resume from the window's offsets.
 ConsumerFactory = Callable[[Settings, ConsumerRebalanceListener], KafkaConsumer]
 
+#: Scale-out: the partitions this rank owns among the topic's ``count`` partitions.
+OwnedPartitions = Callable[[int], list[int]]
+
+
+def topic_partition_count(consumer: KafkaConsumer, topic: str, *, refresh: bool = False) -> int:
+    """How many partitions ``topic`` has, from the consumer's metadata (``refresh``: ask the broker)."""
+    if refresh:
+        consumer.topics()  # a metadata request for every topic: the cache is then current
+    partitions = consumer.partitions_for_topic(topic) or set()
+    return max(partitions) + 1 if partitions else 0
+
+
+def assign_owned(consumer: KafkaConsumer, topic: str, partitions: list[int], listener: ConsumerRebalanceListener) -> None:
+    """Assign exactly ``partitions`` (positions of those already assigned are kept) and let
+    ``listener`` seek them to where the window goes on."""
+    wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
+    if isinstance(listener, _SeekOnAssign):
+        listener.consumer = consumer  # it seeks this one: the ingestor may not hold it yet
+    if not wanted:
+        if consumer.assignment():
+            consumer.unsubscribe()
+        listener.on_partitions_assigned([])
+        return
+    consumer.assign(wanted)
+    listener.on_partitions_assigned(wanted)
+
+
+def assigned_consumer(settings: Settings, listener: ConsumerRebalanceListener, owned: OwnedPartitions) -> KafkaConsumer:
+    """A :data:`ConsumerFactory` for scale-out: assign the partitions ``owned`` names, join no group."""
+    consumer = open_consumer(settings, static_membership=False)
+    try:
+        deadline = time.monotonic() + _METADATA_WAIT_S
+        count = topic_partition_count(consumer, settings.topic)
+        while not count and time.monotonic() < deadline:  # a just-created topic can be missing at first
+            time.sleep(0.2)
+            count = topic_partition_count(consumer, settings.topic, refresh=True)
+        if not count:
+            raise RuntimeError(f"topic {settings.topic!r} has no partitions in the broker's metadata yet")
+        assign_owned(consumer, settings.topic, owned(count), listener)
+    except BaseException:
+        consumer.close(autocommit=False, timeout_ms=2000)
+        raise
+    return consumer
+
 
 class IngestStalled(Exception):
     """The watchdog found the consumer stalled for too long."""
@@ -175,13 +237,14 @@ class _SeekOnAssign(ConsumerRebalanceListener):
 
     def __init__(self, ingestor: Ingestor) -> None:
         self._ingestor = ingestor
+        self.consumer: KafkaConsumer | None = None  # set when partitions are assigned by hand
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         self._ingestor.assigned = self._ingestor.assigned - {tp.partition for tp in revoked}
         log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
 
     def on_partitions_assigned(self, assigned: Any) -> None:
-        consumer = self._ingestor._consumer
+        consumer = self.consumer if self.consumer is not None else self._ingestor._consumer
         stored = self._ingestor.resume_offsets()
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
@@ -286,9 +349,12 @@ class Ingestor:
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
         before_insert: Callable[[EventBatch], EventBatch] | None = None,
         clock: Callable[[], float] = time.time,
-        consumer_factory: ConsumerFactory = subscribed_consumer,
+        consumer_factory: ConsumerFactory | None = None,
         dead_letters: DeadLetterOutbox | None = None,
+        owned_partitions: OwnedPartitions | None = None,
     ) -> None:
+        """``owned_partitions`` (scale-out): assign those partitions instead of joining the
+        group; the default factory is then :func:`assigned_consumer`."""
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
         # Test-then-train: the serving model scores a batch before the window (and so the
@@ -304,7 +370,15 @@ class Ingestor:
         self.restarts: TallyCounter[str] = TallyCounter()
         self.topic_limits: TopicLimits | None = None
         self.assigned: frozenset[int] = frozenset()  # partitions the consumer owns now
+        self.owned_partitions = owned_partitions
+        self.partition_count = 0  # the topic's partitions as last seen (scale-out)
+        if consumer_factory is None:
+            if owned_partitions is None:
+                consumer_factory = subscribed_consumer
+            else:
+                consumer_factory = lambda s, listener: assigned_consumer(s, listener, self._owned)  # noqa: E731
         self._consumer_factory = consumer_factory
+        self._last_partition_check = 0.0
         self._decoder = Decoder(settings.decode_workers)
         self._clock = clock
         self._consumer: KafkaConsumer | None = None
@@ -449,10 +523,34 @@ class Ingestor:
                     self._apply(in_flight.popleft())
                 self._serve_commits(consumer)
                 self._update_gauges(consumer)
+                self._follow_partitions(consumer)
                 self._check_liveness(consumer)
         finally:
             while in_flight:  # what was polled is applied, so the window's offsets stay exact
                 self._apply(in_flight.popleft())
+
+    def _owned(self, count: int) -> list[int]:
+        assert self.owned_partitions is not None
+        self.partition_count = max(self.partition_count, count)
+        return self.owned_partitions(count)
+
+    def _follow_partitions(self, consumer: KafkaConsumer) -> None:
+        """Scale-out: assign partitions added to the topic that this rank owns."""
+        now = time.monotonic()
+        if self.owned_partitions is None or now - self._last_partition_check < _PARTITION_CHECK_S:
+            return
+        self._last_partition_check = now
+        try:
+            # assigned partitions keep the topic in the consumer's metadata, refreshed every
+            # 10 s; a rank that owns none asks the broker itself
+            count = topic_partition_count(consumer, self.settings.topic, refresh=not self.assigned)
+        except KafkaError as err:
+            log.debug("partition count: %s", err)
+            return
+        owned = self._owned(count) if count else []
+        if count and set(owned) != set(self.assigned):
+            log.info("topic %s has %d partitions: this rank now owns %s", self.settings.topic, count, owned)
+            assign_owned(consumer, self.settings.topic, owned, _SeekOnAssign(self))
 
     def resume_offsets(self) -> dict[int, int]:
         """Where each partition goes on after a (re)assignment: past everything polled.

@@ -204,6 +204,13 @@ class Metrics:
         self.checkpoints_corrupt = Counter(
             "streamtrain_checkpoints_corrupt", "Checkpoints skipped on load as corrupt", registry=registry
         )
+        # Scale-out
+        self.rank_info = Gauge(
+            "streamtrain_rank_info",
+            "1, labelled with this process's rank and the world size (1 and 0 for one process)",
+            ["rank", "world_size"],
+            registry=registry,
+        )
         # Serving
         self.predict_requests = Counter(
             "streamtrain_predict_requests", "Predict requests by HTTP status", ["code"], registry=registry

@@ -61,7 +61,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint import CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, encode_checkpoint
+from streamtrain.checkpoint import CheckpointStore, CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, encode_checkpoint
 from streamtrain.distributed import Collectives, Ownership
 from streamtrain.window import gather_tokens
 
@@ -378,6 +378,7 @@ def write_shard(
                 "half_life_s": _half_life_to_json(float(window_state["half_life_s"])),
                 "reference_ts": None if reference_ts is None else float(reference_ts),
                 "accepted_total": int(window_state.get("accepted_total", 0)),
+                "rejected_total": {str(k): int(v) for k, v in dict(window_state.get("rejected_total") or {}).items()},
                 "version": int(window_state.get("version", 0)),
             },
             "sections": table,
@@ -683,6 +684,7 @@ class RestoredShare:
     rank_state: dict[str, Any] | None  # the rank-local state, only when the topology is unchanged
     dead_letters: dict[int, Any] = field(default_factory=dict)
     source_ranks: list[int] = field(default_factory=list)  # old ranks whose shards this share read
+    loaded: LoadedCheckpoint | None = None  # a one-file checkpoint as read (restored from one)
 
 
 def restore_share(
@@ -690,7 +692,7 @@ def restore_share(
     *,
     rank: int,
     world_size: int,
-    partition_count: int,
+    partition_count: int | None,
     topic: str,
     load_common: bool = True,
 ) -> RestoredShare:
@@ -700,7 +702,11 @@ def restore_share(
     else), verifies each against the shard index and the index against the manifest.
     CheckpointMismatch (one line) for another topic or fewer partitions than the
     checkpoint holds state for; CorruptCheckpoint for anything that does not verify.
+    ``partition_count=None`` takes the checkpoint's (ownership does not depend on it;
+    partitions added since have no state and are found by ingest).
     """
+    if partition_count is None:
+        partition_count = manifest.partition_count
     if manifest.topic != topic:
         raise CheckpointMismatch(
             f"checkpoint {manifest.directory.name} is of topic {manifest.topic!r}, this service reads {topic!r}; "
@@ -802,11 +808,15 @@ def _merge_sections(
         columns["keys"] = columns["keys"] + np.concatenate(shifts)
     partitions = np.concatenate([np.full(s.items, s.partition, dtype=np.int32) for s in ordered]) if ordered else np.zeros(0, np.int32)
     n = partitions.shape[0]
+    rejected_total: dict[str, int] = {}
     if unchanged:
         meta = metas[0]
         accepted_total = int(meta["accepted_total"])
+        rejected_total = {str(k): int(v) for k, v in dict(meta.get("rejected_total") or {}).items()}
         version = int(meta["version"])
     else:
+        # the ledger of refused messages is kept per rank, not per partition: after a
+        # rescale it starts again from the items restored
         # arrival order across shards is unknown: renumber by event time (then partition, offset)
         order = np.lexsort((columns["offsets"], partitions, columns["ts"]))
         seq = np.empty(n, dtype=np.int64)
@@ -831,6 +841,7 @@ def _merge_sections(
         "seq": columns["seq"],
         "next_offsets": {str(s.partition): s.next_offset for s in ordered if s.next_offset is not None},
         "accepted_total": accepted_total,
+        "rejected_total": rejected_total,
         "version": version,
         "rng_state": None if rank_state is None else rank_state.get("window_rng_state"),
     }
@@ -843,7 +854,7 @@ def _empty_meta(window: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def share_from_single_file(
-    loaded: LoadedCheckpoint, *, rank: int, world_size: int, partition_count: int
+    loaded: LoadedCheckpoint, *, rank: int, world_size: int, partition_count: int | None
 ) -> RestoredShare:
     """This rank's share of a one-file checkpoint (:class:`streamtrain.checkpoint.CheckpointStore`).
 
@@ -856,6 +867,8 @@ def share_from_single_file(
     window_state = state["window"]
     sections = split_window_state(window_state)
     held = [s.partition for s in sections]
+    if partition_count is None:
+        partition_count = max(held) + 1 if held else 0
     if held and max(held) >= partition_count:
         raise CheckpointMismatch(
             f"checkpoint {loaded.path.name} holds partition {max(held)}, the topic has {partition_count} partitions; "
@@ -871,6 +884,7 @@ def share_from_single_file(
         "half_life_s": _half_life_to_json(float(window_state["half_life_s"])),
         "reference_ts": window_state.get("reference_ts"),
         "accepted_total": int(window_state.get("accepted_total", 0)),
+        "rejected_total": dict(window_state.get("rejected_total") or {}),
         "version": int(window_state.get("version", 0)),
     }
     rank_state = {"window_rng_state": window_state.get("rng_state")} if unchanged else None
@@ -886,6 +900,7 @@ def share_from_single_file(
         topology_changed=not unchanged,
         rank_state={} if unchanged else None,
         source_ranks=[0],
+        loaded=loaded,
     )
 
 
@@ -1084,7 +1099,9 @@ class DistributedCheckpointer:
         c = self.collectives
         if c.rank == 0 and common_state is None:
             raise ValueError("rank 0 writes the shared state: pass common_state")
-        # rank 0's clock names the directory; the partition count is the largest any rank saw
+        # rank 0's clock names the directory; the partition count is the largest any rank saw,
+        # and at least covers every partition a window holds state of
+        partition_count = max(int(partition_count), _partitions_held(window_state))
         proposal = c.all_gather_rows(torch.tensor([int(clock() * 1000), int(step), int(partition_count)], dtype=torch.int64))
         created_ms = int(proposal[0, 0])
         if bool((proposal[:, 1] != step).any()):
@@ -1165,34 +1182,51 @@ class DistributedCheckpointer:
     def restore(
         self,
         *,
-        partition_count: int,
-        legacy: Callable[[], LoadedCheckpoint | None] | None = None,
+        partition_count: int | None,
+        legacy: CheckpointStore | None = None,
     ) -> RestoredShare | None:
         """This rank's share of the newest checkpoint that loads on every rank, or None.
 
-        CheckpointMismatch (on every rank) when the newest complete checkpoint belongs to
-        another topic, or to a topic with more partitions: that is a configuration error,
-        not damage, and falling back to an older checkpoint would not cure it. ``legacy``
-        loads a one-file checkpoint to start from when there is no sharded one.
+        Sharded checkpoints and, with ``legacy``, the one-file checkpoints of a service
+        that ran as one process (a :class:`~streamtrain.checkpoint.CheckpointStore` in the
+        same directory) are candidates together, newest first by (step, creation time):
+        whichever world size wrote the newest, it is the one restored. A candidate that
+        does not verify on some rank is skipped by every rank alike.
+
+        ``partition_count``: the topic's partition count as this rank knows it, or None
+        to take each checkpoint's (ownership does not depend on the count). CheckpointMismatch
+        (on every rank) when the newest complete checkpoint belongs to another topic, or
+        to a topic with more partitions: a configuration error, not damage, which falling
+        back to an older checkpoint would not cure.
         """
         c = self.collectives
-        partition_count = c.max_int(partition_count)
-        candidates = self.store.manifests() if c.rank == 0 else []
+        known = c.max_int(-1 if partition_count is None else int(partition_count))
+        count = None if known < 0 else known
+        candidates: list[tuple[int, int, int]] = []  # (step, created_ms, kind): kind 0 sharded, 1 one-file
+        if c.rank == 0:
+            candidates = [(m.step, _created_ms(m), 0) for m in self.store.manifests()]
+            if candidates and legacy is not None:
+                candidates += [(info.step, int(round(info.created_at * 1000)), 1) for info in legacy.list()]
+            candidates.sort(reverse=True)
+        if c.broadcast_ints([len(candidates)])[0] == 0:
+            # no sharded checkpoint: the one-file store's own newest-valid rule, unchanged
+            return None if legacy is None else self._restore_legacy(legacy.load_latest, count)
         position = 0
         while True:
-            if c.rank == 0:
-                proposal = [candidates[position].step, _created_ms(candidates[position])] if position < len(candidates) else [-1, -1]
-            else:
-                proposal = [0, 0]
-            step, created_ms = c.broadcast_ints(proposal)
+            proposal = list(candidates[position]) if c.rank == 0 and position < len(candidates) else [-1, -1, -1]
+            step, created_ms, kind = c.broadcast_ints(proposal)
             if step < 0:
-                break
+                return None
             status, share, reason = 0, None, ""
             try:
-                manifest = read_manifest(self.store.directory_for(step, created_ms))
-                share = restore_share(
-                    manifest, rank=c.rank, world_size=c.world_size, partition_count=partition_count, topic=self.topic
-                )
+                if kind == 0:
+                    manifest = read_manifest(self.store.directory_for(step, created_ms))
+                    share = restore_share(
+                        manifest, rank=c.rank, world_size=c.world_size, partition_count=count, topic=self.topic
+                    )
+                else:
+                    share = self._read_legacy(legacy, step, created_ms, count)  # type: ignore[arg-type]
+                    status = 0 if share is not None else 1
             except CheckpointMismatch as err:
                 status, reason = 2, str(err)
             except CorruptCheckpoint as err:
@@ -1213,11 +1247,17 @@ class DistributedCheckpointer:
             if verdict == 2:
                 raise CheckpointMismatch(reason or f"another rank refused checkpoint step {step}; see rank 0's log")
             position += 1
-        if legacy is None:
-            return None
-        return self._restore_legacy(legacy, partition_count)
 
-    def _restore_legacy(self, legacy: Callable[[], LoadedCheckpoint | None], partition_count: int) -> RestoredShare | None:
+    def _read_legacy(self, legacy: CheckpointStore, step: int, created_ms: int, partition_count: int | None) -> RestoredShare | None:
+        """This rank's share of the one-file checkpoint named by (step, created_ms); None when it is corrupt."""
+        c = self.collectives
+        info = next((i for i in legacy.list() if (i.step, int(round(i.created_at * 1000))) == (step, created_ms)), None)
+        loaded = None if info is None else legacy.read(info.path)  # reports a corrupt file itself
+        if loaded is None:
+            return None
+        return share_from_single_file(loaded, rank=c.rank, world_size=c.world_size, partition_count=partition_count)
+
+    def _restore_legacy(self, legacy: Callable[[], LoadedCheckpoint | None], partition_count: int | None) -> RestoredShare | None:
         c = self.collectives
         loaded = legacy()
         step = -1 if loaded is None else loaded.step
@@ -1228,6 +1268,39 @@ class DistributedCheckpointer:
         share = share_from_single_file(loaded, rank=c.rank, world_size=c.world_size, partition_count=partition_count)
         log.info("restored one-file checkpoint %s as rank %d of %d", loaded.path.name, c.rank, c.world_size)
         return share
+
+
+def _partitions_held(window_state: Mapping[str, Any]) -> int:
+    """1 + the largest partition a window state holds items or an offset of (0 for none)."""
+    partitions = np.asarray(window_state.get("partitions", []), dtype=np.int64).reshape(-1)
+    offsets = [int(p) for p in dict(window_state.get("next_offsets") or {})]
+    held = partitions.tolist() + offsets
+    return max(held) + 1 if held else 0
+
+
+def load_latest_common(root: Path | str) -> LoadedCheckpoint | None:
+    """The shared state (``{"trainer": ...}``) of the newest valid checkpoint of either kind.
+
+    For readers that need only the model (``streamtrain export``): a sharded checkpoint's
+    common state verified against its manifest, or a one-file checkpoint (whose state also
+    holds the window). Newest by (step, creation time); damaged ones are skipped.
+    """
+    sharded = ShardedCheckpointStore(root)
+    legacy = CheckpointStore(root)
+    candidates: list[tuple[int, int, Any]] = [(m.step, _created_ms(m), m) for m in sharded.manifests()]
+    candidates += [(i.step, int(round(i.created_at * 1000)), i) for i in legacy.list()]
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    for _, _, candidate in candidates:
+        if isinstance(candidate, Manifest):
+            try:
+                return read_common(candidate)
+            except CorruptCheckpoint as err:
+                sharded.report_corrupt(err)
+                continue
+        loaded = legacy.read(candidate.path)
+        if loaded is not None:
+            return loaded
+    return None
 
 
 def _created_ms(manifest: Manifest) -> int:

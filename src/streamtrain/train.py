@@ -316,7 +316,11 @@ class Trainer(ModelTrainer):
         metrics: Metrics,
         *,
         clock: Callable[[], float] = time.time,
+        data_seed: int | None = None,
+        min_items: int | None = None,
     ) -> None:
+        """``data_seed`` and ``min_items`` (default: ``SEED``, ``MIN_WINDOW_ITEMS``) are a
+        scaled-out rank's own: its passes are drawn from its own window share."""
         super().__init__(settings, metrics, clock)
         self.window = window
         torch.manual_seed(settings.seed)
@@ -337,14 +341,18 @@ class Trainer(ModelTrainer):
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self._prefetcher: Prefetcher | None = None
-        self.sampler = pass_sampler_from_settings(settings)  # SAMPLING: which items each pass trains
+        data_seed = settings.seed if data_seed is None else data_seed
+        # SAMPLING: which items each pass trains
+        self.sampler = pass_sampler_from_settings(settings.model_copy(update={"seed": data_seed}))
         self.dataset = WindowBatchDataset(
             window.snapshot,
             build_budget(settings),
             pool_size=settings.pool_size,
             shuffle=settings.shuffle,
-            seed=settings.seed,
-            min_items=settings.min_window_items,
+            seed=data_seed,
+            rank=0,  # every pass is this process's own window: never a share of a torch.distributed plan
+            world_size=1,
+            min_items=settings.min_window_items if min_items is None else min_items,
             idle_wait_s=0.2,
             on_pass_end=self._on_pass_end,
             sampler=self.sampler,
@@ -367,6 +375,9 @@ class Trainer(ModelTrainer):
         )
         self._reset_optimizer_due = False
         self.drift_reactions = 0
+        # A scaled-out service sets this: the thread's work is then the lockstep loop of
+        # streamtrain.scale_out, which trains with every rank and returns at the agreed stop.
+        self.loop: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
@@ -455,6 +466,10 @@ class Trainer(ModelTrainer):
 
     def _work(self) -> None:
         """Train on prefetched batches until stopped (a fresh prefetcher after an error)."""
+        if self.loop is not None:
+            self.loop()
+            self._stop.set()  # the ranks agreed to stop: the thread ends
+            return
         prefetcher = Prefetcher(
             self.dataset,
             depth=self.settings.prefetch_depth,
@@ -564,7 +579,7 @@ class Trainer(ModelTrainer):
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))
             saved_seed = self.dataset.load_state_dict(state["dataset"], sampler_state=state.get("sampler"))
-            if saved_seed == self.settings.seed:
+            if saved_seed == self.dataset.seed:
                 torch.set_rng_state(state["rng"]["torch"])
             else:  # the configured SEED wins (the dataset logged it): torch follows it too
                 torch.manual_seed(derive_seed(self.settings.seed, self.step, purpose="torch"))

@@ -60,14 +60,22 @@ class ServiceProcess:
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
 
     def start(self) -> ServiceProcess:
+        self.spawn()
+        self.wait_healthy()
+        return self
+
+    def spawn(self) -> ServiceProcess:
+        """Start the process without waiting for it (ranks of one group must all be started first)."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.process = subprocess.Popen(
             [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
         _STARTED.append(self.process)
-        wait_for(self._healthy, 60, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
         return self
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        wait_for(self._healthy, timeout_s, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
 
     def _healthy(self) -> bool:
         assert self.process is not None

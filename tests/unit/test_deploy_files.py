@@ -276,7 +276,7 @@ def test_k8s_trainer_statefulset(manifests):
     assert container["args"][:2] == ["streamtrain", "serve"]
     assert repo_path_of_image_path(config_arg(container["args"])).is_file()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"http": 8000}
+    assert ports == {"http": 8000, "rendezvous": 29500}
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -292,6 +292,102 @@ def test_k8s_trainer_statefulset(manifests):
     token = {e["name"]: e for e in container["env"]}["STREAMTRAIN_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert token["name"] and token["key"] and token["optional"] is True
     assert the(manifests, "Service", spec["serviceName"])["spec"]["clusterIP"] == "None"
+
+
+def test_k8s_trainer_is_a_world_of_its_replicas(manifests):
+    """torch.distributed's env:// variables: one rank per pod, rank 0 reached through the headless Service."""
+    trainer = the(manifests, "StatefulSet", "streamtrain-trainer")
+    (container,) = trainer["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["WORLD_SIZE"]["value"] == str(trainer["spec"]["replicas"]) == "1"  # one process, as before
+    assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    headless = the(manifests, "Service", trainer["spec"]["serviceName"])
+    assert env["MASTER_ADDR"]["value"] == f"{trainer['metadata']['name']}-0.{headless['metadata']['name']}"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(env["MASTER_PORT"]["value"]) == ports["rendezvous"]
+    assert headless["spec"]["publishNotReadyAddresses"] is True  # ranks meet before any is ready
+    assert {p["targetPort"] for p in headless["spec"]["ports"]} == {"http", "rendezvous"}
+    assert trainer["spec"]["podManagementPolicy"] == "Parallel"  # start together: the rendezvous waits for all
+
+
+def _strategic_merge(base: Any, patch: Any) -> Any:
+    """Kubernetes' strategic merge as far as these manifests use it: maps merge, named lists merge by name."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        return {**base, **{k: _strategic_merge(base[k], v) if k in base else v for k, v in patch.items()}}
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in base + patch):
+        merged = {item["name"]: item for item in base}
+        for item in patch:
+            merged[item["name"]] = _strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
+        return list(merged.values())
+    return patch
+
+
+def _json_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    for op in operations:
+        *parents, last = op["path"].strip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if op["op"] == "remove":
+            del node[last]
+        else:
+            node[last] = op["value"]
+    return doc
+
+
+@pytest.fixture(scope="module")
+def scale_out(manifests) -> dict[str, Any]:
+    """deploy/k8s-scale-out rendered as kustomize renders it (also checked against kubectl when present)."""
+    overlay = DEPLOY / "k8s-scale-out"
+    kustomization = load_yaml(overlay / "kustomization.yaml")
+    assert kustomization["resources"][0] == "../k8s"
+    extra = [load_yaml(overlay / name) for name in kustomization["resources"][1:]]
+    trainer = {k: v for k, v in the(manifests, "StatefulSet", "streamtrain-trainer").items() if k != "_file"}
+    for patch in kustomization["patches"]:
+        if "path" in patch:
+            trainer = _strategic_merge(trainer, load_yaml(overlay / patch["path"]))
+        else:
+            assert patch["target"] == {"kind": "StatefulSet", "name": "streamtrain-trainer"}
+            trainer = _json_patch(trainer, yaml.safe_load(patch["patch"]))
+    return {"trainer": trainer, "extra": extra}
+
+
+def test_k8s_scale_out_overlay_runs_ranks_over_one_shared_volume(scale_out):
+    trainer = scale_out["trainer"]
+    spec = trainer["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert int(env["WORLD_SIZE"]["value"]) == spec["replicas"] == 2, "change replicas and WORLD_SIZE together"
+    assert "volumeClaimTemplates" not in spec, "a volume per pod cannot hold one checkpoint of every rank"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claim = volumes[mounts[CHECKPOINT_DIR]]["persistentVolumeClaim"]["claimName"]
+    (pvc,) = [d for d in scale_out["extra"] if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    probe = container["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 900, "the rendezvous may wait 15 min for the last pod"
+    assert pod["terminationGracePeriodSeconds"] >= 30
+    assert env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['apps.kubernetes.io/pod-index']")
+
+
+def test_k8s_scale_out_overlay_renders_with_kubectl_when_it_is_installed(scale_out):
+    import shutil
+    import subprocess
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the overlay is checked by the emulation above")
+    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s-scale-out")], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered.stdout)}
+    trainer = docs[("StatefulSet", "streamtrain-trainer")]
+    assert trainer["spec"] == scale_out["trainer"]["spec"] | {"template": trainer["spec"]["template"]}
+    container = trainer["spec"]["template"]["spec"]["containers"][0]
+    expected = scale_out["trainer"]["spec"]["template"]["spec"]["containers"][0]
+    assert sorted(container["env"], key=lambda e: e["name"]) == sorted(expected["env"], key=lambda e: e["name"])
+    assert container["startupProbe"] == expected["startupProbe"]
+    assert ("PersistentVolumeClaim", "streamtrain-checkpoints") in docs
 
 
 def test_k8s_configmap_holds_only_real_settings(manifests):

@@ -79,6 +79,8 @@ def test_context_reads_torchrun_variables() -> None:
     assert ctx == DistContext(3, 4, 1, 2, "trainer-0.trainer", 29500, 2)
     assert ctx.owned_partitions(10) == [3, 7]
     assert ctx.is_primary is False
+    assert ctx.agent_store is False  # a StatefulSet: rank 0 hosts the store
+    assert DistContext.from_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}).agent_store is True  # torchrun's agent does
 
 
 @pytest.mark.parametrize(

@@ -501,9 +501,9 @@ def test_a_one_file_checkpoint_is_a_one_shard_checkpoint(tmp_path: Path) -> None
     legacy = CheckpointStore(tmp_path / "legacy")
     legacy.save({"window": window.state_dict(), "trainer": {"step": 42}}, step=42)
     checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path), Collectives(DistContext()), topic=TOPIC)
-    share = checkpointer.restore(partition_count=4, legacy=legacy.load_latest)
+    share = checkpointer.restore(partition_count=4, legacy=legacy)
     assert share is not None and share.step == 42 and share.common == {"trainer": {"step": 42}}
-    assert not share.topology_changed
+    assert not share.topology_changed and share.loaded is not None and share.loaded.step == 42
     again = RecencyWindow(10_000, math.inf)
     again.load_state_dict(share.window_state)
     assert again.state_dict()["rng_state"] == window.state_dict()["rng_state"]
@@ -527,3 +527,84 @@ def test_no_checkpoint_means_none(tmp_path: Path) -> None:
     assert checkpointer.restore(partition_count=3) is None
 
 
+
+
+def _mixed_directory(root: Path) -> tuple[Topic, RecencyWindow, CheckpointStore, DistributedCheckpointer]:
+    """One directory holding one-file checkpoints (one process) and sharded ones (scaled out)."""
+    topic = Topic(partitions=3, seed=5)
+    topic.produce(60)
+    window = _window(topic)
+    legacy = CheckpointStore(root)
+    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(root), Collectives(DistContext()), topic=TOPIC)
+    return topic, window, legacy, checkpointer
+
+
+def test_the_newest_checkpoint_of_either_kind_is_restored(tmp_path: Path) -> None:
+    topic, window, legacy, checkpointer = _mixed_directory(tmp_path)
+    assert _save(checkpointer, window, 10).ok
+    legacy.save({"window": window.state_dict(), "trainer": {"step": 20}}, step=20)
+    share = checkpointer.restore(partition_count=None, legacy=legacy)
+    assert share is not None and share.step == 20 and share.loaded is not None  # the one-file one is newer
+    assert _save(checkpointer, window, 30).ok
+    share = checkpointer.restore(partition_count=None, legacy=legacy)
+    assert share is not None and share.step == 30 and share.loaded is None and share.common == {"trainer": {"step": 30}}
+    # a damaged newest one-file checkpoint falls back to the sharded one before it, and is reported
+    newest = legacy.save({"window": window.state_dict(), "trainer": {"step": 40}}, step=40)
+    _flip(newest, 0.5)
+    reported: list[Path] = []
+    legacy.on_corrupt = lambda path, reason: reported.append(path)
+    share = checkpointer.restore(partition_count=None, legacy=legacy)
+    assert share is not None and share.step == 30 and reported == [newest]
+    again = RecencyWindow(10_000, math.inf)
+    again.load_state_dict(share.window_state)
+    assert sorted(zip(again.snapshot().partitions.tolist(), again.snapshot().offsets.tolist())) == sorted(topic.sent())
+
+
+def test_restore_without_a_partition_count_takes_the_checkpoints(tmp_path: Path) -> None:
+    topic = Topic(partitions=3, seed=2)
+    cluster = Cluster(2, 10_000, math.inf)
+    topic.produce(90)
+    cluster.consume(topic)
+    directory = cluster.save(tmp_path, step=3, partition_count=3)
+    shares = [
+        restore_share(read_manifest(directory), rank=r, world_size=3, partition_count=None, topic=TOPIC) for r in range(3)
+    ]
+    assert [s.owned_partitions for s in shares] == [[0], [1], [2]] and all(s.new_partitions == [] for s in shares)
+    assert sorted(p for s in shares for p in s.window_state["partitions"].tolist()) == sorted(p for p, _ in topic.sent())
+
+
+def test_the_window_ledger_survives_an_unchanged_restore(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=3)
+    topic.produce(40)
+    window = _window(topic)
+    window.advance_offsets({0: 999}, rejected={"decode": 2, "schema": 1})
+    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path), Collectives(DistContext()), topic=TOPIC)
+    assert checkpointer.save(step=1, partition_count=2, window_state=window.state_dict(), common_state={}).ok
+    share = checkpointer.restore(partition_count=2)
+    assert share is not None
+    again = RecencyWindow(10_000, math.inf)
+    again.load_state_dict(share.window_state)
+    assert (again.seen_total, again.accepted_total, again.rejected_total) == (window.seen_total, window.accepted_total, window.rejected_total)
+
+
+def test_the_partition_count_covers_what_the_window_holds(tmp_path: Path) -> None:
+    """A rank that has not yet heard the topic's partition count still writes a valid checkpoint."""
+    topic = Topic(partitions=3, seed=4)
+    topic.produce(30)
+    window = _window(topic)
+    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path), Collectives(DistContext()), topic=TOPIC)
+    result = checkpointer.save(step=1, partition_count=0, window_state=window.state_dict(), common_state={})
+    assert result.ok
+    assert read_manifest(result.path).partition_count == 3
+
+
+def test_export_reads_the_newest_shared_state_of_either_kind(tmp_path: Path) -> None:
+    _, window, legacy, checkpointer = _mixed_directory(tmp_path)
+    assert sc.load_latest_common(tmp_path) is None
+    legacy.save({"window": window.state_dict(), "trainer": {"step": 1}}, step=1)
+    assert checkpointer.save(step=2, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": 2}}).ok
+    loaded = sc.load_latest_common(tmp_path)
+    assert loaded is not None and loaded.step == 2 and loaded.state == {"trainer": {"step": 2}}
+    _damage_common(checkpointer.store.manifests()[0].directory)
+    loaded = sc.load_latest_common(tmp_path)
+    assert loaded is not None and loaded.step == 1 and loaded.state["trainer"] == {"step": 1}

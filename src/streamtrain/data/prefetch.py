@@ -104,6 +104,26 @@ class Prefetcher(Generic[T]):
         started = time.perf_counter()
         item = self._queue.get()
         self.data_wait_seconds += time.perf_counter() - started
+        return self._deliver(item)
+
+    def poll(self, timeout_s: float = 0.0) -> T | None:
+        """The next item if one is ready within ``timeout_s`` (0: only if ready now), else None.
+
+        For a consumer that must not block (a rank in lockstep steps with or without a
+        batch); StopIteration and source errors as from ``next()``.
+        """
+        if self._finished:
+            raise StopIteration
+        started = time.perf_counter()
+        try:
+            item = self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        finally:
+            self.data_wait_seconds += time.perf_counter() - started
+        return self._deliver(item)
+
+    def _deliver(self, item: object) -> T:
         if isinstance(item, _End):
             self._finished = True
             raise StopIteration

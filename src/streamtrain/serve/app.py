@@ -99,6 +99,7 @@ def window_report(service: ServiceDep) -> WindowReport:
         last_record_age_s=service.ingest.last_record_age_s,
         ingest_restarts_total={reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS},
         dead_letters_pending=service.ingest.dead_letters.pending,
+        partitions=sorted(service.ingest.assigned),
     )
 
 
@@ -135,6 +136,8 @@ def model_report(service: ServiceDep) -> ModelReport:
         published_at=None if published is None else published.published_at,
         dp=dp,
         training=training,
+        world_size=service.ctx.world_size,
+        rank=service.ctx.rank,
     )
 
 

@@ -53,6 +53,9 @@ class WindowReport(BaseModel):
         default_factory=dict, description="Consumers recreated since start, by reason (unassigned, no_fetch_progress, no_heartbeat, error)"
     )
     dead_letters_pending: int = Field(0, description="Dead letters not yet acknowledged by Kafka")
+    partitions: list[int] = Field(
+        default_factory=list, description="Partitions this process consumes, ascending (scaled out: those it owns)"
+    )
 
 
 class DPReport(BaseModel):
@@ -83,6 +86,8 @@ class ModelReport(BaseModel):
         None, description="Test-then-train quality of the serving model; null until the first event was scored"
     )
     versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
+    world_size: int = Field(1, description="Ranks that train this one model (WORLD_SIZE; 1 for one process)")
+    rank: int = Field(0, description="This process's rank, 0..world_size-1")
 
 
 class RollbackRequest(BaseModel):
