@@ -119,7 +119,7 @@ class Settings(BaseSettings):
 
     # --- Differential privacy ------------------------------------------------------------------
     dp: Literal["on", "off"] = Field("off", description="DP-SGD training (needs shuffle=crypto)")
-    dp_noise_multiplier: float = Field(1.0, description="Noise multiplier sigma (noise std / clip norm)")
+    dp_noise_multiplier: float = Field(1.1, description="Noise multiplier sigma (noise std / clip norm)")
     dp_clip_norm: float = Field(1.0, description="Per-unit gradient clip norm C")
     dp_q0: float = Field(0.05, description="Sampling probability of a fresh eligible record")
     dp_half_life_steps: float = Field(math.inf, description="Recency half-life of q_j in steps; inf = constant")

@@ -83,10 +83,15 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         self._ingestor = ingestor
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+        partitions = sorted(tp.partition for tp in revoked)
+        log.info("partitions revoked: %s", partitions)
+        if self._ingestor.on_revoked is not None and partitions:
+            self._ingestor.on_revoked(partitions)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         consumer = self._ingestor._consumer
+        if self._ingestor.on_assigned is not None and assigned:
+            self._ingestor.on_assigned(sorted(tp.partition for tp in assigned))
         stored = self._ingestor.resume_offsets()
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
@@ -183,10 +188,15 @@ class Ingestor:
         metrics: Metrics,
         *,
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
+        on_assigned: Callable[[list[int]], None] | None = None,
+        on_revoked: Callable[[list[int]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
+        # DP mode: partitions arriving and leaving (IO thread: local work only, no consumer calls)
+        self.on_assigned = on_assigned
+        self.on_revoked = on_revoked
         self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics

@@ -40,7 +40,14 @@ class Service:
             max_age_s=settings.max_age_s,
         )
         self.trainer = self._build_trainer()
-        self.ingest = Ingestor(settings, self.window, self.metrics, on_events=getattr(self.trainer, "admit", None))
+        self.ingest = Ingestor(
+            settings,
+            self.window,
+            self.metrics,
+            on_events=getattr(self.trainer, "admit", None),
+            on_assigned=getattr(self.trainer, "on_partitions_assigned", None),
+            on_revoked=getattr(self.trainer, "on_partitions_revoked", None),
+        )
         self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
         self.checkpoint_error: str | None = None
         self.last_checkpoint: Path | None = None
@@ -87,7 +94,18 @@ class Service:
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> LoadedCheckpoint | None:
-        """Load the newest valid checkpoint (corrupt ones are skipped, logged and counted)."""
+        """Load the newest valid checkpoint (corrupt ones are skipped, logged and counted).
+
+        In DP mode the admission record then decides where the DP clock and every
+        partition's admissions continue (privacy/service.py), checkpoint or not.
+        """
+        loaded = self._load_checkpoint()
+        resume = getattr(self.trainer, "resume_from_record", None)
+        if resume is not None:
+            resume()
+        return loaded
+
+    def _load_checkpoint(self) -> LoadedCheckpoint | None:
         loaded = self.store.load_latest()
         if loaded is None:
             log.info("no checkpoint in %s: starting fresh", self.settings.checkpoint_dir)
@@ -149,10 +167,15 @@ class Service:
         if not self.ingest.connected:
             blocking.append("kafka_not_connected" + (f": {self.ingest.last_error}" if self.ingest.last_error else ""))
         if self.published is None:
-            blocking.append(f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed")
+            if self.settings.dp == "on":  # window counts are data-dependent: operator plane only
+                blocking.append("no_model_published: the first DP model is published on the public clock")
+            else:
+                blocking.append(f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed")
         notes = []
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
         if not self.trainer.running and not self._stop.is_set():
             notes.append("trainer_not_running" + (f": {self.trainer.last_error}" if self.trainer.last_error else ""))
+        if getattr(self.trainer, "record_error", None):
+            notes.append(f"dp_admission_record_failing: {self.trainer.record_error}")
         return not blocking, blocking + notes

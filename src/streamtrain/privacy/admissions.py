@@ -176,6 +176,13 @@ class AdmissionRecord:
             self._buffers.setdefault(self.clock_path, []).append(_encode(clock))
             self._appended_step = max(self._appended_step, decision.step)
 
+    def note_watermarks(self, step: int, watermarks: Mapping[int, int]) -> None:
+        """Buffer partition entries that carry known watermarks (no admissions, no clock entry)."""
+        with self._lock:
+            for partition, mark in sorted(watermarks.items()):
+                entry = {"s": int(step), "w": int(mark), "a": []}
+                self._buffers.setdefault(self.partition_path(partition), []).append(_encode(entry))
+
     @property
     def pending(self) -> bool:
         return any(self._buffers.values())
