@@ -48,7 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     public = settings.public_dict()
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
-    service.start()
+    try:
+        service.start()
+    except ValueError as err:  # a checkpoint or DP admission record it must not resume from
+        print(f"streamtrain: {err}", file=sys.stderr)
+        service.stop(final_checkpoint=False)
+        return 2
     config = uvicorn.Config(
         create_app(service),
         host=settings.http_host,

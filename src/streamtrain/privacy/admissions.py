@@ -43,7 +43,7 @@ SEGMENT_BYTES = 64 << 20  # a log past this size is rotated to <name>.1 (one old
 _PARTITION_FILE = re.compile(r"^partition-(\d+)\.jsonl(\.1)?$")
 
 
-class AdmissionRecordError(RuntimeError):
+class AdmissionRecordError(ValueError):
     """The admission record is damaged or older than the checkpoint: restoring would re-admit events."""
 
 
