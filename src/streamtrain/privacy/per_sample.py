@@ -122,19 +122,23 @@ class PerSampleGradients:
             flat = torch.where(finite_rows[:, None], flat, torch.zeros((), dtype=flat.dtype))
             count = int(n_groups) if n_groups is not None else int(groups.max()) + 1
             flat = torch.zeros(count, flat.shape[1], dtype=flat.dtype).index_add_(0, groups.to(torch.int64), flat)
-        norms = flat.double().square().sum(dim=1).sqrt()
+        norms = torch.linalg.vector_norm(flat, dim=1).double()  # float32: a norm past 1e38 counts as non-finite
         finite = torch.isfinite(norms)
         scale = torch.where(finite, clip_factors(norms, self.clip_norm), torch.zeros_like(norms)) * (grid / self.clip_norm)
-        scaled = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype)) * scale.to(flat.dtype)[:, None]
-        ints = torch.trunc(scaled).to(torch.int64)
+        if not bool(finite.all()):
+            flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype))
+        scaled = flat.mul_(scale.to(flat.dtype)[:, None]) if flat.is_contiguous() else flat * scale.to(flat.dtype)[:, None]
+        # Integers of magnitude <= 2^16 (1 + 2^-20): exact in float32 and, with their squares and
+        # every partial sum below 2^53, in float64 — so the checks and the sum below are exact.
+        wide = torch.trunc(scaled).double()
         limit = grid * grid
-        squared = (ints * ints).sum(dim=1)
+        squared = torch.einsum("bp,bp->b", wide, wide)
         while bool((over := squared > limit).any()):  # float rounding pushed a few units over: shrink them
-            shrink = (torch.sqrt(limit / squared[over].double()) * (1 - 2.0**-20)).to(scaled.dtype)
+            shrink = (torch.sqrt(limit / squared[over]) * (1 - 2.0**-20)).to(scaled.dtype)
             scaled[over] = scaled[over] * shrink[:, None]
-            ints[over] = torch.trunc(scaled[over]).to(torch.int64)
-            squared = (ints * ints).sum(dim=1)
-        total = ints.sum(dim=0)
+            wide[over] = torch.trunc(scaled[over]).double()
+            squared = torch.einsum("bp,bp->b", wide, wide)
+        total = wide.sum(dim=0).to(torch.int64)
         out: dict[str, torch.Tensor] = {}
         offset = 0
         for name, shape in shapes.items():
