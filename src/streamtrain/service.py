@@ -126,7 +126,10 @@ class Service:
         """Write a checkpoint now; None (counted, logged, retried later) when it fails."""
         with self._checkpoint_lock:
             with self.ingest.apply_lock, self.trainer.lock:  # both states cover the same offsets
-                trainer_state = self.trainer.state_dict()
+                try:
+                    trainer_state = self.trainer.state_dict()  # DP: syncs the admission record first
+                except OSError as err:
+                    return self._checkpoint_failed(f"DP admission record not durable: {err}")
                 window_state = self.window.state_dict()
                 step = int(trainer_state["step"])
             offsets = {int(p): int(o) for p, o in window_state["next_offsets"].items()}

@@ -181,7 +181,10 @@ class DPTrainer(ModelTrainer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's trainer state; the admission record is synced first (OSError: no
+        checkpoint), so the record always covers whatever a checkpoint holds."""
         with self.lock:
+            self.record.sync()
             return {
                 "model": self.model.state_dict(),
                 "model_config": dict(self.model.config),

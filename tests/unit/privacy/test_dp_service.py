@@ -105,6 +105,8 @@ def test_a_model_is_published_only_once_its_admissions_are_durable(tmp_path: Pat
         assert "not durable" in trainer.record_error
         assert any(r.startswith("dp_admission_record_failing") for r in service.readiness()[1])
         assert service.metrics.dp_record_failures._value.get() >= 1
+        # nor is a checkpoint written that the record would not cover
+        assert service.checkpoint() is None and "admission record" in service.checkpoint_error
     finally:
         record_dir.unlink()
         (tmp_path / "record-away").rename(record_dir)
