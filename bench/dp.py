@@ -216,7 +216,7 @@ def utility(args: argparse.Namespace) -> list[Row]:
         events = decode_batch(raw.values, limits, now + 2.0, [0] * count, list(range(first_offset, first_offset + count))).events
         return events, [events.values[a : a + n] for a, n in zip(events.starts, events.lengths, strict=True)]
 
-    held_events, held = arrivals(512, 0.0, 0)
+    held_events, held = arrivals(512, 9_000.0, 0)
     held_batch = collate(held)
     x_held = engine.norm.normalize(held_batch.values).float() * held_batch.mask[..., None]
     naive = float(naive_last_value_loss(x_held, held_batch.mask))

@@ -399,6 +399,11 @@ class DPEngine:
                 self.window.load_state_dict(state["window"])
             except ValueError as error:
                 raise DPConfigError(str(error)) from error
+            except KeyError as error:
+                raise DPConfigError(
+                    f"the checkpoint's DP state lacks {error} (written by an older streamtrain, before the admission "
+                    "record): its events cannot be proven admitted once; start DP from an empty CHECKPOINT_DIR"
+                ) from None
             with self._clock_lock:
                 self.clock.load_state_dict(state["clock"])
             if self.window.closed_step != self.clock.steps_done:

@@ -205,3 +205,11 @@ def test_sensor_unit_engine_reports_lifetime_epsilon() -> None:
     info = engine.model_info()
     assert info["unit"] == "sensor" and info["horizon"] == "lifetime" and info["max_groups_per_sensor"] >= 1
     assert info["epsilon_cap"] <= 3.0 and "mean_batch_size" not in info
+
+
+def test_a_dp_checkpoint_of_the_older_format_is_refused_in_one_line() -> None:
+    engine = make_engine()
+    state = engine.state_dict()
+    del state["window"]["watermarks"], state["window"]["pending"]["offsets"]
+    with pytest.raises(DPConfigError, match="older streamtrain"):
+        make_engine().load_state_dict(state)
