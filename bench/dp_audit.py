@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--expected-units", type=float, default=1e4)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--d-model", type=int, default=8)
-    parser.add_argument("--crashes", type=int, default=199, help="readmit variant: restarts without the admission record")
+    parser.add_argument("--crashes", type=int, default=599, help="readmit variant: restarts without the admission record")
     parser.add_argument("--k", type=int, nargs="+", default=[25, 50, 100, 200], help="guess counts tried")
     parser.add_argument("--beta", type=float, default=0.05, help="1 - confidence of the lower bound")
     parser.add_argument("--seed", type=int, default=0)

@@ -87,19 +87,28 @@ def run_steps(service: Service, count: int) -> None:
     assert engine.steps >= target
 
 
+def run_until_decided(service: Service, partition: int, watermark: int) -> None:
+    """Run clock steps until the admitted arrivals' step has closed (the clock may be far ahead)."""
+    window = service.trainer.engine.window
+    deadline = time.monotonic() + 30
+    while window.watermarks.get(partition, 0) < watermark and time.monotonic() < deadline:
+        service.trainer._work()
+    assert window.watermarks.get(partition, 0) >= watermark
+
+
 def test_a_model_is_published_only_once_its_admissions_are_durable(tmp_path: Path) -> None:
     service = make_service(tmp_path, dp_admission_dir=tmp_path / "record")
     service.restore()
     trainer = service.trainer
     trainer.admit(arrivals(0, range(0, 20)), {0: 20})
-    run_steps(service, 3)
+    run_until_decided(service, 0, 20)
     record_dir = tmp_path / "record"
     record_dir.mkdir(exist_ok=True)
     record_dir.rename(tmp_path / "record-away")
     record_dir.write_text("not a directory: the record cannot be written")  # (works as root, unlike chmod)
     try:
         trainer.admit(arrivals(0, range(20, 30)), {0: 30})
-        run_steps(service, 2)
+        run_until_decided(service, 0, 30)  # decisions the record cannot take
         version = trainer._version
         assert trainer.publish() is None and trainer._version == version
         assert "not durable" in trainer.record_error
@@ -119,17 +128,22 @@ def test_restart_continues_after_the_recorded_step_and_above_its_watermarks(tmp_
     first = make_service(tmp_path)
     first.restore()
     first.trainer.admit(arrivals(0, range(0, 10)), {0: 10})
-    run_steps(first, 4)
-    assert first.checkpoint() is not None  # at step 4
+    run_until_decided(first, 0, 10)
+    assert first.checkpoint() is not None  # at step c
+    checkpoint_step = first.trainer.step
     first.trainer.admit(arrivals(0, range(10, 20)), {0: 20})
-    run_steps(first, 5)
-    first.trainer.publish()  # steps up to 9 are durable in the record; the checkpoint is at 4
+    run_until_decided(first, 0, 20)
+    run_steps(first, 2)
+    first.trainer.publish()  # every step so far is durable in the record; the checkpoint is older
+    recorded_step = first.trainer.step
+    assert recorded_step > checkpoint_step
     second = make_service(tmp_path)
-    second.restore()  # "crash": restore from the step-4 checkpoint
+    second.restore()  # "crash": restore from the older checkpoint
     engine = second.trainer.engine
-    assert engine.steps == 9 and engine.window.watermarks[0] == 20
+    assert engine.steps == recorded_step and engine.window.watermarks[0] == 20  # the record, not the checkpoint
+    assert engine.window.gaps == [(checkpoint_step + 1, recorded_step)]
     engine.admit(arrivals(0, range(5, 25)), now=time.time())  # a re-read from the checkpoint's offsets
-    run_steps(second, 1)
+    run_until_decided(second, 0, 25)
     record = AdmissionRecord(tmp_path / "ckpt" / "dp-admissions", tmp_path / "ckpt" / "dp-clock.jsonl")
     second.trainer.record.sync()
     from streamtrain.privacy import participation
