@@ -8,15 +8,19 @@ gradient sum (``per_sample.py`` puts the clipped per-example gradients on a grid
 so the noisy sum is computed in exact integer arithmetic; what happens to it afterwards is
 post-processing.
 
-The sampler is CKS Algorithm 3 (rejection from a discrete Laplace, itself Algorithm 2),
-vectorized over numpy arrays, with every random bit taken from ``bits.raw_uint64`` — the
-OS CSPRNG in the service, a seeded generator in tests. Each Bernoulli(exp(-γ)) is decided
-*lazily but exactly*: a 64-bit uniform word is compared with a floating-point value of
-``exp(-γ)`` widened by a safety band (relative 2^-30, far above the error of float64 ``exp``
-and of the few float operations that form γ); only when the word falls inside the band —
-probability about 2^-30 per draw — are more bits drawn and compared with exact rational
-bounds of ``exp(-γ)`` computed with Python integers (:func:`exp_neg_bounds`). So the
-probability of every decision is exactly ``exp(-γ)`` for the exact rational γ.
+The sampler is CKS Algorithm 3 (rejection from a discrete Laplace), vectorized over numpy
+arrays, with every random bit taken from ``bits.raw_uint64`` — the OS CSPRNG in the service,
+a seeded generator in tests (the CSPRNG cannot be seeded, by design). The discrete Laplace is
+a fair sign and a geometric magnitude X with P(X >= x) = exp(-x/t), drawn as the number of
+thresholds exp(-1/t), exp(-2/t), ... above one uniform (the law of CKS Algorithm 2).
+
+Every comparison of a uniform U with exp(-γ) is decided *lazily but exactly*: U's first 32
+or 64 bits are compared with the float64 value of exp(-γ) widened by a safety band of
+(1 + γ)·2^-40 relative — far above the error of float64 ``exp`` and of the few float
+operations that form γ — and only when they fall inside the band (about one draw in 2^31)
+are more bits drawn and compared with exact rational bounds of exp(-γ) computed with Python
+integers (:func:`exp_neg_bounds`). So every decision has probability exactly exp(-γ) for the
+exact rational γ.
 """
 
 from __future__ import annotations
@@ -126,21 +130,23 @@ def uniform_u32(n: int, bits: BitSource) -> np.ndarray:
     return np.concatenate([words >> np.uint64(32), words & np.uint64(0xFFFFFFFF)])[:n]
 
 
-def _thresholds(gamma: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _thresholds(gamma: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Integer thresholds for a ``width``-bit word w against exp(-γ), γ given in float64.
 
-    ``w < below`` proves U < exp(-γ) and ``w >= above`` proves U >= exp(-γ) for the
-    uniform U in [w, w + 1) / 2^width; in between, the exact path decides.
+    For the uniform U in [w, w + 1) / 2^width: ``w < below`` proves U < exp(-γ), and
+    ``reachable & (w >= above)`` proves U >= exp(-γ); in between, the exact path decides.
     """
     scale = float(2**width)
     p = np.exp(-gamma)
     band = p * (1.0 + gamma) * _BAND + _FLOOR  # covers a float γ off by (1 + γ)·2^-44, exp off by 2^-50
     lo = np.maximum(p - band, 0.0)
     hi = np.minimum(p + band, 1.0)
-    cap = scale - 2.0 ** (width - 52)  # the largest float below 2^width
-    below = np.minimum(np.floor(lo * scale), cap).astype(np.uint64)
-    above = np.minimum(np.ceil(hi * scale), cap).astype(np.uint64)
-    return below, np.where(hi >= 1.0, np.uint64(2**width - 1) if width < 64 else np.uint64(2**64 - 1), above)
+    largest = scale - 2.0 ** (width - 53)  # the largest float below 2^width
+    below = np.minimum(np.floor(lo * scale), largest).astype(np.uint64)  # lower only: still proves U < p
+    above_float = np.ceil(hi * scale)
+    reachable = above_float <= largest  # a word at or past 2^width cannot exist
+    above = np.where(reachable, above_float, 0.0).astype(np.uint64)
+    return below, above, reachable
 
 
 def bernoulli_exp_neg(gamma: np.ndarray, exact_of: Callable[[int], Fraction], bits: BitSource) -> np.ndarray:
@@ -154,9 +160,9 @@ def bernoulli_exp_neg(gamma: np.ndarray, exact_of: Callable[[int], Fraction], bi
     if gamma.size == 0:
         return np.zeros(0, dtype=bool)
     words = uniform_u32(gamma.size, bits)
-    below, above = _thresholds(gamma, 32)
+    below, above, reachable = _thresholds(gamma, 32)
     accept = words < below
-    undecided = ~accept & (words < above)
+    undecided = ~accept & ~(reachable & (words >= above))
     for i in np.flatnonzero(undecided):
         accept[i] = LazyUniform(words[i], 32, bits).below_exp_neg(exact_of(int(i)))
     return accept
@@ -184,10 +190,10 @@ def geometric_exp(t: int, n: int, bits: BitSource) -> np.ndarray:
     words = bits.raw_uint64(n)
     u = (words.astype(np.float64) + 0.5) * 2.0**-64
     x = np.maximum(np.floor(-float(t) * np.log(u)), 0.0)
-    below_x, _ = _thresholds(x / t, 64)  # U < exp(-x/t) proven when w < below_x
-    _, above_next = _thresholds((x + 1.0) / t, 64)  # U >= exp(-(x+1)/t) proven when w >= above_next
+    below_x, _, _ = _thresholds(x / t, 64)  # U < exp(-x/t) proven when w < below_x
+    _, above_next, reachable = _thresholds((x + 1.0) / t, 64)  # U >= exp(-(x+1)/t) proven when w >= above_next
     out = x.astype(np.int64)
-    for i in np.flatnonzero(~((words < below_x) & (words >= above_next))):
+    for i in np.flatnonzero(~((words < below_x) & reachable & (words >= above_next))):
         uniform = LazyUniform(words[i], 64, bits)
         k = int(out[i])
         while k > 0 and not uniform.below_exp_neg(Fraction(k, t)):

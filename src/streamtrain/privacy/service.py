@@ -239,5 +239,5 @@ class DPTrainer(ModelTrainer):
         )  # fmt: skip
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
         if restored_step:
-            self._publish_at_step = restored_step
+            self._publish_at_step = step
             self.publish()  # the restored model (it used only steps the record and checkpoint cover)

@@ -151,3 +151,17 @@ def test_bernoulli_exp_neg_has_the_right_rate_far_and_near_zero() -> None:
     for gamma in gammas:
         coins = bernoulli_exp_neg(np.full(n, gamma), lambda i, g=gamma: Fraction(g), SeededRandomness(int(gamma * 7) + 1))
         assert stats.binomtest(int(coins.sum()), n, math.exp(-gamma)).pvalue > ALPHA, gamma
+
+
+class AllOnes:
+    """Every word has every bit set: U as close to 1 as the bits allow."""
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        return np.full(n, np.iinfo(np.uint64).max, dtype=np.uint64)
+
+
+def test_coins_near_certainty_are_never_decided_wrongly() -> None:
+    """exp(-0) = 1: even the largest uniform is below it, so the coin must come up True;
+    the geometric's first threshold exp(0) is never crossed the wrong way either."""
+    assert bool(bernoulli_exp_neg(np.zeros(3), lambda i: Fraction(0), AllOnes()).all())
+    assert geometric_exp(5, 4, AllOnes()).tolist() == [0, 0, 0, 0]  # U just below 1 lies above exp(-1/5)
