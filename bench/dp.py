@@ -241,7 +241,10 @@ def utility(args: argparse.Namespace) -> list[Row]:
         plain_optimizer.zero_grad(set_to_none=True)
 
     rate = config.step_rate_hz
-    marks = sorted({int(round(args.utility_steps * f)) for f in (1 / 12, 1 / 6, 1 / 3, 1 / 2, 2 / 3, 1.0)} - {0})
+    k = config.eligible_steps  # ε grows over the first K steps, then stays at its cap
+    early = {int(round(k * f)) for f in (1 / 8, 1 / 4, 1 / 2, 1.0)}
+    late = {int(round(args.utility_steps * f)) for f in (1 / 6, 1 / 3, 1 / 2, 2 / 3, 1.0)}
+    marks = sorted(m for m in (early | late) if 0 < m <= args.utility_steps)
     rows: list[Row] = []
     now, offset = 10_000.0, 512
     engine.step(now)
