@@ -1,4 +1,11 @@
-"""/v1/predict latency while the service trains, against the bare model forward.
+"""Predict latency while the service trains, per route, against the bare model forward.
+
+Routes: ``/v1/predict`` (JSON instances), and the Open Inference Protocol v2 route
+``/v2/models/streamtrain/infer`` with JSON tensors (``oip-json``) and with the binary tensor
+data extension (``oip-binary``: a JSON header, then the raw float32/int64 bytes; outputs
+answered as raw bytes too). An OIP request carries the same instances as one padded
+``values [32, longest, 1]`` tensor plus ``lengths [32]``. The routes are measured in
+alternating phases (``--rounds``), so a slow stretch of training hits them alike.
 
 The service runs as a real ``streamtrain serve`` process (default model and settings,
 ``torch_threads`` 1) on a unique topic of the local broker, fed by a ``streamtrain
@@ -11,8 +18,8 @@ Baselines, on the same request batches, in this process, with the same model siz
 thread count and no training going on: the bare forward
 (:func:`streamtrain.model.predict`) one call at a time, and the same forward called
 from ``--concurrency`` threads at once (what the cores can do for that many callers).
-The server-side mean (the predict middleware's histogram) splits client and network
-time from server time.
+The server-side mean (the predict middleware's histogram, per phase) splits client and
+network time from server time.
 
 A floor the ratio cannot beat on this machine: with ``--concurrency`` requests always in
 flight, Little's law makes latency = concurrency / throughput, and the cores cannot
@@ -21,6 +28,9 @@ training, no HTTP). So the p50 is at least ``concurrency x bare p50 / cores``, i
 ratio to the bare forward is at least ``concurrency / cores`` (4x for 8 requests on 2
 cores) unless merging makes a request cheaper than its bare forward. The table prints
 that floor next to the measured p50.
+
+``--lengths fixed`` makes every instance 48 steps long (32 x 48 x 1 requests: no padding
+in the OIP tensor); the default draws the lognormal mix.
 
 Needs the broker (``deploy/kafka.sh up``). Run: ``python bench/predict_latency.py [--json]``.
 """
@@ -39,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -54,6 +65,8 @@ from streamtrain.model import RunningNorm, build_model, plan_predict_batches, pr
 
 BENCH = "predict_latency"
 INSTANCES = 32
+ROUTES = {"v1": "/v1/predict", "oip-json": "/v2/models/streamtrain/infer", "oip-binary": "/v2/models/streamtrain/infer"}
+HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 def lognormal_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -61,17 +74,46 @@ def lognormal_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
     return np.clip(np.round(rng.lognormal(math.log(48), 0.8, n)), 4, 512).astype(np.int64)
 
 
-def request_batches(count: int, seed: int) -> list[list[np.ndarray]]:
+def request_batches(count: int, seed: int, fixed_length: int | None = None) -> list[list[np.ndarray]]:
     """``count`` distinct requests of 32 float32 [L, 1] instances (rounded as JSON would carry them)."""
     rng = np.random.default_rng(seed)
     return [
-        [np.round(rng.standard_normal((int(n), 1)), 4).astype(np.float32) for n in lognormal_lengths(INSTANCES, rng)]
+        [np.round(rng.standard_normal((int(n), 1)), 4).astype(np.float32)
+         for n in (np.full(INSTANCES, fixed_length) if fixed_length else lognormal_lengths(INSTANCES, rng))]
         for _ in range(count)
-    ]
+    ]  # fmt: skip
 
 
-def encode(batch: Sequence[np.ndarray]) -> bytes:
-    return orjson.dumps({"instances": [{"values": a[:, 0].tolist()} for a in batch]})
+Body = tuple[bytes, dict[str, str]]
+
+
+def encode(batch: Sequence[np.ndarray]) -> Body:
+    return orjson.dumps({"instances": [{"values": a[:, 0].tolist()} for a in batch]}), {"content-type": "application/json"}
+
+
+def encode_oip(batch: Sequence[np.ndarray], binary: bool) -> Body:
+    """One padded ``values [32, longest, 1]`` tensor and ``lengths [32]``, as tritonclient sends them."""
+    lengths = np.array([len(a) for a in batch], dtype=np.int64)
+    values = np.zeros((len(batch), int(lengths.max()), 1), dtype=np.float32)
+    for i, a in enumerate(batch):
+        values[i, : len(a)] = a
+    tensors = [("values", "FP32", values), ("lengths", "INT64", lengths)]
+    if not binary:
+        body = {"inputs": [{"name": n, "datatype": t, "shape": list(a.shape), "data": a.ravel().tolist()} for n, t, a in tensors]}
+        return orjson.dumps(body), {"content-type": "application/json"}
+    header = orjson.dumps({
+        "inputs": [{"name": n, "datatype": t, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+                   for n, t, a in tensors],
+        "parameters": {"binary_data_output": True},
+    })  # fmt: skip
+    body = header + b"".join(a.tobytes() for _, _, a in tensors)
+    return body, {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+
+
+def answered_version(content: bytes, headers: httpx.Headers) -> int:
+    """The answering model version, from a /v1/predict or an OIP answer (JSON or binary)."""
+    header = content[: int(headers[HEADER_LENGTH])] if HEADER_LENGTH in headers else content
+    return int(orjson.loads(header)["model_version"])
 
 
 def percentiles(seconds: Sequence[float]) -> tuple[float, float]:
@@ -145,7 +187,7 @@ class Stack:
         return self.client.get("/v1/model").json()
 
     def server_latency(self) -> tuple[float, int]:
-        """(sum of seconds, count) of streamtrain_predict_latency_seconds."""
+        """(sum of seconds, count) of streamtrain_predict_latency_seconds (every predict route)."""
         text = self.client.get("/metrics").text
         total = float(re.search(r"^streamtrain_predict_latency_seconds_sum (\S+)$", text, re.M).group(1))
         count = int(float(re.search(r"^streamtrain_predict_latency_seconds_count (\S+)$", text, re.M).group(1)))
@@ -171,7 +213,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_latencies(port: int, bodies: list[bytes], total: int, concurrency: int) -> tuple[list[float], set[int]]:
+def http_latencies(
+    port: int, path: str, bodies: list[Body], total: int, concurrency: int
+) -> tuple[list[float], set[int]]:
     local = threading.local()
     versions: set[int] = set()
 
@@ -179,13 +223,13 @@ def http_latencies(port: int, bodies: list[bytes], total: int, concurrency: int)
         client = getattr(local, "client", None)
         if client is None:
             client = local.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        content, headers = bodies[i % len(bodies)]
         started = time.perf_counter()
-        response = client.post("/v1/predict", content=bodies[i % len(bodies)],
-                               headers={"content-type": "application/json"})
+        response = client.post(path, content=content, headers=headers)
         elapsed = time.perf_counter() - started
         if response.status_code != 200:
-            raise RuntimeError(f"/v1/predict answered {response.status_code}: {response.text[:300]}")
-        versions.add(orjson.loads(response.content)["model_version"])
+            raise RuntimeError(f"{path} answered {response.status_code}: {response.text[:300]}")
+        versions.add(answered_version(response.content, response.headers))
         return elapsed
 
     return run_concurrently(one, total, concurrency), versions
@@ -224,11 +268,23 @@ def predict_padding_share(batches: list[list[np.ndarray]], token_budget: int) ->
     return 1.0 - real / padded
 
 
+@dataclass
+class RouteRun:
+    latencies: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    server_seconds: float = 0.0
+    server_count: int = 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bootstrap", default=os.environ.get("STREAMTRAIN_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
-    parser.add_argument("--requests", type=int, default=160, help="HTTP requests measured")
+    parser.add_argument("--requests", type=int, default=160, help="HTTP requests measured per route")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating measurement phases per route")
+    parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
+    parser.add_argument("--lengths", choices=["lognormal", "fixed"], default="lognormal",
+                        help="lognormal mix (median 48) or every instance 48 steps")
     parser.add_argument("--bare-calls", type=int, default=48, help="bare forward calls per baseline")
     parser.add_argument("--stream-rate", type=float, default=200.0, help="events/s the simulator sends meanwhile")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the bare forward (the service: 1)")
@@ -238,48 +294,88 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
+    routes = [r for r in args.routes.split(",") if r]
+    unknown = set(routes) - set(ROUTES)
+    if unknown:
+        parser.error(f"--routes: unknown {sorted(unknown)}; choose from {', '.join(ROUTES)}")
 
     torch.set_num_threads(args.threads)
     settings = load_settings()
-    batches = request_batches(16, args.seed)
-    bodies = [encode(b) for b in batches]
+    batches = request_batches(16, args.seed, 48 if args.lengths == "fixed" else None)
+    bodies = {
+        "v1": [encode(b) for b in batches],
+        "oip-json": [encode_oip(b, binary=False) for b in batches],
+        "oip-binary": [encode_oip(b, binary=True) for b in batches],
+    }
 
     bare_single, _ = bare_latencies(batches, args.bare_calls, 1, settings.token_budget)
     bare_concurrent, bare_wall = bare_latencies(batches, args.bare_calls * 2, args.concurrency, settings.token_budget)
 
+    runs = {route: RouteRun() for route in routes}
+    versions: set[int] = set()
+    per_phase = max(args.concurrency, args.requests // max(1, args.rounds))
     with tempfile.TemporaryDirectory(prefix="bench-predict-") as workdir:
         stack = Stack(args.bootstrap, args.stream_rate, Path(workdir), overrides)
         try:
             stack.start()
-            http_latencies(stack.port, bodies, args.concurrency * 2, args.concurrency)  # warm-up
-            sum_before, count_before = stack.server_latency()
+            for route in routes:  # warm-up
+                http_latencies(stack.port, ROUTES[route], bodies[route], args.concurrency * 2, args.concurrency)
             step_before, started = stack.model()["training"]["live_step"], time.perf_counter()
-            latencies, versions = http_latencies(stack.port, bodies, args.requests, args.concurrency)
+            for _ in range(args.rounds):
+                for route in routes:
+                    run = runs[route]
+                    sum_before, count_before = stack.server_latency()
+                    phase_started = time.perf_counter()
+                    latencies, seen = http_latencies(stack.port, ROUTES[route], bodies[route], per_phase, args.concurrency)
+                    run.seconds += time.perf_counter() - phase_started
+                    sum_after, count_after = stack.server_latency()
+                    run.latencies += latencies
+                    run.server_seconds += sum_after - sum_before
+                    run.server_count += count_after - count_before
+                    versions |= seen
             elapsed = time.perf_counter() - started
             step_after = stack.model()["training"]["live_step"]
-            sum_after, count_after = stack.server_latency()
         finally:
             stack.stop()
 
     single_p50, single_p99 = percentiles(bare_single)
     concurrent_p50, concurrent_p99 = percentiles(bare_concurrent)
-    http_p50, http_p99 = percentiles(latencies)
-    server_mean = (sum_after - sum_before) / max(1, count_after - count_before)
-    tag = f"{BENCH}[{INSTANCES} instances, concurrency {args.concurrency}{''.join(f', {o}' for o in args.set)}]"
-    rows = [
-        Row(tag, "p50 s (HTTP while training vs bare forward)", http_p50, single_p50),
-        Row(tag, "p99 s (HTTP while training vs bare forward)", http_p99, single_p99, "<= 3x bare forward"),
-        Row(tag, f"p50 s (HTTP vs bare forward x{args.concurrency} threads)", http_p50, concurrent_p50),
-        Row(tag, f"p99 s (HTTP vs bare forward x{args.concurrency} threads)", http_p99, concurrent_p99),
-        Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {os.cpu_count()} cores)", http_p50,
-            args.concurrency * single_p50 / (os.cpu_count() or 1)),
-        Row(tag, "mean s (server side vs client side)", server_mean, float(np.mean(latencies))),
-        Row(tag, f"requests/s (HTTP vs bare forward x{args.concurrency} threads)", args.requests / elapsed,
-            len(bare_concurrent) / bare_wall),
+    cores = os.cpu_count() or 1
+    floor_p50 = args.concurrency * single_p50 / cores
+    floor_p99 = args.concurrency * single_p99 / cores
+    shape = f"{INSTANCES} x {'48' if args.lengths == 'fixed' else 'lognormal(48)'} x 1"
+    settings_tag = "".join(f", {o}" for o in args.set)
+    rows: list[Row] = []
+    p50s: dict[str, tuple[float, float]] = {}
+    for route in routes:
+        run = runs[route]
+        p50, p99 = percentiles(run.latencies)
+        p50s[route] = (p50, p99)
+        tag = f"{BENCH}[{route}, {shape}, concurrency {args.concurrency}{settings_tag}]"
+        rows += [
+            Row(tag, "p50 s (HTTP while training vs bare forward)", p50, single_p50),
+            Row(tag, "p99 s (HTTP while training vs bare forward)", p99, single_p99, "<= 3x bare forward" if route == "v1" else ""),
+            Row(tag, f"p50 s (HTTP vs bare forward x{args.concurrency} threads)", p50, concurrent_p50),
+            Row(tag, f"p99 s (HTTP vs bare forward x{args.concurrency} threads)", p99, concurrent_p99),
+            Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
+            Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
+            Row(tag, "mean s (server side vs client side)", run.server_seconds / max(1, run.server_count),
+                float(np.mean(run.latencies))),
+            Row(tag, f"requests/s (HTTP vs bare forward x{args.concurrency} threads)", len(run.latencies) / run.seconds,
+                len(bare_concurrent) / bare_wall),
+        ]  # fmt: skip
+    tag = f"{BENCH}[{shape}, concurrency {args.concurrency}{settings_tag}]"
+    if "v1" in p50s:
+        for route in ("oip-binary", "oip-json"):
+            if route in p50s:
+                target = "<= 1x /v1/predict" if route == "oip-binary" else ""
+                rows.append(Row(tag, f"p50 s ({route} vs /v1/predict)", p50s[route][0], p50s["v1"][0], target))
+                rows.append(Row(tag, f"p99 s ({route} vs /v1/predict)", p50s[route][1], p50s["v1"][1], target))
+    rows += [
         Row(tag, "pad share of predict micro-batches", predict_padding_share(batches, settings.token_budget)),
         Row(tag, "training steps/s during the load", (step_after - step_before) / elapsed),
         Row(tag, "model versions seen", len(versions)),
-    ]  # fmt: skip
+    ]
     emit(rows, args.json)
 
 

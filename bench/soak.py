@@ -8,10 +8,18 @@ writes the samples (JSON) and a PNG plot, prints a table (``--json``: one object
 line) and exits non-zero when a budget is broken: any error, RSS growth after warm-up
 over ``--max-rss-growth``, or a p99 that drifts by more than ``--max-p99-drift``.
 
-    python bench/soak.py                         # 60 s, the CI soak's settings
-    python bench/soak.py --duration-s 1800       # the 30-minute soak
+The window is the service's default, 100k events; the warm-up lasts until it is full
+(1.2 x capacity / rate, at least 20 s or 10% of the run), so memory is judged on a full
+window. ``--realistic`` runs the service with its default model, batching and passes
+(the small model otherwise keeps a short run cheap) at 5,000 events/s of median length
+48, the rate and lengths of bench/latency.py, from ``--producers`` processes.
 
-Needs the broker (``deploy/kafka.sh up``). The default run takes about 75 s.
+    python bench/soak.py                                    # ~4 min: 1,000 events/s, window filled, 2 min measured
+    python bench/soak.py --duration-s 60 --rate 200 --window-capacity 2000   # the CI soak's settings
+    python bench/soak.py --duration-s 1800                  # the 30-minute soak, 1,000 events/s
+    python bench/soak.py --duration-s 1800 --realistic      # the 30-minute soak, 5,000 events/s
+
+Needs the broker (``deploy/kafka.sh up``).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -62,8 +71,11 @@ class SoakConfig:
     predict_rps: float = 20.0
     predict_batch: int = 4
     sample_s: float = 2.0
-    window_capacity: int = 2000  # fills during warm-up, so memory can settle
+    window_capacity: int = 100_000  # the service's default; the warm-up should cover its filling
     max_len: int = 64
+    length_median: float = 24.0
+    producers: int = 1  # simulator processes (one is a thread of this process)
+    small_model: bool = True  # False: the service's default model, batching and passes
     checkpoint_interval_s: float = 5.0
     seed: int = 0
     out_dir: Path = Path("var/soak")
@@ -120,8 +132,9 @@ class _Service:
             "KAFKA_BOOTSTRAP": config.bootstrap, "TOPIC": topic, "GROUP_ID": f"g-{topic}",
             "HTTP_HOST": "127.0.0.1", "HTTP_PORT": str(self.port), "CHECKPOINT_DIR": str(workdir / "ckpt"),
             "CHECKPOINT_INTERVAL_S": str(config.checkpoint_interval_s), "WINDOW_CAPACITY": str(config.window_capacity),
-            "MAX_LEN": str(config.max_len), "HALF_LIFE_S": "600", "D_MODEL": "32", "N_HEADS": "2", "N_LAYERS": "1",
-            "TOKEN_BUDGET": "2048", "MIN_WINDOW_ITEMS": "32", "PUBLISH_INTERVAL_S": "1", "SEED": str(config.seed),
+            "MAX_LEN": str(config.max_len), "HALF_LIFE_S": "600", "SEED": str(config.seed),
+            **({"D_MODEL": "32", "N_HEADS": "2", "N_LAYERS": "1", "TOKEN_BUDGET": "2048", "MIN_WINDOW_ITEMS": "32",
+                "PUBLISH_INTERVAL_S": "1"} if config.small_model else {}),
             **config.service_env,
         }  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}
@@ -249,9 +262,11 @@ def run_soak(config: SoakConfig) -> SoakReport:
     stop_producing = threading.Event()
     simulation: dict[str, Any] = {}
     sim_config = SimulationConfig(
-        bootstrap=config.bootstrap, topic=topic, rate=config.rate, sensors=32, length_median=24, length_sigma=0.6,
-        max_len=config.max_len, process="mixed", seed=config.seed, progress_interval_s=3600,
+        bootstrap=config.bootstrap, topic=topic, rate=config.rate / config.producers, sensors=32,
+        length_median=config.length_median, length_sigma=0.6 if config.small_model else 0.8, max_len=config.max_len,
+        process="mixed", seed=config.seed, progress_interval_s=3600,
     )  # fmt: skip
+    sent_by_helpers = multiprocessing.get_context("spawn").Queue()
 
     def produce() -> None:
         try:
@@ -260,12 +275,21 @@ def run_soak(config: SoakConfig) -> SoakReport:
             simulation["error"] = f"{type(err).__name__}: {err}"
 
     producer = threading.Thread(target=produce, name="producer", daemon=True)
+    helpers = [
+        multiprocessing.get_context("spawn").Process(
+            target=_produce_in_process, args=(sim_config.model_copy(update={"seed": config.seed + i}), config.duration_s + 600, sent_by_helpers),
+            daemon=True,
+        )
+        for i in range(1, config.producers)
+    ]
     load = _PredictLoad(f"http://127.0.0.1:{service.port}", config.predict_rps, config.predict_batch, config.max_len, config.seed)
     samples: list[Sample] = []
     errors: Counter[str] = Counter()
     all_latencies: list[tuple[float, float]] = []
     try:
         producer.start()
+        for helper in helpers:
+            helper.start()
         service.wait_ready()
         load.start()
         started = time.monotonic()
@@ -309,6 +333,11 @@ def run_soak(config: SoakConfig) -> SoakReport:
         load.stop()
         stop_producing.set()
         producer.join(60)
+        for helper in helpers:
+            helper.terminate()  # SIGTERM: the helper's simulation stops, flushes and reports
+        helper_sent = sum(_drain(sent_by_helpers, len(helpers)))
+        for helper in helpers:
+            helper.join(30)
         exit_code = service.stop()
         _delete_topics(config.bootstrap, [topic, f"{topic}.dlq"])
     errors.update(load.errors)
@@ -318,7 +347,30 @@ def run_soak(config: SoakConfig) -> SoakReport:
         errors["producer_crashed"] += 1
     if exit_code not in (0, -signal.SIGTERM):  # uvicorn re-raises SIGTERM after its graceful shutdown
         errors["service_exit_code"] = 1
-    return _summarize(config, samples, dict(errors), all_latencies, report_sim.sent if report_sim else 0, out_dir, stamp)
+    sent = (report_sim.sent if report_sim else 0) + helper_sent
+    return _summarize(config, samples, dict(errors), all_latencies, sent, out_dir, stamp)
+
+
+def _produce_in_process(sim_config: SimulationConfig, limit_s: float, sent: Any) -> None:
+    """A helper producer process: simulate until SIGTERM (or ``limit_s``), then report what it sent."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Timer(limit_s, stop.set).start()
+    report = run_simulation(sim_config, stop=stop)
+    sent.put(int(report.sent))
+    sent.close()
+    sent.join_thread()  # the queue's feeder thread has written it before we leave
+    os._exit(0)  # the timer thread must not keep the process
+
+
+def _drain(queue: Any, count: int, timeout_s: float = 60.0) -> list[int]:
+    out = []
+    for _ in range(count):
+        try:
+            out.append(int(queue.get(timeout=timeout_s)))
+        except Exception:  # noqa: BLE001 - a helper that did not report counts as nothing sent
+            out.append(0)
+    return out
 
 
 def _delete_topics(bootstrap: str, topics: list[str]) -> None:
@@ -422,6 +474,8 @@ def report_rows(report: SoakReport, max_rss_growth: float, max_p99_drift: float)
         Row("soak", "p99_ms_second_half", report.p99_second_ms, report.p99_first_ms, f"drift < {max_p99_drift:g}x"),
         Row("soak", "lag_max_messages", report.lag_max),
         Row("soak", "lag_end_messages", report.lag_end),
+        Row("soak", "events/s sent vs asked", report.events_sent / report.config["duration_s"], report.config["rate"]),
+        Row("soak", "window_capacity", report.config["window_capacity"]),
         Row("soak", "events_sent", report.events_sent),
         Row("soak", "events_accepted", report.events_accepted, report.events_sent),
         Row("soak", "predict_requests", report.predicts),
@@ -444,9 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     defaults = SoakConfig()
     parser.add_argument("--bootstrap", default=os.environ.get("STREAMTRAIN_KAFKA_BOOTSTRAP", defaults.bootstrap))
-    parser.add_argument("--duration-s", type=float, default=defaults.duration_s, help="measured seconds, warm-up included")
-    parser.add_argument("--warmup-s", type=float, default=None, help="default: 20 s, or 10%% of runs over 200 s")
-    parser.add_argument("--rate", type=float, default=defaults.rate, help="events per second into Kafka")
+    parser.add_argument(
+        "--duration-s", type=float, default=None, help="measured seconds, warm-up included (default: warm-up + 120 s)"
+    )
+    parser.add_argument(
+        "--warmup-s", type=float, default=None,
+        help="default: until the window is full (1.2 x capacity / rate), at least 20 s or 10%% of the run",
+    )  # fmt: skip
+    parser.add_argument("--rate", type=float, default=None, help="events per second into Kafka (default 1000; 5000 --realistic)")
+    parser.add_argument(
+        "--realistic", action="store_true",
+        help="5,000 events/s of median length 48 into the service's default model, batching and passes",
+    )  # fmt: skip
+    parser.add_argument("--producers", type=int, default=None, help="simulator processes (default 1; 3 --realistic)")
     parser.add_argument("--predict-rps", type=float, default=defaults.predict_rps)
     parser.add_argument("--predict-batch", type=int, default=defaults.predict_batch)
     parser.add_argument("--sample-s", type=float, default=None, help="default: 2 s, or duration/300 for long runs")
@@ -456,12 +520,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-p99-drift", type=float, default=1.5, help="budget: second-half p99 / first-half p99")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    warmup = args.warmup_s if args.warmup_s is not None else (20.0 if args.duration_s <= 200 else 0.1 * args.duration_s)
+    rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)
+    producers = args.producers if args.producers is not None else (3 if args.realistic else 1)
+    fill_s = 1.2 * args.window_capacity / rate
+    if args.duration_s is None:
+        args.duration_s = (args.warmup_s if args.warmup_s is not None else max(fill_s, 20.0)) + 120.0
+    warmup = args.warmup_s if args.warmup_s is not None else max(fill_s, 20.0 if args.duration_s <= 200 else 0.1 * args.duration_s)
+    if warmup >= args.duration_s:
+        parser.error(
+            f"the warm-up ({warmup:.0f} s: the window of {args.window_capacity} fills in {fill_s:.0f} s at {rate:g}/s) "
+            f"leaves nothing to measure in {args.duration_s:g} s; run longer, or set --window-capacity or --rate"
+        )
     sample = args.sample_s if args.sample_s is not None else max(2.0, args.duration_s / 300)
     config = SoakConfig(
-        bootstrap=args.bootstrap, duration_s=args.duration_s, warmup_s=warmup, rate=args.rate,
+        bootstrap=args.bootstrap, duration_s=args.duration_s, warmup_s=warmup, rate=rate,
         predict_rps=args.predict_rps, predict_batch=args.predict_batch, sample_s=sample,
-        window_capacity=args.window_capacity, out_dir=args.out,
+        window_capacity=args.window_capacity, out_dir=args.out, producers=producers,
+        length_median=48.0 if args.realistic else defaults.length_median, small_model=not args.realistic,
+        max_len=512 if args.realistic else defaults.max_len,
     )  # fmt: skip
     report = run_soak(config)
     emit(report_rows(report, args.max_rss_growth, args.max_p99_drift), args.json)

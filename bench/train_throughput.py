@@ -5,9 +5,10 @@ initial weights, :meth:`streamtrain.train.Trainer.train_step`: norm update, loss
 backward, clipping, optimizer step) from the same window until the same number of real
 (unpadded) tokens has been trained:
 
-* ours: :class:`~streamtrain.data.WindowBatchDataset` with the service's token budget
-  (:func:`streamtrain.train.build_budget`) behind a :class:`~streamtrain.data.Prefetcher`,
-  exactly the trainer thread's pipeline;
+* ours: the trainer's own dataset (``Trainer.dataset``: bounded passes of
+  ``PASS_MAX_ITEMS``, token-budget batches of :func:`streamtrain.train.build_budget`) behind
+  a :class:`~streamtrain.data.Prefetcher` of the service's ``PREFETCH_DEPTH`` (default 1):
+  exactly the trainer thread's pipeline, with the service's default settings;
 * fixed: shuffled epochs cut into batches of a fixed size, collated with
   :func:`streamtrain.data.collate`, behind the same Prefetcher. The size is chosen so the
   *mean padded* batch holds about as many tokens as the budget (so both arms do about
@@ -17,9 +18,11 @@ The window holds lognormal lengths (median 48, sigma 0.8, clipped to 4..512: the
 bench/batching.py). The arms run interleaved in ``--segments`` segments so machine
 load hits them alike; every segment starts a fresh Prefetcher (a cold start, counted).
 Data-wait share is the time the loop blocked on the Prefetcher over wait + step time.
+The default of 800k real tokens per arm is about 100 of our steps (and ~400 fixed ones);
+the spread of our tokens/s across segments is reported so an unstable figure shows.
 
 Run: ``python bench/train_throughput.py [--tokens N] [--threads 1,2] [--json]`` (default: 1 thread,
-the service default ``torch_threads``; about 1 minute on a loaded 2-core machine).
+the service default ``TORCH_THREADS``; about 4 minutes on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
-from streamtrain.data import Batch, Prefetcher, WindowBatchDataset, collate  # noqa: E402
+from streamtrain.data import Batch, Prefetcher, collate  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.train import Trainer, build_budget  # noqa: E402
+from streamtrain.train import Trainer  # noqa: E402
 from streamtrain.window import RecencyWindow, WindowSnapshot  # noqa: E402
 
 BENCH = "train_throughput"
-PREFETCH_DEPTH = 4  # what the trainer thread uses
 
 
 def lognormal_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -115,11 +117,13 @@ class Arm:
     step_seconds: float = 0.0
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
+    segment_rates: list[float] = field(default_factory=list)
 
     def run_segment(self, until_tokens: int) -> None:
         """Train until this arm's real tokens reach ``until_tokens`` (a fresh Prefetcher)."""
-        started = time.perf_counter()
-        with Prefetcher(self.source(), depth=PREFETCH_DEPTH, name=f"bench-{self.name}") as prefetcher:
+        started, tokens_before = time.perf_counter(), self.real_tokens
+        depth = self.trainer.settings.prefetch_depth
+        with Prefetcher(self.source(), depth=depth, name=f"bench-{self.name}") as prefetcher:
             while self.real_tokens < until_tokens:
                 waited = time.perf_counter()
                 batch = next(prefetcher)
@@ -133,6 +137,7 @@ class Arm:
                 self.sequences += batch.batch_size
                 self.steps += 1
         self.wall_seconds += time.perf_counter() - started
+        self.segment_rates.append((self.real_tokens - tokens_before) / (time.perf_counter() - started))
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,12 +159,9 @@ def warm_up(trainer: Trainer, batch: Batch, steps: int = 2) -> None:
 
 def measure(settings: Settings, window: RecencyWindow, tokens: int, segments: int, seed: int) -> tuple[Arm, Arm, int]:
     snapshot = window.snapshot()
-    budget = build_budget(settings)
     batch_size = fixed_batch_size(snapshot.lengths, settings.token_budget, seed)
-    dataset = WindowBatchDataset(
-        window.snapshot, budget, pool_size=settings.pool_size, shuffle=settings.shuffle, seed=settings.seed
-    )
-    ours = Arm("ours", Trainer(settings, window, Metrics()), lambda: dataset)
+    trainer = Trainer(settings, window, Metrics())
+    ours = Arm("ours", trainer, lambda: trainer.dataset)  # the trainer thread's own pipeline
     fixed_seed = iter(range(seed, seed + 10_000))
     fixed = Arm(
         "fixed",
@@ -167,7 +169,7 @@ def measure(settings: Settings, window: RecencyWindow, tokens: int, segments: in
         lambda: fixed_random_batches(snapshot, batch_size, next(fixed_seed)),
     )
     # Allocator and kernel warm-up on a batch of each shape family, outside the timing.
-    warm_up(ours.trainer, next(iter(dataset)))
+    warm_up(ours.trainer, next(iter(trainer.dataset)))
     warm_up(fixed.trainer, next(fixed_random_batches(snapshot, batch_size, seed)))
     for segment in range(1, segments + 1):
         goal = tokens * segment // segments
@@ -178,7 +180,9 @@ def measure(settings: Settings, window: RecencyWindow, tokens: int, segments: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=100_000, help="real tokens each arm trains (per thread count)")
+    parser.add_argument(
+        "--tokens", type=int, default=800_000, help="real tokens each arm trains (per thread count; ~100 steps of ours)"
+    )
     parser.add_argument("--threads", default="1", help="torch intra-op thread counts, comma separated (e.g. 1,2)")
     parser.add_argument("--items", type=int, default=20_000, help="window size")
     parser.add_argument("--segments", type=int, default=4, help="interleaved segments per arm")
@@ -202,6 +206,9 @@ def main() -> None:
                 fixed.padded_tokens / fixed.steps),
             Row(tag, "sequences/step (ours vs fixed)", ours.sequences / ours.steps, fixed.sequences / fixed.steps),
             Row(tag, f"steps (fixed batch size {batch_size})", ours.steps, fixed.steps),
+            Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates)),
+            Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
+            Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),
             Row(tag, "real tokens trained (ours vs fixed)", ours.real_tokens, fixed.real_tokens),
         ]  # fmt: skip
     emit(rows, args.json)

@@ -4,7 +4,7 @@ Targets:
 
 * ``decoder``: arbitrary bytes, cut into a poll batch of several messages, through
   :func:`streamtrain.events.decode_batch`. It must never raise; every message must come
-  out as exactly one event or exactly one rejection with a SPEC reason; the batch path
+  out as exactly one event or exactly one rejection with a reason of docs/contract.md; the batch path
   must agree with decoding each message alone; accepted readings are finite float32 of
   the configured shape.
 * ``predict``: arbitrary bytes as a /v1/predict body, through the same JSON parse and

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from streamtrain import __version__
@@ -48,9 +49,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     public = settings.public_dict()
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
+    from streamtrain.service import IncompatibleCheckpoint
+
     try:
-        service.start()
-    except ValueError as err:  # a checkpoint or DP admission record it must not resume from
+        service.start()  # restores the newest checkpoint (and the DP admission record) before any thread starts
+    except (IncompatibleCheckpoint, ValueError) as err:  # incl. a DP admission record it must not resume from
         print(f"streamtrain: {err}", file=sys.stderr)
         service.stop(final_checkpoint=False)
         return 2
@@ -69,6 +72,81 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("shutting down: final checkpoint")
         service.stop(final_checkpoint=True)
     return 0
+
+
+EXPORT_FORMATS = ("triton-pytorch", "triton-onnx", "onnx", "exported-program")
+
+
+def _export(args: argparse.Namespace) -> int:
+    import os
+
+    from streamtrain.export import (
+        ExportError,
+        bundle_from_checkpoint,
+        describe,
+        export_onnx,
+        export_program,
+        fetch_bundle,
+        write_triton_repository,
+    )
+
+    try:
+        if args.url is not None:
+            token = os.environ.get(f"{ENV_PREFIX}ADMIN_TOKEN", "")
+            if args.admin_token_file is not None:
+                token = Path(args.admin_token_file).read_text(encoding="utf-8").strip()
+            if not token:
+                raise ExportError(
+                    f"--url needs the service's admin token: set {ENV_PREFIX}ADMIN_TOKEN or pass --admin-token-file"
+                )
+            bundle = fetch_bundle(args.url, args.version or "serving", token)
+        else:
+            settings = load_settings(args.config)
+            bundle = bundle_from_checkpoint(args.checkpoint_dir or settings.checkpoint_dir, settings)
+            if args.version not in (None, "serving", str(bundle.version)):
+                raise ExportError(
+                    f"the newest checkpoint holds version {bundle.version}, not {args.version}; "
+                    "export other kept versions from the running service (--url)"
+                )
+        out = Path(args.out)
+        if args.format == "triton-pytorch":
+            written = write_triton_repository(bundle, out, "pytorch")
+        elif args.format == "triton-onnx":
+            written = write_triton_repository(bundle, out, "onnxruntime")
+        elif args.format == "onnx":
+            written = export_onnx(bundle, out)
+        else:
+            written = export_program(bundle, out)
+    except (ExportError, SettingsError, OSError) as err:
+        print(f"streamtrain export: {err}", file=sys.stderr)
+        return 2
+    print(f"streamtrain export: wrote {args.format} of {describe(bundle)} to {written}")
+    return 0
+
+
+def _add_export(commands: Any) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write a published model as a Triton model repository, an ONNX file or an ExportedProgram",
+        description=(
+            "Export one published model version, from a running service (--url; its admin route, "
+            f"token from {ENV_PREFIX}ADMIN_TOKEN or --admin-token-file) or from the newest checkpoint "
+            "(--checkpoint-dir). Formats: triton-pytorch (OUT/streamtrain/config.pbtxt + "
+            "OUT/streamtrain/<version>/model.pt, TorchScript), triton-onnx (the same with model.onnx), "
+            "onnx (one file OUT), exported-program (torch.export, one file OUT). Every format takes "
+            "values [batch, length, channels] float32 and lengths [batch] int64 and answers next, "
+            "anomaly_score (and probs), normalization included."
+        ),
+    )
+    source = export.add_mutually_exclusive_group()
+    source.add_argument("--url", help="a running service, e.g. http://localhost:8000")
+    source.add_argument("--checkpoint-dir", metavar="DIR", help="a checkpoint directory (default: CHECKPOINT_DIR)")
+    export.add_argument("--version", help="a kept version number or 'serving' (default: serving)")
+    export.add_argument("--admin-token-file", metavar="FILE", help="file holding the admin token (with --url)")
+    export.add_argument("--config", metavar="FILE", help="TOML settings (with a DP checkpoint: the public norm)")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="triton-onnx", help="default: triton-onnx")
+    export.add_argument("--out", required=True, help="repository directory (triton-*) or file (onnx, exported-program)")
+    export.set_defaults(func=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     from streamtrain.simulate import add_cli as add_simulate
 
     add_simulate(commands)
+    _add_export(commands)
     return parser
 
 

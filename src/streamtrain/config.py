@@ -29,7 +29,7 @@ class SettingsError(ValueError):
 
 
 class Settings(BaseSettings):
-    """The outside contract's settings (SPEC section 4) plus tuning knobs."""
+    """The outside contract's settings (docs/contract.md, section 4) plus tuning knobs."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -50,9 +50,21 @@ class Settings(BaseSettings):
         description="Static group membership: a stable id per replica (e.g. the pod name); a restarted replica gets its partitions back at once instead of after the 45 s session timeout",
     )
     topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
+    topic_replication_factor: int | None = Field(
+        None, ge=1, le=32767, description="Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's default.replication.factor"
+    )
     poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
     max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
     decode_workers: int = Field(1, ge=0, le=64, description="Processes that decode poll batches (0 = ingest thread)")
+    ingest_stall_timeout_s: float = Field(
+        15.0, ge=1.0, le=3600.0, description="The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it"
+    )
+    dlq_send_attempts: int = Field(
+        5, ge=1, le=1000, description="Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes instead (at once when the .dlq refuses the record itself)"
+    )
+    dlq_stand_in_bytes: int = Field(
+        1024, ge=0, le=1 << 20, description="Bytes of the original value (and key) a dead-letter stand-in keeps"
+    )
 
     # --- HTTP ----------------------------------------------------------------------------
     http_host: str = Field("0.0.0.0", description="HTTP bind address")
@@ -88,6 +100,19 @@ class Settings(BaseSettings):
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
     )
+    sampling: Literal["uniform", "sensor_balanced", "stratified", "curriculum"] = Field(
+        "uniform",
+        description="Which items a bounded pass replays: uniform, sensor_balanced (per-sensor quotas), stratified (label mix of the window in every batch) or curriculum (short items first, annealed)",
+    )
+    sensor_temperature: float = Field(
+        2.0, gt=0, description="sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal shares"
+    )
+    curriculum_strength: float = Field(
+        3.0, ge=0, allow_inf_nan=False, description="curriculum: initial bias beta against long items, weights exp(-beta * length rank in [0, 1])"
+    )
+    curriculum_half_life_steps: float = Field(
+        500.0, gt=0, description="curriculum: training steps over which beta halves (inf = never anneal)"
+    )
     shuffle: Literal["seeded", "crypto"] = Field("seeded", description="seeded (reproducible) or crypto (OS CSPRNG)")
     seed: int = Field(0, ge=0, description="Base seed for seeded mode")
 
@@ -104,13 +129,49 @@ class Settings(BaseSettings):
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
     )
-    torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for training")
+    torch_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY predict forwards",
+    )
     train_nice: int = Field(
         10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
     )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
     )
+
+    # --- Learning quality ----------------------------------------------------------------------
+    quality_max_events_per_s: float = Field(
+        100.0, ge=0, description="Events a second the serving model scores before training on them (a random sample beyond); 0 = prequential scoring off"
+    )
+    quality_half_life_events: float = Field(
+        2000.0, gt=0, description="Half-life, in scored events, of the fading prequential averages in /v1/model quality"
+    )
+    drift_detector: Literal["adwin", "page_hinkley", "off"] = Field(
+        "adwin", description="River drift detector on the prequential error: adwin, page_hinkley or off"
+    )
+    drift_adwin_delta: float = Field(0.002, gt=0, lt=1, description="ADWIN confidence delta (smaller: fewer, surer detections)")
+    drift_ph_threshold: float = Field(
+        100.0, gt=0, description="Page-Hinkley threshold on the cumulative change of the error relative to its earlier level"
+    )
+    drift_reaction: Literal["none", "reset_optimizer"] = Field(
+        "none", description="What a detected drift does to training: none, or reset_optimizer (clear AdamW's moments)"
+    )
+    holdout_share: float = Field(
+        0.0, ge=0, description="Share of fresh events kept out of training to gate publishing (0 = gate off); must be below 1; refused with DP=on"
+    )
+    holdout_capacity: int = Field(256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores")
+    holdout_min_events: int = Field(32, ge=1, description="Held-out events needed before the gate can hold a candidate back")
+    publish_gate_tolerance: float = Field(
+        0.05, ge=0, description="A candidate is held back when its holdout MSE exceeds (1 + this) x the serving model's"
+    )
+    auto_rollback: bool = Field(
+        True, description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN"
+    )
+    rollback_min_events: int = Field(100, ge=1, description="Scored events each version needs before an automatic rollback")
+    rollback_margin: float = Field(0.1, ge=0, description="Skill drop (1 - mse/naive units) that triggers an automatic rollback")
 
     # --- Checkpoints ---------------------------------------------------------------------------
     checkpoint_dir: Path = Field(Path("var/checkpoints"), description="Where checkpoints go")
@@ -162,11 +223,18 @@ class Settings(BaseSettings):
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_path))
         return tuple(sources)
 
-    @field_validator("half_life_s", mode="before")
+    @field_validator("half_life_s", "sensor_temperature", "curriculum_half_life_steps", mode="before")
     @classmethod
     def _half_life_accepts_inf(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
             return math.inf
+        return value
+
+    @field_validator("holdout_share")
+    @classmethod
+    def _holdout_leaves_training_data(cls, value: float) -> float:
+        if value >= 1:
+            raise ValueError("must be below 1: a share of 1 or more would train on nothing; use e.g. 0.02, or 0 for no gate")
         return value
 
     @field_validator("kafka_bootstrap")
@@ -182,11 +250,27 @@ class Settings(BaseSettings):
     def _cross_field_rules(self) -> Settings:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.sampling == "stratified" and self.n_classes == 0:
+            raise ValueError(
+                "sampling=stratified balances label classes but n_classes=0 (no labels): "
+                "set STREAMTRAIN_N_CLASSES or choose another STREAMTRAIN_SAMPLING"
+            )
+        if self.sampling in ("sensor_balanced", "curriculum") and self.pass_max_items == 0:
+            raise ValueError(
+                f"sampling={self.sampling} chooses which items a pass takes, but pass_max_items=0 passes over "
+                "the whole window (every item once, whatever the policy): set STREAMTRAIN_PASS_MAX_ITEMS > 0"
+            )
+        if self.dp == "on" and self.sampling != "uniform":
+            raise ValueError(
+                f"sampling={self.sampling} does not apply in DP mode (DP-SGD samples events by Poisson on its "
+                "public clock, as its accounting assumes): set STREAMTRAIN_SAMPLING=uniform"
+            )
+        if self.dp == "on" and self.holdout_share > 0:
+            raise ValueError(
+                f"holdout_share ({self.holdout_share}) must be 0 with dp=on: the publish gate scores private events "
+                "outside the DP guarantee; set HOLDOUT_SHARE=0 (docs/privacy.md)"
+            )
         return self
-
-    @property
-    def uniform_window(self) -> bool:
-        return math.isinf(self.half_life_s)
 
     @property
     def dlq_topic(self) -> str:
@@ -233,4 +317,6 @@ def _one_line(exc: ValidationError) -> str:
     shown = "" if isinstance(given, dict) or given is None else ("=***" if secret else f"={given!r}")
     env = f" ({ENV_PREFIX}{name.upper()})" if name != "settings" else ""
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    if name == "settings":  # a rule across settings: the message names them
+        return f"invalid settings: {err['msg'].removeprefix('Value error, ')}{more}"
     return f"invalid setting {name}{env}{shown}: {err['msg']}{more}"

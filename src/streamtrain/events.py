@@ -20,7 +20,7 @@ import orjson
 NO_LABEL: Final = -1
 MAX_SENSOR_ID_CHARS: Final = 128
 
-#: Every rejection reason of SPEC section 1, in the order the checks run.
+#: Every rejection reason of docs/contract.md, section 1, in the order the checks run.
 REASONS: Final = (
     "too_large",
     "decode",
@@ -133,7 +133,7 @@ class EventBatch:
 
 
 class EventError(ValueError):
-    """A rule was broken; carries the SPEC reason code and a human-readable detail."""
+    """A rule was broken; carries the reason code (docs/contract.md) and a human-readable detail."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")

@@ -1,14 +1,23 @@
-"""Kafka ingest: consumer thread, validation, dead letters, offsets the window covers.
+"""Kafka ingest: consumer thread, liveness watchdog, offsets the window covers.
 
 One thread owns the kafka-python consumer (it is not thread-safe) and does everything
-that touches it: poll, seek, commit, lag. Other threads talk to it through
-:meth:`Ingestor.request_commit`. Rebalance callbacks run on kafka-python's IO thread,
-where blocking consumer calls raise; they only call the local, non-blocking ``seek``.
+that touches it: poll, seek, commit, lag, the watchdog's probes. Other threads talk to it
+through :meth:`Ingestor.request_commit`. Rebalance callbacks run on kafka-python's IO
+thread, where blocking consumer calls raise; they only call the local, non-blocking ``seek``.
 
 Offsets: the window stores, under its own lock, the next offset per partition that its
 state covers. A checkpoint saves that state; on restart each partition is sought to the
 stored offset, so the window is exactly-once with respect to the topic. Offsets are
-committed to the consumer group only after a checkpoint made them durable.
+committed to the consumer group only after a checkpoint made them durable, and a
+checkpoint waits for the dead letters of the offsets it covers (``dead_letters.py``).
+A partition revoked from this member keeps its offset in the window: should it come back
+(the other member left), it resumes where this window stopped, so the window never holds
+a message twice; commits only ever name partitions this member owns.
+
+Liveness: the consumer comes from a factory (:func:`subscribed_consumer` joins the
+consumer group), with :func:`keep_rejoin_pending` installed against a lost-rejoin bug of
+kafka-python 3.0.12; the watchdog (``watchdog.py``) judges it after every poll, and an
+overdue stall closes it and opens a new one that resumes from the window's offsets.
 """
 
 from __future__ import annotations
@@ -28,16 +37,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from streamtrain.config import Settings
+from streamtrain.dead_letters import DeadLetterOutbox
 from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
 from streamtrain.metrics import Metrics
+from streamtrain.topics import TopicLimits, ensure_topics, forbid_topic_auto_creation, prepare_topics
+from streamtrain.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.window import RecencyWindow
+
+__all__ = ["ConsumerFactory", "Ingestor", "ensure_topics", "keep_rejoin_pending", "open_consumer", "subscribed_consumer"]
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +59,107 @@ _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 # 30 s request timeout when the broker goes away: commits are best effort, the
 # checkpoint's offsets are authoritative.
 _COMMIT_TIMEOUT_MS = 3000
+_END_OFFSETS_TIMEOUT_MS = 2000
+_FETCH_FLOOR_BYTES = 1 << 20
 
 
-def ensure_topics(bootstrap: str, topics: Mapping[str, int], timeout_s: float = 10.0) -> None:
-    """Create missing topics (name -> partitions); existing ones are left alone."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000))
+# ---------------------------------------------------------------------- the consumer
+def fetch_bytes(settings: Settings) -> int:
+    """``max_partition_fetch_bytes``: one accepted message (Kafka's default, 1 MiB, for the
+    default limit). Larger records still come whole (a fetch always returns its first
+    record batch, KIP-74), so anything the topic holds can be read; a small share per
+    partition keeps partitions taking turns within seconds while a backlog drains."""
+    return max(_FETCH_FLOOR_BYTES, settings.max_message_bytes)
+
+
+def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
+    """Keep a group rejoin that kafka-python has started pending until it completes.
+
+    The root cause of ingest stalling for good after the service created its topic
+    (kafka-python 3.0.12, ``ConsumerCoordinator``): when the topic's metadata changes
+    after the leader's assignment (a just-created topic's partitions show up, partitions
+    are added), ``need_rejoin()`` turns true only through a snapshot comparison, not the
+    ``rejoin_needed`` flag. ``poll()`` then revokes the partitions, starts JoinGroup as a
+    task, and gives up waiting when its own timer runs out, leaving the task in flight.
+    That task's assignment step (``_perform_assignment``) sets the assignment snapshot to
+    the current metadata, so the next ``poll()`` finds ``need_rejoin()`` false, never
+    awaits the task and never applies its assignment: the member stays ``REBALANCING``
+    with its partitions revoked and heartbeats off, every poll fetches nothing, and the
+    broker expires it at the session timeout. The Java client closed the same hole by
+    setting ``rejoinNeeded`` when the metadata check fires (KAFKA-9815); this does the
+    same: once ``need_rejoin()`` says yes, it stays yes until a join completes (which
+    clears the flag). tests/integration/test_liveness.py reproduces the bug and the fix.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or not callable(getattr(coordinator, "request_rejoin", None)):
+        raise RuntimeError("kafka-python's coordinator changed: re-check streamtrain.ingest.keep_rejoin_pending")
+    decide = coordinator.need_rejoin
+
+    def need_rejoin() -> bool:
+        needed = bool(decide())
+        if needed:
+            coordinator.request_rejoin()
+        return needed
+
+    coordinator.need_rejoin = need_rejoin
+
+
+def open_consumer(settings: Settings) -> KafkaConsumer:
+    """A consumer configured for the service (not yet subscribed or assigned)."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.kafka_bootstrap,
+        group_id=settings.group_id,
+        # Static membership (KIP-345): a replica that comes back under the same id
+        # takes over its old member at once; without it, a crashed member holds its
+        # partitions until the session times out.
+        group_instance_id=settings.group_instance_id,
+        client_id="streamtrain-ingest",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=settings.poll_max_records,
+        max_partition_fetch_bytes=fetch_bytes(settings),
+        fetch_max_bytes=64 << 20,
+        reconnect_backoff_max_ms=2000,
+        request_timeout_ms=30000,
+        metadata_max_age_ms=10000,  # added partitions show up within 10 s, not 5 min
+    )
+    forbid_topic_auto_creation(consumer)  # the service creates its topic, with its settings
+    keep_rejoin_pending(consumer)
+    return consumer
+
+
+def subscribed_consumer(settings: Settings, listener: ConsumerRebalanceListener) -> KafkaConsumer:
+    """The default :data:`ConsumerFactory`: join the consumer group, which assigns partitions."""
+    consumer = open_consumer(settings)
     try:
-        existing = set(admin.list_topics())
-        wanted = [NewTopic(name, num_partitions=p, replication_factor=1) for name, p in topics.items() if name not in existing]
-        if wanted:
-            try:
-                admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
-            except TopicAlreadyExistsError:
-                pass
-    finally:
-        admin.close()
+        # A just-created topic can be missing from the first metadata; subscribing then
+        # assigns nothing until a metadata refresh (the rejoin that follows is safe now).
+        deadline = time.monotonic() + 15.0
+        while not consumer.partitions_for_topic(settings.topic) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        consumer.subscribe([settings.topic], listener=listener)
+    except BaseException:
+        consumer.close(autocommit=False, timeout_ms=2000)
+        raise
+    return consumer
+
+
+#: Opens a consumer that owns its partitions (subscribed, or assigned by hand) and calls
+#: ``listener.on_partitions_assigned`` for them, so they resume from the window's offsets.
+ConsumerFactory = Callable[[Settings, ConsumerRebalanceListener], KafkaConsumer]
+
+
+class IngestStalled(Exception):
+    """The watchdog found the consumer stalled for too long."""
+
+    def __init__(self, stall: Stall) -> None:
+        super().__init__(f"{stall.reason}: {stall.detail}")
+        self.stall = stall
 
 
 @dataclass
 class IngestStats:
-    """Counters for ``GET /v1/window`` (the window adds its own)."""
+    """What this process consumed since it started (``GET /v1/window`` reports the window's ledger)."""
 
     seen_total: int = 0
     accepted_total: int = 0
@@ -84,6 +178,7 @@ class _SeekOnAssign(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         partitions = sorted(tp.partition for tp in revoked)
+        self._ingestor.assigned = self._ingestor.assigned - set(partitions)
         log.info("partitions revoked: %s", partitions)
         if self._ingestor.on_revoked is not None and partitions:
             self._ingestor.on_revoked(partitions)
@@ -96,6 +191,7 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
                 consumer.seek(tp, stored[tp.partition])
+        self._ingestor.assigned = frozenset(tp.partition for tp in assigned)
         log.info(
             "partitions assigned: %s (resuming from stored offsets for %s)",
             sorted(tp.partition for tp in assigned),
@@ -144,6 +240,10 @@ class Decoder:
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
 
+    def start(self, limits: EventLimits) -> None:
+        """Start the worker now (a spawned process takes seconds to import), not at the first batch."""
+        self.submit([], limits, 0.0, [], [])
+
     def submit(self, *args: Any) -> Future[DecodedBatch] | None:
         if self.workers <= 0:
             return None
@@ -179,7 +279,8 @@ class Decoder:
 
 
 class Ingestor:
-    """Consumes the topic into the window on a thread of its own; never crashes on input."""
+    """Consumes the topic into the window on a thread of its own; never crashes on input,
+    never stops for good: the watchdog recreates a stalled consumer."""
 
     def __init__(
         self,
@@ -190,35 +291,50 @@ class Ingestor:
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
         on_assigned: Callable[[list[int]], None] | None = None,
         on_revoked: Callable[[list[int]], None] | None = None,
+        before_insert: Callable[[EventBatch], EventBatch] | None = None,
         clock: Callable[[], float] = time.time,
+        consumer_factory: ConsumerFactory = subscribed_consumer,
+        dead_letters: DeadLetterOutbox | None = None,
     ) -> None:
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
         # DP mode: partitions arriving and leaving (IO thread: local work only, no consumer calls)
         self.on_assigned = on_assigned
         self.on_revoked = on_revoked
+        # Test-then-train: the serving model scores a batch before the window (and so the
+        # trainer) can see it; returns the events the window gets (held-out ones stay out).
+        self.before_insert = before_insert
         self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics
         self.limits = EventLimits.from_settings(settings)
         self.stats = IngestStats()
+        self.dead_letters = dead_letters or DeadLetterOutbox(settings, metrics)
+        self.watchdog = IngestWatchdog(settings.ingest_stall_timeout_s)
+        self.restarts: TallyCounter[str] = TallyCounter()
+        self.topic_limits: TopicLimits | None = None
+        self.assigned: frozenset[int] = frozenset()  # partitions the consumer owns now
+        self._consumer_factory = consumer_factory
         self._decoder = Decoder(settings.decode_workers)
         self._clock = clock
         self._consumer: KafkaConsumer | None = None
-        self._producer: KafkaProducer | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._commits: queue.Queue[tuple[dict[int, int], threading.Event]] = queue.Queue()
-        self._dlq_failures = 0
-        self._dlq_lock = threading.Lock()
         self._connected = False
         self._polled: dict[int, int] = {}  # next offset per partition of every polled batch
         self._reported_evicted = 0
         self._last_gauges = 0.0
+        self._last_end_probe = 0.0
+        self._started_at = time.monotonic()
+        self._last_record_at: float | None = None  # monotonic
+        self._last_restart: tuple[str, float] | None = None  # reason, monotonic time
         self.last_error: str | None = None
+        metrics.ingest_last_record_age.set_function(self._record_age_or_uptime)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self.dead_letters.start()
         self._thread = threading.Thread(target=self._run, name="ingest", daemon=True)
         self._thread.start()
 
@@ -226,6 +342,7 @@ class Ingestor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.dead_letters.close(timeout)
 
     @property
     def connected(self) -> bool:
@@ -237,19 +354,14 @@ class Ingestor:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ called from other threads
-    def flush_dead_letters(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every dead letter sent so far is acknowledged; False if any failed."""
-        producer = self._producer
-        if producer is None:
-            return True
-        try:
-            producer.flush(timeout=timeout_s)
-        except KafkaError as err:
-            log.warning("dead-letter flush failed: %s", err)
-            return False
-        with self._dlq_lock:
-            failed, self._dlq_failures = self._dlq_failures, 0
-        return failed == 0
+    def dead_letter_mark(self) -> int:
+        """Taken with the window state (under ``apply_lock``): the dead letters it covers."""
+        return self.dead_letters.mark()
+
+    def flush_dead_letters(self, timeout_s: float = 10.0, upto: int | None = None) -> bool:
+        """Wait until every dead letter up to the mark ``upto`` (None: all so far) is
+        acknowledged by Kafka; False (and they stay pending, retried) if not in time."""
+        return self.dead_letters.wait_acknowledged(upto, timeout_s)
 
     def request_commit(self, offsets: Mapping[int, int], timeout_s: float = 10.0) -> bool:
         """Ask the consumer thread to commit ``offsets`` to the group; True once done."""
@@ -259,62 +371,73 @@ class Ingestor:
         self._commits.put((dict(offsets), done))
         return done.wait(timeout_s)
 
+    @property
+    def last_record_age_s(self) -> float | None:
+        """Seconds since the consumer last read a record; None before the first."""
+        at = self._last_record_at
+        return None if at is None else time.monotonic() - at
+
+    def _record_age_or_uptime(self) -> float:
+        at = self._last_record_at
+        return time.monotonic() - (self._started_at if at is None else at)
+
+    def stall_report(self) -> str | None:
+        """What ``/readyz`` says while ingest is stalled (None when it is not, or not yet long)."""
+        stall = self.watchdog.current
+        if not self.connected or not self.watchdog.reportable(stall):
+            return None
+        assert stall is not None
+        age = stall.age(time.monotonic())
+        report = f"{stall.reason}: {stall.detail}; for {age:.0f} s"
+        if self.restarts:
+            last_reason, at = self._last_restart or ("?", time.monotonic())
+            report += f"; consumer recreated {sum(self.restarts.values())} times, last for {last_reason} {time.monotonic() - at:.0f} s ago"
+        else:
+            report += f"; the watchdog recreates the consumer after {self.settings.ingest_stall_timeout_s:g} s"
+        return report
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         attempt = 0
+        self._decoder.start(self.limits)  # imports while the topics are prepared and the group is joined
         while not self._stop.is_set():
             try:
                 self._connect()
                 attempt = 0
                 self._consume()
+            except IngestStalled as stalled:
+                self._restarted(stalled.stall.reason)
+                log.warning(
+                    "ingest stalled: %s; recreating the consumer (it resumes from the window's offsets)", stalled
+                )
+                self._close_consumer()
             except Exception as err:  # noqa: BLE001 - the ingest thread must survive anything
                 self._connected = False
                 self.metrics.kafka_connected.set(0)
                 self.last_error = f"{type(err).__name__}: {err}"
                 delay = _RETRY_BACKOFF_S[min(attempt, len(_RETRY_BACKOFF_S) - 1)]
                 attempt += 1
+                if self._consumer is not None:  # it had a consumer: this is a restart
+                    self._restarted("error")
                 log.warning("kafka ingest error (%s); retrying in %.1fs", self.last_error, delay)
-                self._close_clients()
+                self._close_consumer()
                 self._stop.wait(delay)
-        self._close_clients()
+        self._close_consumer()
         self._decoder.close()
+
+    def _restarted(self, reason: str) -> None:
+        self.restarts[reason] += 1
+        self._last_restart = (reason, time.monotonic())
+        self.metrics.ingest_restarts.labels(reason).inc()
 
     def _connect(self) -> None:
         s = self.settings
         self._polled = {}  # what an earlier consumer polled is in the window by now
-        ensure_topics(s.kafka_bootstrap, {s.topic: s.topic_partitions, s.dlq_topic: s.topic_partitions})
-        self._producer = KafkaProducer(
-            bootstrap_servers=s.kafka_bootstrap,
-            acks="all",
-            linger_ms=20,
-            retries=2147483647,
-            max_request_size=max(s.max_message_bytes + 65536, 1 << 20),
-            client_id="streamtrain-dlq",
-        )
-        consumer = KafkaConsumer(
-            bootstrap_servers=s.kafka_bootstrap,
-            group_id=s.group_id,
-            # Static membership (KIP-345): a replica that comes back under the same id
-            # takes over its old member at once; without it, a crashed member holds its
-            # partitions until the session times out.
-            group_instance_id=s.group_instance_id,
-            client_id="streamtrain-ingest",
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            max_poll_records=s.poll_max_records,
-            max_partition_fetch_bytes=max(8 << 20, s.max_message_bytes + 65536),
-            fetch_max_bytes=64 << 20,
-            reconnect_backoff_max_ms=2000,
-            request_timeout_ms=30000,
-            metadata_max_age_ms=30000,  # a topic's partitions show up within 30 s, not 5 min
-        )
-        self._consumer = consumer
-        # A just-created topic can be missing from the first metadata; subscribing then
-        # would assign nothing until the next metadata refresh.
-        deadline = time.monotonic() + 15.0
-        while not consumer.partitions_for_topic(s.topic) and time.monotonic() < deadline and not self._stop.is_set():
-            self._stop.wait(0.2)
-        consumer.subscribe([s.topic], listener=_SeekOnAssign(self))
+        self.topic_limits = prepare_topics(s)
+        self.dead_letters.configure(self.topic_limits.source_max_message_bytes, fetch_bytes(s))
+        self._consumer = self._consumer_factory(s, _SeekOnAssign(self))
+        self.watchdog.reset()
+        self._last_end_probe = 0.0
         log.info("ingest connected to %s, topic %s, group %s", s.kafka_bootstrap, s.topic, s.group_id)
 
     def _consume(self) -> None:
@@ -329,12 +452,14 @@ class Ingestor:
                 self._connected = self._broker_connected(consumer)
                 self.metrics.kafka_connected.set(1 if self._connected else 0)
                 if records:
+                    self._last_record_at = time.monotonic()
                     in_flight.append(self._submit(records))
                 # Apply finished batches in poll order; wait only when the pipeline is full or idle.
                 while in_flight and (in_flight[0].done() or len(in_flight) > 1 or not records):
                     self._apply(in_flight.popleft())
                 self._serve_commits(consumer)
                 self._update_gauges(consumer)
+                self._check_liveness(consumer)
         finally:
             while in_flight:  # what was polled is applied, so the window's offsets stay exact
                 self._apply(in_flight.popleft())
@@ -365,19 +490,28 @@ class Ingestor:
         return _PendingBatch(messages, next_offsets, future, args)
 
     def _apply(self, pending: _PendingBatch) -> None:
-        """Dead-letter, insert and count one decoded poll batch; the window records its offsets."""
+        """Dead-letter, insert and count one decoded poll batch; the window records its offsets.
+
+        Dead letters are queued before the window takes the batch's offsets, so a
+        checkpoint's mark (taken under ``apply_lock``) covers every one of them.
+        """
         decoded = self._decoder.result(pending.future, pending.args)
         messages = pending.messages
         for position, rejection in decoded.rejections:
-            self._dead_letter(messages[position], rejection.reason)
+            assert rejection.reason in REASONS
+            self.dead_letters.submit(messages[position], rejection.reason)
+        reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         with self.apply_lock:
-            if len(decoded.events):
-                self.window.insert_batch(decoded.events, pending.next_offsets)
+            to_window = decoded.events
+            if self.before_insert is not None and len(to_window):
+                to_window = self.before_insert(to_window)
+            held_out = len(decoded.events) - len(to_window)
+            if len(to_window):
+                self.window.insert_batch(to_window, pending.next_offsets, rejected=reasons, held_out=held_out)
             else:
-                self.window.advance_offsets(pending.next_offsets)
+                self.window.advance_offsets(pending.next_offsets, rejected=reasons, held_out=held_out)
             if self.on_events is not None:
                 self.on_events(decoded.events, pending.next_offsets)
-        reasons = TallyCounter(r.reason for _, r in decoded.rejections)
         self.stats.seen_total += len(messages)
         self.stats.accepted_total += len(decoded.events)
         self.stats.rejected.update(reasons)
@@ -385,28 +519,6 @@ class Ingestor:
         self.metrics.events_accepted.inc(len(decoded.events))
         for reason, count in reasons.items():
             self.metrics.events_rejected.labels(reason).inc(count)
-
-    def _process(self, records: Mapping[TopicPartition, list[Any]]) -> None:
-        """Decode and apply one poll batch at once (no pipelining)."""
-        self._apply(self._submit(records))
-
-    def _dead_letter(self, message: Any, reason: str) -> None:
-        """Forward the raw message unchanged to ``<topic>.dlq`` with the four headers."""
-        assert self._producer is not None and reason in REASONS
-        headers = [
-            ("reason", reason.encode()),
-            ("source_topic", message.topic.encode()),
-            ("source_partition", str(message.partition).encode()),
-            ("source_offset", str(message.offset).encode()),
-        ]
-        future = self._producer.send(self.settings.dlq_topic, key=message.key, value=message.value, headers=headers)
-        future.add_errback(self._on_dead_letter_failed)
-
-    def _on_dead_letter_failed(self, err: Exception) -> None:
-        log.warning("dead-letter send failed: %s", err)
-        self.metrics.dead_letters_failed.inc()
-        with self._dlq_lock:
-            self._dlq_failures += 1
 
     def _serve_commits(self, consumer: KafkaConsumer) -> None:
         while True:
@@ -426,9 +538,53 @@ class Ingestor:
             finally:
                 done.set()
 
+    # ------------------------------------------------------------------ liveness
+    def _check_liveness(self, consumer: KafkaConsumer) -> None:
+        """Probe the consumer for the watchdog; raise :class:`IngestStalled` when a stall is overdue."""
+        stall = self.watchdog.observe(self._probe(consumer))
+        if self.watchdog.overdue(stall):
+            assert stall is not None
+            raise IngestStalled(stall)
+
+    def _probe(self, consumer: KafkaConsumer) -> ConsumerProbe:
+        subscription = consumer._subscription  # kafka-python keeps assignment state here; reading it is local
+        coordinator = consumer._coordinator
+        assigned = frozenset(tp.partition for tp in subscription.assigned_partitions())
+        fetchable = frozenset(tp.partition for tp in subscription.fetchable_partitions())
+        group_state: str | None = None
+        heartbeat_age: float | None = None
+        if subscription.partitions_auto_assigned():
+            group_state = str(coordinator.state).strip("<>")
+            beat = coordinator.heartbeat
+            heartbeat_age = time.monotonic() - max(beat.last_receive, beat.last_reset)
+        positions = self.resume_offsets()
+        for partition in assigned - positions.keys():
+            state = subscription.assignment.get(TopicPartition(self.settings.topic, partition))
+            if state is not None and state.has_valid_position:
+                positions[partition] = state.position.offset
+        log_ends = None
+        now = time.monotonic()
+        if fetchable and self._connected and now - self._last_end_probe >= max(1.0, self.watchdog.timeout_s / 5):
+            self._last_end_probe = now
+            try:
+                ends = consumer.end_offsets([TopicPartition(self.settings.topic, p) for p in fetchable],
+                                            timeout_ms=_END_OFFSETS_TIMEOUT_MS)  # fmt: skip
+                log_ends = {tp.partition: int(end) for tp, end in ends.items() if end is not None}
+            except KafkaError as err:
+                log.debug("end offsets for the watchdog: %s", err)
+        return ConsumerProbe(
+            connected=self._connected,
+            group_state=group_state,
+            assigned=assigned,
+            fetchable=fetchable,
+            heartbeat_age_s=heartbeat_age,
+            positions={p: o for p, o in positions.items() if p in assigned},
+            log_ends=log_ends,
+        )
+
     def _update_gauges(self, consumer: KafkaConsumer) -> None:
         now = time.monotonic()
-        evicted = self.window.evicted_total
+        evicted = self.window.evicted_since_start  # not evicted_total: a restored window's past is not news
         if evicted > self._reported_evicted:
             self.metrics.window_evicted.inc(evicted - self._reported_evicted)
             self._reported_evicted = evicted
@@ -453,13 +609,15 @@ class Ingestor:
         except Exception:  # noqa: BLE001 - a diagnostics probe must not break ingest
             return False
 
-    def _close_clients(self) -> None:
-        for client in (self._consumer, self._producer):
-            if client is None:
-                continue
-            try:
-                client.close(timeout=2) if isinstance(client, KafkaProducer) else client.close(autocommit=False)
-            except Exception:  # noqa: BLE001
-                pass
-        self._consumer = None
-        self._producer = None
+    def _close_consumer(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        self._connected = False
+        if self.assigned and self.on_revoked is not None:  # leaving the group gives the partitions up
+            self.on_revoked(sorted(self.assigned))
+        self.assigned = frozenset()
+        if consumer is None:
+            return
+        try:
+            consumer.close(autocommit=False, timeout_ms=5000)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the service, declared once (SPEC section 3).
+"""Every Prometheus metric of the service, declared once (docs/contract.md, section 3).
 
 One :class:`Metrics` instance per service, on its own registry, so tests can build as
 many services as they like. Names: ``streamtrain_`` prefix, base units, counters end in
@@ -7,6 +7,7 @@ many services as they like. Names: ``streamtrain_`` prefix, base units, counters
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -16,6 +17,11 @@ from prometheus_client.registry import Collector
 from streamtrain.events import REASONS
 
 disable_created_metrics()  # no *_created series: dashboards never use them
+
+#: Why the ingest thread recreated its consumer: the watchdog's three stall kinds, or an error.
+INGEST_RESTART_REASONS = ("unassigned", "no_fetch_progress", "no_heartbeat", "error")
+#: How a dead letter reached ``<topic>.dlq``: unchanged, or as a bounded stand-in.
+DEAD_LETTER_FORMS = ("raw", "stand_in")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -39,6 +45,27 @@ class _WindowAgeCollector(Collector):
         yield family
 
 
+class _ModelInfoCollector(Collector):
+    """``streamtrain_model_info{version}`` (1 for the version that serves, 0 for the other
+    kept ones: at most MODEL_VERSIONS_KEEP series) and ``streamtrain_model_age_seconds``."""
+
+    def __init__(self, source: Callable[[], tuple[list[int], int | None, float | None]]) -> None:
+        self._source = source
+
+    def collect(self):  # type: ignore[override]
+        kept, serving, published_at = self._source()
+        info = GaugeMetricFamily(
+            "streamtrain_model_info", "Kept model versions: 1 for the one that serves, 0 for the others", labels=["version"]
+        )
+        for version in kept:
+            info.add_metric([str(version)], 1.0 if version == serving else 0.0)
+        yield info
+        age = GaugeMetricFamily("streamtrain_model_age_seconds", "Seconds since the serving version was published")
+        if published_at is not None:
+            age.add_metric([], max(0.0, time.time() - published_at))
+        yield age
+
+
 #: What ``/metrics`` shows in DP mode: the public clock, ε, versions, health and the
 #: predict path (whose inputs are the caller's). Everything else counts or times private
 #: events (consumed, rejected, window, tokens, batch sizes, step time, loss) and moves to
@@ -48,6 +75,8 @@ DP_PUBLIC_METRICS = frozenset(
         "streamtrain_kafka_connected",
         "streamtrain_train_steps",
         "streamtrain_model_version",
+        "streamtrain_model_info",
+        "streamtrain_model_age_seconds",
         "streamtrain_dp_epsilon",
         "streamtrain_dp_record_failures",
         "streamtrain_checkpoints_written",
@@ -87,7 +116,35 @@ class Metrics:
         for reason in REASONS:
             self.events_rejected.labels(reason)
         self.dead_letters_failed = Counter(
-            "streamtrain_dead_letters_failed", "Dead-letter sends that failed and were retried", registry=registry
+            "streamtrain_dead_letters_failed",
+            "Dead-letter send attempts that failed (each is retried, or replaced by a stand-in)",
+            registry=registry,
+        )
+        self.dead_letters_written = Counter(
+            "streamtrain_dead_letters_written",
+            "Dead letters acknowledged by Kafka, by form (raw, stand_in)",
+            ["form"],
+            registry=registry,
+        )
+        for form in DEAD_LETTER_FORMS:
+            self.dead_letters_written.labels(form)
+        self.dead_letters_pending = Gauge(
+            "streamtrain_dead_letters_pending",
+            "Dead letters not yet acknowledged (checkpoints and commits wait for them)",
+            registry=registry,
+        )
+        self.ingest_restarts = Counter(
+            "streamtrain_ingest_restarts",
+            "Consumers recreated by the ingest thread, by reason (unassigned, no_fetch_progress, no_heartbeat, error)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in INGEST_RESTART_REASONS:
+            self.ingest_restarts.labels(reason)
+        self.ingest_last_record_age = Gauge(
+            "streamtrain_ingest_last_record_age_seconds",
+            "Seconds since the consumer last read a record (since start before the first)",
+            registry=registry,
         )
         self.consumer_lag = Gauge(
             "streamtrain_consumer_lag_messages",
@@ -141,6 +198,31 @@ class Metrics:
             registry=registry,
         )
         self.model_version = Gauge("streamtrain_model_version", "Version of the model that serves", registry=registry)
+        # Learning quality (quality.py)
+        self.prequential_mse = Gauge(
+            "streamtrain_prequential_mse",
+            "Serving model's forecast MSE on events scored before training on them (fading average)",
+            registry=registry,
+        )
+        self.prequential_naive_mse = Gauge(
+            "streamtrain_prequential_naive_mse",
+            "Last-value forecast's MSE on the same scored events (fading average)",
+            registry=registry,
+        )
+        self.prequential_events = Counter(
+            "streamtrain_prequential_events", "Events scored by the serving model before training", registry=registry
+        )
+        self.drift_detected = Counter(
+            "streamtrain_drift_detected", "Drifts detected in the prequential error", registry=registry
+        )
+        self.publish_held = Counter(
+            "streamtrain_publish_held", "Candidate models held back by the publish gate", registry=registry
+        )
+        self.model_rollbacks = Counter(
+            "streamtrain_model_rollbacks", "Rollbacks to an earlier version, by trigger", ["trigger"], registry=registry
+        )
+        for trigger in ("admin", "automatic"):
+            self.model_rollbacks.labels(trigger)
         self.dp_epsilon = Gauge(
             "streamtrain_dp_epsilon", "Largest per-unit epsilon spent so far (DP mode only)", registry=registry
         )
@@ -170,6 +252,11 @@ class Metrics:
     def watch_window_age(self, source: Callable[[], tuple[float, float]]) -> None:
         """Serve the window-age quantiles from ``source`` at every scrape."""
         self.registry.register(_WindowAgeCollector(source))
+
+    def watch_models(self, source: Callable[[], tuple[list[int], int | None, float | None]]) -> None:
+        """Serve model_info and model_age_seconds from ``source`` (kept versions, the serving
+        version, its publication time) at every scrape."""
+        self.registry.register(_ModelInfoCollector(source))
 
     def exposition(self, public_only: bool = False) -> bytes:
         """Prometheus text; ``public_only`` keeps the DP public plane (:data:`DP_PUBLIC_METRICS`)."""

@@ -5,12 +5,25 @@ are a fixed sinusoidal buffer and attention is written with ``nn.Linear`` projec
 that (a) an instance's output never depends on its batch company or on padding, which the
 no-shuffle predict endpoint relies on, and (b) per-sample gradients exist for every
 parameter, which DP-SGD relies on (``torch.func`` and Opacus hooks both work).
+
+Forecasts survive level shifts. A network that maps absolute levels to absolute
+forecasts through statistics frozen on the past breaks on the first level it has not
+seen, where the last value simply follows. So, inside :meth:`SensorModel.forward` and per
+instance: every position is centred on the instance's own running (causal) mean and
+described by its step from the previous reading, both in units of the instance's own
+running step size, and the network forecasts the *change* from the last reading in those
+units (a residual over the last-value forecast, with a zero-initialised
+head, so an untrained model is exactly the last-value forecast). Adding a constant to an
+instance's readings adds it to every forecast and changes nothing else; no statistic
+looks ahead, so training on every position sees what serving sees. Everything stays in
+tensor ops (cumulative sums, no per-instance Python), so ``predict``, the losses, the DP
+per-sample gradients and an ONNX export all get it from the same forward.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +36,10 @@ from streamtrain.data.collate import collate
 from streamtrain.events import NO_LABEL
 
 ForecastReduction = Literal["tokens", "per_sample"]
+
+#: Checkpoints record it in the model config, so one written for another input/output form
+#: of the network is refused with a clear line instead of a tensor-shape error.
+MODEL_FORM = "level_free_residual/v2"
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,13 +296,28 @@ class SensorModel(nn.Module):
         self.config = {
             "channels": channels, "n_classes": n_classes, "d_model": d_model, "n_heads": n_heads,
             "n_layers": n_layers, "ff_mult": ff_mult, "max_len": max_len, "dropout": dropout,
+            "form": MODEL_FORM,
         }  # fmt: skip
-        self.input = nn.Linear(channels, d_model)
+        self.input = nn.Linear(2 * channels, d_model)  # [centred on the causal mean, step from the previous]
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, ff_mult, dropout) for _ in range(n_layers))
         self.final_norm = nn.LayerNorm(d_model)
         self.forecast_head = nn.Linear(d_model, channels)
+        nn.init.zeros_(self.forecast_head.weight)  # untrained = the last-value forecast
+        nn.init.zeros_(self.forecast_head.bias)
         self.class_head = nn.Linear(d_model, n_classes) if n_classes > 0 else None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SensorModel:
+        """The network a saved ``config`` describes; refuses one of another input/output form."""
+        arguments = dict(config)
+        form = arguments.pop("form", None)
+        if form != MODEL_FORM:
+            raise ValueError(
+                f"this model was saved in form {form!r}; this streamtrain builds {MODEL_FORM!r}, whose "
+                "inputs and outputs differ: export or serve it with the streamtrain version that trained it"
+            )
+        return cls(**arguments)
 
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
         batch, length, channels = x_norm.shape
@@ -300,18 +332,43 @@ class SensorModel(nn.Module):
         real = mask[..., None]
         # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
         x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
-        hidden = self.input(x) + self.positions[:length]
+        features, scale = level_free_features(x, real)
+        hidden = self.input(features) + self.positions[:length]
         allowed = attention_allowed(mask)
         for block in self.blocks:
             hidden = block(hidden, allowed)
         hidden = self.final_norm(hidden)
-        forecast = self.forecast_head(hidden) * real
+        # The forecast is the last reading plus a change in the instance's own step scale.
+        forecast = (x + scale * self.forecast_head(hidden)) * real
         logits = None
         if self.class_head is not None:
             last = (mask.sum(dim=1) - 1).clamp_min(0)  # real positions come first
             last_hidden = hidden[torch.arange(batch, device=hidden.device), last]
             logits = self.class_head(last_hidden)
         return ModelOutput(forecast=forecast, logits=logits)
+
+
+SCALE_FLOOR = 0.05  # in units of the running (global) std: a flat instance is not blown up
+
+
+def level_free_features(x: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-instance, causal features that no level shift changes, and the scale they use.
+
+    Returns ``features [B, L, 2C]`` (each reading minus the instance's mean up to it, and
+    its step from the previous reading, both divided by ``scale``) and ``scale [B, L, C]``,
+    the instance's mean absolute step up to each position (plus :data:`SCALE_FLOOR`). Adding a constant to an instance changes neither; multiplying it
+    by a factor (above the floor) changes only ``scale``. ``x`` is zero at pad positions
+    and real positions come first, so running sums over real positions are plain cumsums.
+    """
+    count = torch.cumsum(real.to(x.dtype), dim=1).clamp_min(1.0)
+    centred = (x - torch.cumsum(x, dim=1) / count) * real
+    previous = torch.cat([x[:, :1], x[:, :-1]], dim=1)  # the first reading has no step: 0
+    step = (x - previous) * real
+    steps_seen = (count - 1.0).clamp_min(1.0)
+    # Mean absolute step (x 1.25: the RMS of Gaussian steps): one jump inflates it far less
+    # than a root mean square would, so the positions after a level jump keep their scale.
+    scale = 1.25 * torch.cumsum(step.abs(), dim=1) / steps_seen + SCALE_FLOOR
+    return torch.cat([centred / scale, step / scale], dim=-1), scale
 
 
 def build_model(settings: Any) -> SensorModel:
@@ -332,10 +389,17 @@ def build_model(settings: Any) -> SensorModel:
 
 
 def _one_step_errors(forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L-1] each."""
+    """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L] each,
+    valid where t and t+1 are both real.
+
+    The target is the input shifted left by one (the last position gets a zero, never
+    valid) rather than a ``[:, 1:]`` slice: no tensor is empty for length-1 batches, which
+    ONNX Runtime's reductions get wrong, and the exported graph needs no special case.
+    """
     mask = mask.bool()
-    valid = mask[:, :-1] & mask[:, 1:]
-    error = (forecast[:, :-1] - x_norm[:, 1:]).square().mean(dim=-1)
+    target = torch.cat([x_norm[:, 1:], torch.zeros_like(x_norm[:, :1])], dim=1)
+    valid = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+    error = (forecast - target).square().mean(dim=-1)
     error = torch.where(valid, error, torch.zeros((), dtype=error.dtype, device=error.device))
     return error, valid
 
@@ -414,6 +478,78 @@ class Prediction:
     probs: list[float] | None = None  # class probabilities when n_classes > 0
 
 
+class InferenceModel(nn.Module):
+    """What a prediction computes, as one module: the model with its input normalization.
+
+    ``forward(values [B, L, C] float32, lengths [B] int64)`` returns ``(next [B, C],
+    anomaly_score [B])`` plus ``probs [B, n_classes]`` when the model classifies. Rows
+    are real for their first ``lengths[b]`` steps; whatever the padding holds is ignored.
+    :func:`predict` runs this module and ``streamtrain export`` writes it to TorchScript
+    and ONNX, so the service and an exported model compute the same thing. It only calls
+    ``SensorModel.forward``, so a change there reaches both.
+    """
+
+    def __init__(self, model: SensorModel, norm: RunningNorm) -> None:
+        super().__init__()
+        self.model = model
+        # The float32 constants RunningNorm.normalize uses for float32 inputs, made on the
+        # model's device: no .to() on a module that other threads may be running.
+        device = next(model.parameters()).device
+        self.register_buffer("mean", norm.mean.float().to(device))
+        self.register_buffer("std", norm.std.float().to(device))
+        self.n_classes = model.n_classes
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return ("next", "anomaly_score", "probs") if self.n_classes > 0 else ("next", "anomaly_score")
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, length = values.shape[0], values.shape[1]
+        positions = torch.arange(length, device=values.device)
+        mask = positions[None, :] < lengths[:, None]
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        x_norm = torch.where(mask[..., None], (values - self.mean) / self.std, zero)
+        output = self.model(x_norm, mask)
+        scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
+        last = (lengths - 1).clamp_min(0)
+        next_norm = output.forecast[torch.arange(batch, device=values.device), last]
+        next_values = next_norm * self.std + self.mean
+        if output.logits is None:
+            return next_values, scores
+        return next_values, scores, torch.softmax(output.logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class PredictionArrays:
+    """Predictions for N instances as arrays (float32), in request order; slices stay in order."""
+
+    next: np.ndarray  # [N, C]
+    anomaly_score: np.ndarray  # [N]
+    probs: np.ndarray | None  # [N, n_classes] or None
+
+    def __len__(self) -> int:
+        return int(self.anomaly_score.shape[0])
+
+    def __getitem__(self, index: slice) -> PredictionArrays:
+        if not isinstance(index, slice):
+            raise TypeError("PredictionArrays: index with a slice")
+        return PredictionArrays(
+            self.next[index], self.anomaly_score[index], None if self.probs is None else self.probs[index]
+        )
+
+    def finite_rows(self) -> np.ndarray:
+        """[N] bool: every number of the instance's prediction is finite."""
+        ok = np.isfinite(self.next).all(axis=1) & np.isfinite(self.anomaly_score)
+        if self.probs is not None:
+            ok &= np.isfinite(self.probs).all(axis=1)
+        return ok
+
+    def to_predictions(self) -> list[Prediction]:
+        nexts, scores = self.next.tolist(), self.anomaly_score.tolist()
+        probs = self.probs.tolist() if self.probs is not None else [None] * len(scores)
+        return [Prediction(next=n, anomaly_score=s, probs=p) for n, s, p in zip(nexts, scores, probs, strict=True)]
+
+
 PREDICT_MIN_LENGTH_SHARE = 0.75  # a request holds tens of items: filling the training budget pads ~70%
 
 
@@ -436,41 +572,45 @@ def plan_predict_batches(
     return groups
 
 
-def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:
-    """No-shuffle inference: one Prediction per input, in request order.
+def predict_arrays(
+    model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int
+) -> PredictionArrays:
+    """No-shuffle inference through :class:`InferenceModel`: one row per input, in order.
 
     Instances are length-sorted into token-budget micro-batches for speed; since the model
     has no cross-instance op and masks padding, an instance's answer does not depend on
     its company or on the order of the request.
     """
-    if not values:
-        return []
     arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     if (lengths < 1).any():
         raise ValueError("predict: every instance needs at least one reading")
-    results: list[Prediction | None] = [None] * len(arrays)
+    count, channels = len(arrays), model.channels
+    out_next = np.empty((count, channels), dtype=np.float32)
+    out_score = np.empty(count, dtype=np.float32)
+    out_probs = np.empty((count, model.n_classes), dtype=np.float32) if model.n_classes > 0 else None
+    if not arrays:
+        return PredictionArrays(out_next, out_score, out_probs)
     was_training = model.training
     device = next(model.parameters()).device
+    network = InferenceModel(model, norm)
     model.eval()
     try:
         with torch.inference_mode():
             for group in plan_predict_batches(lengths, token_budget):
                 batch = collate([arrays[i] for i in group]).to(device)
-                mask = batch.mask
-                x_norm = norm.normalize(batch.values).float() * mask[..., None]
-                output = model(x_norm, mask)
-                scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
-                last = mask.sum(dim=1) - 1
-                next_norm = output.forecast[torch.arange(len(group), device=device), last]
-                next_values = norm.denormalize(next_norm.double()).tolist()
-                probs = torch.softmax(output.logits.double(), dim=-1).tolist() if output.logits is not None else None
-                for row, index in enumerate(group):
-                    results[int(index)] = Prediction(
-                        next=next_values[row],
-                        anomaly_score=float(scores[row]),
-                        probs=probs[row] if probs is not None else None,
-                    )
+                outputs = network(batch.values, batch.lengths)
+                out_next[group] = outputs[0].cpu().numpy()
+                out_score[group] = outputs[1].cpu().numpy()
+                if out_probs is not None:
+                    out_probs[group] = outputs[2].cpu().numpy()
     finally:
         model.train(was_training)
-    return [r for r in results if r is not None]
+    return PredictionArrays(out_next, out_score, out_probs)
+
+
+def predict(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int) -> list[Prediction]:
+    """:func:`predict_arrays` as one :class:`Prediction` per input, in request order."""
+    if not values:
+        return []
+    return predict_arrays(model, norm, values, token_budget).to_predictions()

@@ -5,6 +5,18 @@ its offsets, model, optimizer), then start ingest, which seeks every assigned pa
 to the stored offset. A checkpoint saves the trainer state and the window state with the
 offsets that state covers, after the dead letters of those offsets are acknowledged; the
 offsets are committed to the consumer group only once the file is durable.
+
+A checkpoint written under other settings: another ``HALF_LIFE_S`` re-keys the window
+(see ``window.py``); another model shape (``CHANNELS``, ``N_CLASSES``, ``D_MODEL``,
+``N_HEADS``, ``N_LAYERS``, ``MAX_LEN``) cannot be loaded, and start-up stops with
+:class:`IncompatibleCheckpoint`, one line naming the settings and the way out. It is a
+refusal, not a fresh start: a fresh start would write lower-step checkpoints beside the
+old ones, which the store ranks first, so every restart would silently start over.
+
+Locks: a checkpoint waits for the trainer's step in progress *before* it takes ingest's
+``apply_lock`` (lock order: trainer, then ingest), holds both only while it copies the
+trainer state and fixes the window's columns, and gathers readings and writes the file
+with neither held.
 """
 
 from __future__ import annotations
@@ -14,6 +26,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from streamtrain.checkpoint import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
 from streamtrain.config import Settings
@@ -25,6 +40,27 @@ from streamtrain.window import RecencyWindow
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_RETRY_S = 5.0
+_DEAD_LETTERS_LATE_S = 30.0  # unacknowledged this long: /readyz lists them (checkpoints wait for them)
+
+
+class IncompatibleCheckpoint(ValueError):
+    """The newest checkpoint was written under settings it cannot be loaded with (one line)."""
+
+
+def _detached_copy(tree: Any) -> Any:
+    """A copy of a state tree whose tensors and arrays no later training step can change."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, (np.ndarray, np.generic)):
+        return tree.copy()
+    if isinstance(tree, dict):
+        copied = type(tree)((key, _detached_copy(value)) for key, value in tree.items())
+        if hasattr(tree, "_metadata"):
+            copied._metadata = tree._metadata  # type: ignore[attr-defined]  # Module.load_state_dict reads it
+        return copied
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_detached_copy(item) for item in tree)
+    return tree
 
 
 class Service:
@@ -32,6 +68,9 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # Process-wide on purpose: torch keeps one intra-op default that every thread
+        # (trainer, prefetch, predict workers) takes on its first parallel op.
+        torch.set_num_threads(settings.torch_threads)
         self.metrics = Metrics()
         self.window = RecencyWindow(
             settings.window_capacity,
@@ -40,6 +79,7 @@ class Service:
             max_age_s=settings.max_age_s,
         )
         self.trainer = self._build_trainer()
+        quality = getattr(self.trainer, "quality", None)  # DP mode: no scoring of private events
         self.ingest = Ingestor(
             settings,
             self.window,
@@ -47,6 +87,7 @@ class Service:
             on_events=getattr(self.trainer, "admit", None),
             on_assigned=getattr(self.trainer, "on_partitions_assigned", None),
             on_revoked=getattr(self.trainer, "on_partitions_revoked", None),
+            before_insert=None if quality is None else quality.observe,
         )
         self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
         self.checkpoint_error: str | None = None
@@ -59,6 +100,7 @@ class Service:
         self._checkpointer: threading.Thread | None = None
         self.metrics.window_capacity.set(settings.window_capacity)
         self.metrics.watch_window_age(lambda: tuple(self.window.age_quantiles([0.5, 0.9])))  # type: ignore[arg-type]
+        self.metrics.watch_models(self._model_versions)
 
     def _build_trainer(self) -> Any:
         if self.settings.dp == "on":
@@ -92,12 +134,20 @@ class Service:
     def published(self) -> PublishedModel | None:
         return self.trainer.published
 
+    def _model_versions(self) -> tuple[list[int], int | None, float | None]:
+        """(kept versions, the serving one, when it was published) for the model metrics."""
+        registry = self.trainer.registry
+        serving = registry.serving
+        return registry.versions(), None if serving is None else serving.version, None if serving is None else serving.published_at
+
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> LoadedCheckpoint | None:
         """Load the newest valid checkpoint (corrupt ones are skipped, logged and counted).
 
-        In DP mode the admission record then decides where the DP clock and every
-        partition's admissions continue (privacy/service.py), checkpoint or not.
+        Raises :class:`IncompatibleCheckpoint` before anything is loaded when the
+        checkpoint's model or window cannot serve the configured settings. In DP mode the
+        admission record then decides where the DP clock and every partition's admissions
+        continue (privacy/service.py), checkpoint or not.
         """
         loaded = self._load_checkpoint()
         resume = getattr(self.trainer, "resume_from_record", None)
@@ -110,6 +160,7 @@ class Service:
         if loaded is None:
             log.info("no checkpoint in %s: starting fresh", self.settings.checkpoint_dir)
             return None
+        self._check_compatible(loaded)
         self.window.load_state_dict(loaded.state["window"])
         self.trainer.load_state_dict(loaded.state["trainer"])
         self.restored_from = loaded.path
@@ -122,19 +173,50 @@ class Service:
         )
         return loaded
 
+    def _check_compatible(self, loaded: LoadedCheckpoint) -> None:
+        trainer_state, window_state = loaded.state["trainer"], loaded.state["window"]
+        saved_dp = "on" if "dp" in trainer_state else "off"
+        if saved_dp != self.settings.dp:
+            raise IncompatibleCheckpoint(
+                f"checkpoint {loaded.path} was written with DP={saved_dp}; this service is configured with "
+                f"DP={self.settings.dp}, and a model cannot change DP mode (a DP model must never have seen data "
+                "outside the DP window). Point STREAMTRAIN_CHECKPOINT_DIR at an empty directory to start a new model"
+            )
+        saved = dict(trainer_state.get("model_config", {}))
+        saved["channels"] = window_state.get("channels", saved.get("channels"))
+        configured = dict(self.trainer.model.config)
+        changed = sorted(k for k, v in configured.items() if k in saved and saved[k] != v)
+        if changed:
+            was = ", ".join(f"{k.upper()}={saved[k]}" for k in changed)
+            now = ", ".join(f"{k.upper()}={configured[k]}" for k in changed)
+            raise IncompatibleCheckpoint(
+                f"checkpoint {loaded.path} was written with {was}; this service is configured with {now}, "
+                "which that model and window cannot serve. Set the old values again, or point "
+                "STREAMTRAIN_CHECKPOINT_DIR at an empty directory to start a new model"
+            )
+        try:
+            self.window.check_state(window_state)
+        except ValueError as err:
+            raise IncompatibleCheckpoint(f"checkpoint {loaded.path} cannot be restored: {err}") from None
+
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now; None (counted, logged, retried later) when it fails."""
         with self._checkpoint_lock:
-            with self.ingest.apply_lock, self.trainer.lock:  # both states cover the same offsets
+            # Trainer first: waiting for a step in progress must not hold ingest back.
+            with self.trainer.lock, self.ingest.apply_lock:  # both states cover the same offsets
                 try:
-                    trainer_state = self.trainer.state_dict()  # DP: syncs the admission record first
+                    trainer_state = _detached_copy(self.trainer.state_dict())  # DP: syncs the admission record first
                 except OSError as err:
                     return self._checkpoint_failed(f"DP admission record not durable: {err}")
-                window_state = self.window.state_dict()
+                build_window_state = self.window.capture_state()
                 step = int(trainer_state["step"])
+                dead_letters = self.ingest.dead_letter_mark()  # the dead letters of those offsets
+            window_state = build_window_state()
             offsets = {int(p): int(o) for p, o in window_state["next_offsets"].items()}
-            if not self.ingest.flush_dead_letters():
-                return self._checkpoint_failed("dead letters not acknowledged by Kafka")
+            # Neither saved nor committed past a dead letter Kafka has not acknowledged;
+            # it stays queued and retried, and the next checkpoint asks again.
+            if not self.ingest.flush_dead_letters(upto=dead_letters):
+                return self._checkpoint_failed(self.ingest.dead_letters.describe())
             try:
                 path = self.store.save({"window": window_state, "trainer": trainer_state}, step=step)
             except CheckpointWriteError as err:
@@ -165,18 +247,28 @@ class Service:
 
     # ------------------------------------------------------------------ health
     def readiness(self) -> tuple[bool, list[str]]:
-        """(ready, reasons): ready needs a connected consumer and a published model."""
+        """(ready, reasons): ready needs a connected, unstalled consumer and a published model."""
         blocking: list[str] = []
         if not self.ingest.connected:
             blocking.append("kafka_not_connected" + (f": {self.ingest.last_error}" if self.ingest.last_error else ""))
+        stalled = self.ingest.stall_report()
+        if stalled is not None:
+            blocking.append(f"ingest_stalled: {stalled}")
         if self.published is None:
             if self.settings.dp == "on":  # window counts are data-dependent: operator plane only
                 blocking.append("no_model_published: the first DP model is published on the public clock")
             else:
-                blocking.append(f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed")
+                age = self.ingest.last_record_age_s
+                last = "no record read yet" if age is None else f"last record read {age:.0f} s ago"
+                blocking.append(
+                    f"no_model_published: window has {len(self.window)} of {self.settings.min_window_items} items needed ({last})"
+                )
         notes = []
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
+        waiting = self.ingest.dead_letters.oldest_pending_age_s()
+        if waiting is not None and waiting > _DEAD_LETTERS_LATE_S:
+            notes.append(f"dead_letters_pending: {self.ingest.dead_letters.describe()}")
         if not self.trainer.running and not self._stop.is_set():
             notes.append("trainer_not_running" + (f": {self.trainer.last_error}" if self.trainer.last_error else ""))
         if getattr(self.trainer, "record_error", None):

@@ -3,7 +3,7 @@
 The fleet exists to exercise the service end to end: its readings are learnable (a
 model beats the naive last-value forecast by a wide margin), its labels are visible in
 the readings, it drifts on a schedule so the recency window has something to follow,
-and a configurable share of its messages break exactly one rule of SPEC section 1 so
+and a configurable share of its messages break exactly one rule of docs/contract.md, section 1, so
 every rejection path runs. Generation is separate from sending: :class:`SensorFleet`
 makes message bytes without Kafka, :func:`run_simulation` paces and sends them.
 """
@@ -37,11 +37,11 @@ from streamtrain.events import REASONS
 
 logger = logging.getLogger(__name__)
 
-#: Every rejection reason of SPEC section 1; the fleet can produce a message for each.
+#: Every rejection reason of docs/contract.md, section 1; the fleet can produce a message for each.
 MALFORMED_REASONS: tuple[str, ...] = REASONS
 
 ENV_PREFIX = "STREAMTRAIN_"
-#: Environment variables shared with the service (SPEC section 4) -> simulation field.
+#: Environment variables shared with the service (docs/contract.md, section 4) -> simulation field.
 ENV_SETTINGS: dict[str, str] = {
     "KAFKA_BOOTSTRAP": "bootstrap",
     "TOPIC": "topic",
@@ -229,7 +229,7 @@ class SimulatedMessage(NamedTuple):
 
 @dataclass(frozen=True)
 class FleetBatch:
-    """A batch of records; ``reasons[i]`` is the SPEC reason message i breaks (None = valid)."""
+    """A batch of records; ``reasons[i]`` is the reason message i breaks (None = valid)."""
 
     keys: list[bytes]
     values: list[bytes]
@@ -385,7 +385,7 @@ class SensorFleet:
         return out
 
     def _malform(self, reason: str, event: dict[str, Any], now: float) -> bytes:
-        """Break exactly one rule of SPEC section 1 so the service must reject with ``reason``."""
+        """Break exactly one rule of docs/contract.md, section 1, so the service must reject with ``reason``."""
         rng, cfg = self._rng, self.config
         variant = int(rng.integers(4))
         if reason == "too_large":

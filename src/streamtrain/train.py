@@ -13,7 +13,6 @@ import copy
 import logging
 import math
 import os
-import random
 import sys
 import threading
 import time
@@ -29,11 +28,13 @@ from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import Prefetcher
-from streamtrain.data.randomness import make_randomness
+from streamtrain.data.passes import pass_sampler_from_settings
+from streamtrain.data.randomness import derive_seed
 from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, SensorModel, build_model, forecast_loss, naive_last_value_loss, total_loss
-from streamtrain.registry import ModelRegistry
-from streamtrain.window import RecencyWindow, WindowSnapshot
+from streamtrain.quality import Drift, GateDecision, QualityConfig, QualityMonitor
+from streamtrain.registry import ModelRegistry, UnknownVersion
+from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -79,48 +80,6 @@ def build_budget(settings: Settings) -> TokenBudget:
     )
 
 
-class PassSampler:
-    """Bounds a training pass to ``max_items`` so new events are trained within seconds.
-
-    A window of 100k events takes minutes to pass over on a CPU; a stream learner should
-    see new events sooner. Each bounded pass takes the newest events that arrived since
-    the previous pass (up to ``fresh_share`` of the pass) and fills the rest with a uniform
-    replay sample of the window, which is itself recency-weighted. Within the pass every
-    chosen item is trained exactly once. ``max_items == 0`` passes over the whole window.
-    """
-
-    def __init__(self, max_items: int, fresh_share: float, mode: str, seed: int) -> None:
-        self.max_items = max_items
-        self.fresh_share = fresh_share
-        self.mode = mode
-        self.seed = seed
-        self.passes = 0
-        self.watermark = 0  # first arrival number not yet offered to a pass
-
-    def __call__(self, snapshot: WindowSnapshot) -> WindowSnapshot:
-        n = len(snapshot)
-        seq = snapshot.seq
-        if self.max_items <= 0 or n <= self.max_items or seq is None:
-            if seq is not None and n:
-                self.watermark = int(seq.max()) + 1
-            return snapshot
-        rng = make_randomness(self.mode, self.seed, self.passes)  # type: ignore[arg-type]
-        self.passes += 1
-        fresh = np.flatnonzero(seq >= self.watermark)
-        take = min(fresh.size, int(self.max_items * self.fresh_share))
-        newest = fresh[np.argsort(seq[fresh])[fresh.size - take :]] if take else fresh[:0]
-        rest = np.setdiff1d(np.arange(n), newest, assume_unique=True)
-        replay = rest[rng.permutation(rest.size)[: self.max_items - take]]
-        self.watermark = int(seq.max()) + 1
-        return snapshot.subset(np.sort(np.concatenate([newest, replay])))
-
-    def state_dict(self) -> dict[str, int]:
-        return {"passes": self.passes, "watermark": self.watermark}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.passes, self.watermark = int(state["passes"]), int(state["watermark"])
-
-
 class ModelTrainer:
     """What both trainers share: a worker thread, a lock, and atomic model publishing.
 
@@ -138,6 +97,10 @@ class ModelTrainer:
         self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
         self.registry: ModelRegistry[PublishedModel] = ModelRegistry(settings.model_versions_keep)
         self.last_error: str | None = None
+        self.last_gate: GateDecision | None = None
+        self.publish_held = 0
+        # Tests corrupt a candidate here (after freezing, before the gate).
+        self.candidate_hook: Callable[[SensorModel], None] | None = None
         self._version = 0
         self._last_publish = 0.0
         self._stop = threading.Event()
@@ -145,6 +108,7 @@ class ModelTrainer:
 
     model: SensorModel
     norm: RunningNorm
+    optimizer: torch.optim.Optimizer
     step: int
     tokens_trained: int
     loss_ema: float | None
@@ -155,7 +119,11 @@ class ModelTrainer:
         return self.registry.serving
 
     def publish(self) -> PublishedModel:
-        """Freeze a copy of the model for inference and swap it in atomically (version + 1)."""
+        """Freeze a copy of the model (version + 1) and make it serve, unless the gate holds it back.
+
+        Serving switches by a single reference swap: readers see old or new. A held-back
+        candidate is kept (not served) and counted; the serving version answers on.
+        """
         with self.lock:
             frozen = copy.deepcopy(self.model).eval()
             for parameter in frozen.parameters():
@@ -172,10 +140,99 @@ class ModelTrainer:
                 loss=self.loss_ema,
                 published_at=self._clock(),
             )
-        self.registry.add(published)  # a single reference swap: readers see old or new
+        if self.candidate_hook is not None:
+            self.candidate_hook(published.model)
+        decision = self._gate(published)
+        self.last_gate = decision
+        self.registry.add(published, serve=decision.publish)
         self._last_publish = time.monotonic()
-        self.metrics.model_version.set(published.version)
+        if decision.publish:
+            self.metrics.model_version.set(published.version)
+        else:
+            self.publish_held += 1
+            self.metrics.publish_held.inc()
+            serving = self.published
+            log.warning(
+                "candidate version %d held back (%s); version %s keeps serving",
+                published.version, decision.reason, None if serving is None else serving.version,
+            )  # fmt: skip
         return published
+
+    def _gate(self, candidate: PublishedModel) -> GateDecision:
+        """Whether ``candidate`` may serve; subclasses with a publish gate override it."""
+        return GateDecision(True, "no gate", 0)
+
+    def rollback(self, version: int, trigger: str = "admin", reason: str = "asked by an admin") -> PublishedModel:
+        """Make kept ``version`` serve again and continue training from its weights.
+
+        Training goes on from the version that serves (else the next publication would
+        bring the rolled-back weights straight back); the optimizer's moments, which
+        belong to the abandoned trajectory, are cleared. :class:`UnknownVersion` when the
+        version is not kept.
+        """
+        with self.lock:
+            before = self.published
+            target = self.registry.get(version)
+            self.model.load_state_dict(target.model.state_dict())
+            self.optimizer.state.clear()
+            self.registry.rollback(version)
+            self._last_publish = time.monotonic()  # the next publication waits a full interval
+        self.metrics.model_version.set(target.version)
+        self.metrics.model_rollbacks.labels(trigger).inc()
+        from_version = None if before is None else before.version
+        log.warning("rolled back (%s) from version %s to version %d: %s", trigger, from_version, version, reason)
+        self._note_rollback(version, trigger, reason, from_version)
+        return target
+
+    def _note_rollback(self, version: int, trigger: str, reason: str, from_version: int | None) -> None:
+        """Subclasses that track quality record the rollback there."""
+
+    def registry_state(self) -> dict[str, Any]:
+        """The kept versions (weights, norm, identity) and which one serves, for a checkpoint."""
+        serving = self.published
+        return {
+            "serving": None if serving is None else serving.version,
+            "versions": [
+                {
+                    "version": p.version,
+                    "step": p.step,
+                    "tokens_trained": p.tokens_trained,
+                    "loss": p.loss,
+                    "published_at": p.published_at,
+                    "model": p.model.state_dict(),
+                    "norm": p.norm.state_dict(),
+                }
+                for p in (self.registry.get(v) for v in self.registry.versions())
+            ],
+        }
+
+    def load_registry_state(self, state: dict[str, Any]) -> bool:
+        """Bring the kept versions back (the one that served, serving); True when one serves."""
+        serving = state.get("serving")
+        for entry in state.get("versions", []):
+            model = build_model(self.settings)
+            model.load_state_dict(entry["model"])
+            model.eval()
+            for parameter in model.parameters():
+                parameter.requires_grad_(False)
+            norm = RunningNorm(self.settings.channels)
+            norm.load_state_dict(entry["norm"])
+            loss = entry.get("loss")
+            published = PublishedModel(
+                model=model,
+                norm=norm,
+                version=int(entry["version"]),
+                step=int(entry["step"]),
+                tokens_trained=int(entry["tokens_trained"]),
+                loss=None if loss is None else float(loss),
+                published_at=float(entry["published_at"]),
+            )
+            self.registry.add(published, serve=published.version == serving)
+        if self.published is None:
+            return False
+        self._last_publish = time.monotonic()
+        self.metrics.model_version.set(self.published.version)
+        return True
 
     def _publish_if_due(self) -> None:
         if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
@@ -254,9 +311,9 @@ class Trainer(ModelTrainer):
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self._prefetcher: Prefetcher | None = None
-        self.sampler = PassSampler(settings.pass_max_items, settings.pass_fresh_share, settings.shuffle, settings.seed)
+        self.sampler = pass_sampler_from_settings(settings)  # SAMPLING: which items each pass trains
         self.dataset = WindowBatchDataset(
-            lambda: self.sampler(window.snapshot()),
+            window.snapshot,
             build_budget(settings),
             pool_size=settings.pool_size,
             shuffle=settings.shuffle,
@@ -264,6 +321,8 @@ class Trainer(ModelTrainer):
             min_items=settings.min_window_items,
             idle_wait_s=0.2,
             on_pass_end=self._on_pass_end,
+            sampler=self.sampler,
+            track_trained=True,  # train_step marks each batch, so a checkpoint resumes after the last trained one
         )
         self.step = 0
         self.tokens_trained = 0
@@ -273,12 +332,24 @@ class Trainer(ModelTrainer):
         self.data_wait_seconds = 0.0
         self.step_seconds = 0.0
         self.fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None  # tests inject NaN here
+        self.quality = QualityMonitor(
+            QualityConfig.from_settings(settings),
+            metrics,
+            lambda: self.registry.serving,
+            on_drift=self._on_drift,
+            on_rollback=self._auto_rollback,
+        )
+        self._reset_optimizer_due = False
+        self.drift_reactions = 0
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
         """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged."""
         started = time.perf_counter()
         with self.lock:
+            if self._reset_optimizer_due:
+                self._reset_optimizer_due = False
+                self.optimizer.state.clear()
             norm_before = self.norm.state_dict()  # a refused step must not move the normalization
             self.norm.update(batch.values, batch.mask)
             x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
@@ -303,6 +374,7 @@ class Trainer(ModelTrainer):
             self.optimizer.zero_grad(set_to_none=True)
             if skipped is not None:
                 self.norm.load_state_dict(norm_before)
+            self.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
             value = float(loss.detach())
             if skipped is None:
                 self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, batch.mask).detach()))
@@ -381,10 +453,34 @@ class Trainer(ModelTrainer):
             if field not in ("pass_index", "snapshot_version"):
                 self.metrics.train_last_pass.labels(field).set(value)
 
+    # ------------------------------------------------------------------ quality
+    def _gate(self, candidate: PublishedModel) -> GateDecision:
+        return self.quality.gate(candidate, self.published)
+
+    def _on_drift(self, drift: Drift) -> None:
+        """The configured reaction (called on the ingest thread; the step applies it)."""
+        if self.settings.drift_reaction == "reset_optimizer":
+            self._reset_optimizer_due = True
+            self.drift_reactions += 1
+            log.info("drift reaction: AdamW moments are cleared before the next step")
+
+    def _auto_rollback(self, version: int, reason: str) -> bool:
+        try:
+            self.rollback(version, trigger="automatic", reason=reason)
+        except UnknownVersion:
+            log.warning("automatic rollback to version %d skipped: it is no longer kept (%s)", version, reason)
+            return False
+        return True
+
+    def _note_rollback(self, version: int, trigger: str, reason: str, from_version: int | None) -> None:
+        self.quality.note_rollback(version, trigger, reason, from_version)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
             return {
+                "quality": self.quality.state_dict(),
+                "registry": self.registry_state(),
                 "model": self.model.state_dict(),
                 "model_config": dict(self.model.config),
                 "optimizer": self.optimizer.state_dict(),
@@ -394,13 +490,8 @@ class Trainer(ModelTrainer):
                 "tokens_trained": self.tokens_trained,
                 "loss_ema": self.loss_ema,
                 "version": self._version,
-                "dataset": self.dataset.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "numpy": np.random.get_state()[1],
-                    "python": random.getstate()[1],
-                },
+                "dataset": self.dataset.state_dict(),  # with the sampler's counters; every data stream derives from them
+                "rng": {"torch": torch.get_rng_state()},  # the only generator the trainer draws from itself
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -419,8 +510,14 @@ class Trainer(ModelTrainer):
             loss = state.get("loss_ema")
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))
-            self.dataset.load_state_dict(state["dataset"])
-            if "sampler" in state:
-                self.sampler.load_state_dict(state["sampler"])
-            torch.set_rng_state(state["rng"]["torch"])
+            saved_seed = self.dataset.load_state_dict(state["dataset"], sampler_state=state.get("sampler"))
+            if saved_seed == self.settings.seed:
+                torch.set_rng_state(state["rng"]["torch"])
+            else:  # the configured SEED wins (the dataset logged it): torch follows it too
+                torch.manual_seed(derive_seed(self.settings.seed, self.step, purpose="torch"))
+            if "quality" in state:
+                self.quality.load_state_dict(state["quality"], self.settings.channels)
+        # The kept versions come back as rollback targets; the restored live model (whose
+        # step the checkpoint covers) is published as the next version, through the gate.
+        self.load_registry_state(state.get("registry", {}))
         self.publish()

@@ -15,14 +15,34 @@ dropped by one comparison. Readers always see the cut state (a cut runs first), 
 window they observe is exactly the top W. Readings are kept as the poll batches' own
 arrays (no copy on insert) and compacted at cuts once garbage dominates.
 
-Counting convention: every valid event offered is ``accepted``; one that loses the
-race at once counts as ``evicted`` too, so ``size == accepted_total − evicted_total``.
+Counters: the window keeps the ledger of the Kafka messages its offsets cover, and a
+checkpoint saves it with them, so after a restart it counts every covered message once
+(replayed messages are not counted twice). ``accepted_total`` counts valid events
+offered, ``rejected_total`` refused messages by reason, ``held_out_total`` valid events
+kept out of the window for the publish gate's holdout (``HOLDOUT_SHARE``), ``seen_total``
+all three, and ``evicted_total`` the accepted events that are not in the window: they
+lost the reservoir race (on arrival or at a later cut) or expired (``max_age_s``). Hence
+``seen_total == accepted_total + Σ rejected_total + held_out_total`` and
+``size == accepted_total − evicted_total`` at every moment. ``evicted_since_start`` is
+the part of ``evicted_total`` that happened in this process (what a Prometheus counter,
+which starts at zero with the process, reports).
+
+Snapshots share readings: under the lock a snapshot copies the small per-item columns
+and takes references to the reading chunks (never written after insert), so the lock
+is held for O(W) column copies only. A pass's subset then gathers just its own items'
+readings; a full-window pass concatenates the chunks once, outside the lock.
+
+Restore under changed settings: a window saved with another ``half_life_s`` is re-keyed,
+not redrawn: each key's random part ``−ln E = key − λ_old·(ts − L)`` is recovered
+exactly (up to float rounding) and the key rebuilt as ``λ_new·(ts − L) − ln E``. The items
+kept are those the old half-life chose; from then on every event competes under the new
+one. A window saved with another ``channels`` cannot be restored (ValueError).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,19 +54,27 @@ import numpy as np
 
 from streamtrain.events import EventBatch
 
+log = logging.getLogger(__name__)
+
 _LN2 = math.log(2.0)
+
+
+def decay_rate(half_life_s: float) -> float:
+    """λ = ln 2 / half-life; 0 for an infinite half-life (uniform reservoir)."""
+    return 0.0 if math.isinf(half_life_s) else _LN2 / half_life_s
 
 
 @dataclass(frozen=True)
 class WindowSnapshot:
     """A consistent, immutable view of the window for readers (one training pass).
 
-    Readings stay in one flat float32 array ``flat_values [T, C]``; item ``i`` is
-    ``flat_values[starts[i] : starts[i] + lengths[i]]``. ``values`` gives the same as a
-    list of views, built on first use.
+    ``flat_values`` holds the readings: one float32 array ``[T, C]``, or a tuple of such
+    arrays (the window's reading chunks, shared, not copied) that behave as their
+    concatenation. Item ``i`` is ``flat[starts[i] : starts[i] + lengths[i]]`` of that
+    concatenation. ``values`` gives the same as a list of views, built on first use.
     """
 
-    flat_values: np.ndarray
+    flat_values: np.ndarray | tuple[np.ndarray, ...]
     starts: np.ndarray
     lengths: np.ndarray
     ts: np.ndarray
@@ -63,11 +91,33 @@ class WindowSnapshot:
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
+    @cached_property
+    def _readings(self) -> tuple[np.ndarray, np.ndarray]:
+        """(one array of readings, item starts in it); over chunks, only live readings are gathered."""
+        if isinstance(self.flat_values, np.ndarray):
+            return self.flat_values, self.starts
+        flat, lengths = self._gather_from_chunks(self.starts, self.lengths)
+        starts = np.zeros(lengths.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        return flat, starts
+
     def subset(self, index: np.ndarray) -> WindowSnapshot:
-        """The items ``index`` as a snapshot of their own (readings shared, not copied)."""
+        """The items ``index`` as a snapshot of their own.
+
+        Over one array, readings are shared, not copied. Over the window's chunks, only
+        the chosen items' readings are gathered (a small pass never copies the window).
+        """
+        index = np.asarray(index)
+        if isinstance(self.flat_values, np.ndarray) or "_readings" in self.__dict__:
+            flat, all_starts = self._readings
+            starts = all_starts[index]
+        else:
+            flat, lengths = self._gather_from_chunks(self.starts[index], self.lengths[index])
+            starts = np.zeros(lengths.shape[0], dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
         return WindowSnapshot(
-            flat_values=self.flat_values,
-            starts=self.starts[index],
+            flat_values=flat,
+            starts=starts,
             lengths=self.lengths[index],
             ts=self.ts[index],
             labels=self.labels[index],
@@ -81,19 +131,38 @@ class WindowSnapshot:
             seq=None if self.seq is None else self.seq[index],
         )
 
+    def _gather_from_chunks(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Readings of items ``(starts, lengths)`` back to back, one gather per chunk."""
+        chunks = self.flat_values
+        assert isinstance(chunks, tuple)
+        sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
+        bases = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bases[1:])
+        chunk_of = np.searchsorted(bases, starts, side="right") - 1
+        channels = chunks[0].shape[1] if chunks else 1
+        out = np.empty((int(lengths.sum()), channels), dtype=np.float32)
+        out_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=out_starts[1:])
+        for chunk in np.unique(chunk_of).tolist():
+            rows = np.flatnonzero(chunk_of == chunk)
+            local = gather_tokens(chunks[chunk], starts[rows] - bases[chunk], lengths[rows])
+            out[token_positions(out_starts[rows], lengths[rows])] = local
+        return out, lengths
+
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
     @cached_property
     def values(self) -> list[np.ndarray]:
-        flat = self.flat_values
-        return [flat[a:b] for a, b in zip(self.starts.tolist(), (self.starts + self.lengths).tolist())]
+        flat, starts = self._readings
+        return [flat[a:b] for a, b in zip(starts.tolist(), (starts + self.lengths).tolist())]
 
     def gather_values(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Readings of items ``index`` back to back, and their lengths (vectorized)."""
+        flat, starts = self._readings
         lengths = self.lengths[index]
-        return gather_tokens(self.flat_values, self.starts[index], lengths), lengths
+        return gather_tokens(flat, starts[index], lengths), lengths
 
 
 def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -122,12 +191,16 @@ def gather_tokens(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> 
 
 @dataclass(frozen=True)
 class InsertReport:
-    """What one batch insert did."""
+    """What one batch insert did.
+
+    ``dropped`` events lost the reservoir race at once (their key is at or below the
+    last cut's threshold, so they can never enter); the ``stored`` rest are held until
+    the next cut keeps the top W keys, which may still push some of them out.
+    """
 
     offered: int
-    entered: int
-    evicted: int
-    expired: int
+    stored: int
+    dropped: int
 
 
 @dataclass(frozen=True)
@@ -150,7 +223,10 @@ class Quantiles:
 class WindowStats:
     size: int
     capacity: int
+    seen_total: int
     accepted_total: int
+    rejected_total: dict[str, int]
+    held_out_total: int
     evicted_total: int
     half_life_s: float
     tokens: int
@@ -201,13 +277,16 @@ class RecencyWindow:
         self.channels = int(channels)
         self.max_age_s = max_age_s
         self.slack = self.capacity if slack is None else max(1, int(slack))
-        self._decay = 0.0 if math.isinf(half_life_s) else _LN2 / half_life_s
+        self._decay = decay_rate(self.half_life_s)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._clock = clock
         self._lock = threading.Lock()
         self._reference_ts: float | None = None
         self._next_offsets: dict[int, int] = {}
-        self.accepted_total = 0
+        self.accepted_total = 0  # the ledger of the covered offsets (module docstring)
+        self._rejected: dict[str, int] = {}
+        self.held_out_total = 0
+        self._evicted_at_start = 0  # evicted_total when this process took the window over
         self.version = 0
         self._reset_storage(0)
 
@@ -215,8 +294,7 @@ class RecencyWindow:
         self._cols = {name: np.empty(max(rows, 1024), dtype=dtype) for name, dtype in self._COLUMNS}
         self._n = 0  # stored rows; the window is their top `capacity` keys
         self._threshold = -math.inf  # keys at or below it can never enter again
-        self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them
-        self._expired_total = 0
+        self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
 
     # ------------------------------------------------------------------ sizes and counters
     def __len__(self) -> int:
@@ -224,8 +302,29 @@ class RecencyWindow:
 
     @property
     def evicted_total(self) -> int:
-        """Every accepted event is either in the window or was pushed out (or expired)."""
-        return self.accepted_total - len(self)
+        """Accepted events not in the window: lost the race (at once or at a cut) or expired."""
+        with self._lock:
+            return self.accepted_total - min(self._n, self.capacity)
+
+    @property
+    def evicted_since_start(self) -> int:
+        """The part of ``evicted_total`` that happened since this process built or restored the window.
+
+        Never decreases: what the ``streamtrain_window_evicted_total`` counter reports.
+        """
+        return self.evicted_total - self._evicted_at_start
+
+    @property
+    def rejected_total(self) -> dict[str, int]:
+        """Refused messages by reason, over the covered offsets."""
+        with self._lock:
+            return dict(self._rejected)
+
+    @property
+    def seen_total(self) -> int:
+        """Messages covered: accepted events, rejected messages and held-out events."""
+        with self._lock:
+            return self.accepted_total + sum(self._rejected.values()) + self.held_out_total
 
     @property
     def tokens(self) -> int:
@@ -246,11 +345,20 @@ class RecencyWindow:
         exp_draws = self._rng.standard_exponential(ts.shape[0])
         return self._decay * (ts - (self._reference_ts or 0.0)) - np.log(exp_draws)
 
-    def insert_batch(self, batch: EventBatch, next_offsets: Mapping[int, int] | None = None) -> InsertReport:
+    def insert_batch(
+        self,
+        batch: EventBatch,
+        next_offsets: Mapping[int, int] | None = None,
+        *,
+        rejected: Mapping[str, int] | None = None,
+        held_out: int = 0,
+    ) -> InsertReport:
         """Offer a batch of valid events; record the Kafka offsets the new state covers.
 
-        ``next_offsets`` is the next offset per partition once this batch is in; it is
-        stored under the same lock as the items, so every state knows what it covers.
+        ``next_offsets`` is the next offset per partition once this batch is in, and
+        ``rejected`` the messages of the same poll batch refused by reason and ``held_out``
+        its valid events kept out for the holdout; all are stored under the same lock as
+        the items, so every state knows what it covers.
         """
         if batch.values.ndim != 2 or batch.values.shape[1] != self.channels:
             raise ValueError(f"batch values must be [tokens, {self.channels}], got {batch.values.shape}")
@@ -264,21 +372,26 @@ class RecencyWindow:
                 self._cut_locked()
             if next_offsets:
                 self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
+            self._count_rejected_locked(rejected)
+            self.held_out_total += int(held_out)
             self.accepted_total += n
             self.version += 1
-        return InsertReport(offered=n, entered=int(contenders.size), evicted=n - int(contenders.size), expired=0)
+        return InsertReport(offered=n, stored=int(contenders.size), dropped=n - int(contenders.size))
 
-    def advance_offsets(self, next_offsets: Mapping[int, int]) -> None:
-        """Record offsets consumed without valid events (all dead-lettered)."""
+    def advance_offsets(
+        self, next_offsets: Mapping[int, int], *, rejected: Mapping[str, int] | None = None, held_out: int = 0
+    ) -> None:
+        """Record offsets consumed without events for the window (dead-lettered or held out)."""
         with self._lock:
             self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
+            self._count_rejected_locked(rejected)
+            self.held_out_total += int(held_out)
             self.version += 1
 
-    def forget_partitions(self, partitions: Sequence[int]) -> None:
-        """Drop offset bookkeeping for partitions this instance no longer owns."""
-        with self._lock:
-            for p in partitions:
-                self._next_offsets.pop(int(p), None)
+    def _count_rejected_locked(self, rejected: Mapping[str, int] | None) -> None:
+        for reason, count in (rejected or {}).items():
+            if count:
+                self._rejected[str(reason)] = self._rejected.get(str(reason), 0) + int(count)
 
     def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
         k = rows.shape[0]
@@ -317,8 +430,7 @@ class RecencyWindow:
         if self.max_age_s is not None and n:
             fresh = self._cols["ts"][:n] >= self._clock() - self.max_age_s
             if not fresh.all():
-                keep = keep[fresh]
-                self._expired_total += n - keep.size  # counted as evicted through len()
+                keep = keep[fresh]  # expired rows count as evicted (accepted_total - size)
         if keep.size > self.capacity:
             keys = self._cols["keys"][keep]
             top = np.argpartition(keys, keep.size - self.capacity)[keep.size - self.capacity :]
@@ -369,36 +481,36 @@ class RecencyWindow:
 
     # ------------------------------------------------------------------ reading
     def snapshot(self) -> WindowSnapshot:
-        """A consistent copy of the window (after a cut), in insertion order.
+        """A consistent view of the window (after a cut), in insertion order.
 
-        Cost: O(W) column copies plus one concatenation of the live readings.
+        Under the lock: O(W) copies of the per-item columns and references to the reading
+        chunks; readings are gathered later, outside it, and only for the items used.
         """
         with self._lock:
-            self._cut_locked()
-            n, cols = self._n, self._cols
-            sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.int64)
-            base = np.zeros(sizes.size, dtype=np.int64)
-            np.cumsum(sizes[:-1], out=base[1:])
-            flat = (
-                np.concatenate(self._chunk_arrays)
-                if self._chunk_arrays
-                else np.zeros((0, self.channels), np.float32)
-            )
-            return WindowSnapshot(
-                flat_values=flat,
-                starts=base[cols["chunks"][:n]] + cols["starts"][:n],
-                lengths=cols["lengths"][:n].copy(),
-                ts=cols["ts"][:n].copy(),
-                labels=cols["labels"][:n].copy(),
-                keys=cols["keys"][:n].copy(),
-                sensor_ids=cols["sensor_ids"][:n].copy(),
-                partitions=cols["partitions"][:n].copy(),
-                offsets=cols["offsets"][:n].copy(),
-                next_offsets=dict(self._next_offsets),
-                version=self.version,
-                taken_at=self._clock(),
-                seq=cols["seq"][:n].copy(),
-            )
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> WindowSnapshot:
+        self._cut_locked()
+        n, cols = self._n, self._cols
+        sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.int64)
+        base = np.zeros(sizes.size, dtype=np.int64)
+        np.cumsum(sizes[:-1], out=base[1:])
+        chunks = tuple(self._chunk_arrays) or (np.zeros((0, self.channels), np.float32),)
+        return WindowSnapshot(
+            flat_values=chunks,
+            starts=base[cols["chunks"][:n]] + cols["starts"][:n] if sizes.size else np.zeros(n, np.int64),
+            lengths=cols["lengths"][:n].copy(),
+            ts=cols["ts"][:n].copy(),
+            labels=cols["labels"][:n].copy(),
+            keys=cols["keys"][:n].copy(),
+            sensor_ids=cols["sensor_ids"][:n].copy(),
+            partitions=cols["partitions"][:n].copy(),
+            offsets=cols["offsets"][:n].copy(),
+            next_offsets=dict(self._next_offsets),
+            version=self.version,
+            taken_at=self._clock(),
+            seq=cols["seq"][:n].copy(),
+        )
 
     def stats(self, now: float | None = None) -> WindowStats:
         """Statistics for ``GET /v1/window``: O(W) numpy work on columns, no reading copies."""
@@ -409,11 +521,14 @@ class RecencyWindow:
             ts = cols["ts"][:n].copy()
             lengths = cols["lengths"][:n].copy()
             sensor_ids = cols["sensor_ids"][:n].copy()
-            accepted = self.accepted_total
+            accepted, rejected, held_out = self.accepted_total, dict(self._rejected), self.held_out_total
         return WindowStats(
             size=n,
             capacity=self.capacity,
+            seen_total=accepted + sum(rejected.values()) + held_out,
             accepted_total=accepted,
+            rejected_total=rejected,
+            held_out_total=held_out,
             evicted_total=accepted - n,
             half_life_s=self.half_life_s,
             tokens=int(lengths.sum()),
@@ -435,34 +550,68 @@ class RecencyWindow:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: items, keys, offsets, counters, RNG."""
-        snap = self.snapshot()
-        flat, _ = snap.gather_values(np.arange(len(snap)))
-        return {
-            "capacity": self.capacity,
-            "half_life_s": self.half_life_s,
-            "channels": self.channels,
-            "reference_ts": self._reference_ts,
-            "values": flat,
-            "lengths": snap.lengths,
-            "ts": snap.ts,
-            "labels": snap.labels,
-            "keys": snap.keys,
-            "sensor_ids": snap.sensor_ids,
-            "partitions": snap.partitions,
-            "offsets": snap.offsets,
-            "seq": snap.seq,
-            "next_offsets": {str(p): o for p, o in snap.next_offsets.items()},
-            "accepted_total": self.accepted_total,
-            "version": snap.version,
-            "rng_state": self._rng.bit_generator.state,
-        }
+        return self.capture_state()()
+
+    def capture_state(self) -> Callable[[], dict[str, Any]]:
+        """Fix the state now (cheap, under the lock); the returned call builds the dict.
+
+        The readings are gathered by that call, with no lock held: a checkpoint holds
+        ingest back only for the column copies.
+        """
+        with self._lock:
+            snap = self._snapshot_locked()
+            scalars = {
+                "capacity": self.capacity,
+                "half_life_s": self.half_life_s,
+                "channels": self.channels,
+                "reference_ts": self._reference_ts,
+                "accepted_total": self.accepted_total,
+                "rejected_total": dict(self._rejected),
+                "held_out_total": self.held_out_total,
+                "rng_state": self._rng.bit_generator.state,
+            }
+
+        def build() -> dict[str, Any]:
+            flat, _ = snap.gather_values(np.arange(len(snap)))
+            return {
+                **scalars,
+                "values": flat,
+                "lengths": snap.lengths,
+                "ts": snap.ts,
+                "labels": snap.labels,
+                "keys": snap.keys,
+                "sensor_ids": snap.sensor_ids,
+                "partitions": snap.partitions,
+                "offsets": snap.offsets,
+                "seq": snap.seq,
+                "next_offsets": {str(p): o for p, o in snap.next_offsets.items()},
+                "version": snap.version,
+            }
+
+        return build
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError (one line) if ``state`` cannot be restored into this window."""
+        channels = int(state.get("channels", self.channels))
+        if channels != self.channels:
+            raise ValueError(
+                f"the checkpoint's window holds readings of CHANNELS={channels}, this service is configured "
+                f"with CHANNELS={self.channels}"
+            )
+        lengths = np.asarray(state["lengths"], dtype=np.int64)
+        values = np.asarray(state["values"])
+        if values.size != int(lengths.sum()) * self.channels:
+            raise ValueError("window state is inconsistent: lengths do not sum to the stored values")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict`. A smaller capacity keeps the top keys."""
+        """Restore a state saved by :meth:`state_dict`.
+
+        A smaller capacity keeps the top keys; another half-life re-keys the items
+        (module docstring); another ``channels`` raises ValueError.
+        """
+        self.check_state(state)
         lengths = np.asarray(state["lengths"], dtype=np.int64)
         flat = np.asarray(state["values"], dtype=np.float32).reshape(-1, self.channels)
-        if int(lengths.sum()) != flat.shape[0]:
-            raise ValueError("window state is inconsistent: lengths do not sum to the stored values")
         batch = EventBatch(
             sensor_ids=np.asarray(state["sensor_ids"], dtype=object).reshape(-1),
             ts=np.asarray(state["ts"], dtype=np.float64),
@@ -472,7 +621,19 @@ class RecencyWindow:
             partitions=np.asarray(state["partitions"], dtype=np.int32),
             offsets=np.asarray(state["offsets"], dtype=np.int64),
         )
+        reference_ts = state.get("reference_ts")
         keys = np.asarray(state["keys"], dtype=np.float64)
+        saved_half_life = float(state.get("half_life_s", self.half_life_s))
+        if saved_half_life != self.half_life_s and len(batch):
+            keys = rekey(keys, batch.ts, reference_ts, saved_half_life, self.half_life_s)
+            log.warning(
+                "the checkpoint's window was keyed with HALF_LIFE_S=%g; re-keyed its %d items for HALF_LIFE_S=%g "
+                "(each keeps its own random draw; the items kept are the ones the old half-life chose, new "
+                "events compete under the new one)",
+                saved_half_life,
+                len(batch),
+                self.half_life_s,
+            )
         with self._lock:
             self._reset_storage(len(batch))
             if len(batch):
@@ -482,10 +643,22 @@ class RecencyWindow:
             self._cut_locked()
             if self._n == self.capacity and self.max_age_s is None:
                 self._threshold = float(self._cols["keys"][: self._n].min())
-            self._reference_ts = state.get("reference_ts")
+            self._reference_ts = reference_ts
             self._next_offsets = {int(p): int(o) for p, o in dict(state.get("next_offsets", {})).items()}
             self.accepted_total = int(state.get("accepted_total", self._n))
+            self._rejected = {str(r): int(c) for r, c in dict(state.get("rejected_total", {})).items()}
+            self.held_out_total = int(state.get("held_out_total", 0))
+            self._evicted_at_start = self.accepted_total - self._n
             self.version = int(state.get("version", 0))
             rng_state = state.get("rng_state")
             if rng_state is not None and rng_state.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
                 self._rng.bit_generator.state = rng_state
+
+
+def rekey(
+    keys: np.ndarray, ts: np.ndarray, reference_ts: float | None, old_half_life_s: float, new_half_life_s: float
+) -> np.ndarray:
+    """Keys ``λ_old·(ts − L) − ln E`` rebuilt as ``λ_new·(ts − L) − ln E`` with the same draws E."""
+    reference = float(ts[0]) if reference_ts is None and ts.size else float(reference_ts or 0.0)
+    age = ts - reference
+    return keys - decay_rate(old_half_life_s) * age + decay_rate(new_half_life_s) * age

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 from kafka import KafkaConsumer, KafkaProducer
+from kafka.admin import KafkaAdminClient
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,3 +79,72 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def topic_exists(bootstrap: str, topic: str) -> bool:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10000)
+    try:
+        return topic in set(admin.list_topics())
+    finally:
+        admin.close()
+
+
+def event(event_id: int, now: float | None = None) -> tuple[bytes, bytes]:
+    """A valid event whose first reading is its id (so the window shows which event an item is)."""
+    sensor = f"sensor-{event_id % 7}"
+    values = [float(event_id)] + [0.25 * (event_id % 5) + k for k in range(event_id % 4)]
+    ts = (time.time() if now is None else now) - 1.0
+    return sensor.encode(), orjson.dumps({"sensor_id": sensor, "ts": ts, "values": values})
+
+
+class Placements:
+    """Produces messages and records where Kafka put each one: (partition, offset) -> label.
+
+    ``label`` is the event id for a valid event, or any hashable the test picks for others.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, **producer_config: Any) -> None:
+        self.topic = topic
+        config = {"acks": "all", "linger_ms": 5, "max_request_size": 4 << 20, **producer_config}
+        self.producer = KafkaProducer(bootstrap_servers=bootstrap, **config)
+        self.placed: dict[tuple[int, int], Any] = {}
+        self.next_id = 0
+
+    def send(self, key: bytes | None, value: bytes, label: Any, partition: int | None = None) -> None:
+        record = self.producer.send(self.topic, key=key, value=value, partition=partition).get(timeout=60)
+        self.placed[(record.partition, record.offset)] = label
+
+    def events(self, count: int, partition: int | None = None) -> list[int]:
+        """Send ``count`` valid events (asynchronously, then wait for all); their ids."""
+        futures = []
+        for _ in range(count):
+            event_id, self.next_id = self.next_id, self.next_id + 1
+            key, value = event(event_id)
+            futures.append((event_id, self.producer.send(self.topic, key=key, value=value, partition=partition)))
+        self.producer.flush(60)
+        for event_id, future in futures:
+            record = future.get(timeout=60)
+            self.placed[(record.partition, record.offset)] = event_id
+        return [event_id for event_id, _ in futures]
+
+    def end_offsets(self) -> dict[int, int]:
+        ends: dict[int, int] = {}
+        for partition, offset in self.placed:
+            ends[partition] = max(ends.get(partition, 0), offset + 1)
+        return ends
+
+    def close(self) -> None:
+        self.producer.close(timeout=10)
+
+
+def assert_window_holds_exactly(window: Any, placed: dict[tuple[int, int], Any]) -> None:
+    """The window holds every produced valid event once (by (partition, offset)), with its own readings, and nothing else."""
+    snapshot = window.snapshot()
+    pairs = list(zip(snapshot.partitions.tolist(), snapshot.offsets.tolist()))
+    assert len(pairs) == len(set(pairs)), f"{len(pairs) - len(set(pairs))} duplicates in the window"
+    valid = {po: label for po, label in placed.items() if isinstance(label, int)}
+    missing, extra = set(valid) - set(pairs), set(pairs) - set(valid)
+    assert not missing and not extra, f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})"
+    firsts = [float(v[0, 0]) for v in snapshot.values]
+    wrong = [(po, valid[po]) for po, first in zip(pairs, firsts) if first != valid[po]]
+    assert not wrong, f"items with another event's readings: {wrong[:5]}"

@@ -1,6 +1,7 @@
 """Deployment files, checked without a Docker engine or cluster: they parse and agree.
 
-The checks tie each file to the contract it serves: metric names to SPEC section 3,
+The checks tie each file to the contract it serves: metric names to docs/contract.md
+(section 3, itself checked against the registry by test_contract.py),
 environment names to the service's settings, paths to files that exist in the repository,
 and ports/hosts between compose, Prometheus and Grafana.
 """
@@ -26,31 +27,24 @@ DEPLOY = REPO / "deploy"
 IMAGE_ROOT = "/opt/streamtrain"  # where the Dockerfile copies the repository's services/
 CHECKPOINT_DIR = "/var/lib/streamtrain"
 
-#: SPEC section 3, the metric names dashboards may rely on.
-SPEC_METRICS = {
-    "streamtrain_events_consumed_total",
-    "streamtrain_events_accepted_total",
-    "streamtrain_events_rejected_total",
-    "streamtrain_consumer_lag_messages",
-    "streamtrain_window_size",
-    "streamtrain_window_capacity",
-    "streamtrain_window_tokens",
-    "streamtrain_window_evicted_total",
-    "streamtrain_window_age_seconds",
-    "streamtrain_train_steps_total",
-    "streamtrain_train_tokens_total",
-    "streamtrain_train_padding_tokens_total",
-    "streamtrain_train_loss",
-    "streamtrain_train_step_seconds",
-    "streamtrain_train_batch_sequences",
-    "streamtrain_train_skipped_steps_total",
-    "streamtrain_model_version",
-    "streamtrain_dp_epsilon",
-    "streamtrain_predict_requests_total",
-    "streamtrain_predict_latency_seconds",
-}
-SPEC_HISTOGRAMS = {"streamtrain_train_step_seconds", "streamtrain_train_batch_sequences", "streamtrain_predict_latency_seconds"}
 METRIC_NAME = re.compile(r"\bstreamtrain_[a-z0-9_]+")
+
+
+def contract_metrics() -> dict[str, str]:
+    """docs/contract.md, section 3: the metric names dashboards may rely on -> type."""
+    text = (REPO / "docs" / "contract.md").read_text(encoding="utf-8")
+    section = text.split("\n## 3. ", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `streamtrain_") and len(cells) >= 2:
+            for name in METRIC_NAME.findall(cells[0]):
+                out[name] = cells[1]
+    return out
+
+
+CONTRACT_METRICS = contract_metrics()
+CONTRACT_HISTOGRAMS = {name for name, kind in CONTRACT_METRICS.items() if kind == "histogram"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 
 
@@ -191,7 +185,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
 
 def base_metric(name: str) -> str:
     for suffix in HISTOGRAM_SUFFIXES:
-        if name.endswith(suffix) and name.removesuffix(suffix) in SPEC_HISTOGRAMS:
+        if name.endswith(suffix) and name.removesuffix(suffix) in CONTRACT_HISTOGRAMS:
             return name.removesuffix(suffix)
     return name
 
@@ -204,7 +198,7 @@ def test_dashboard_uses_only_spec_metric_names():
         names = METRIC_NAME.findall(expr)
         assert names, f"panel {title!r}: {expr!r} reads no streamtrain metric"
         for name in names:
-            assert base_metric(name) in SPEC_METRICS, f"panel {title!r} uses {name}, which SPEC section 3 does not define"
+            assert base_metric(name) in CONTRACT_METRICS, f"panel {title!r} uses {name}, which docs/contract.md, section 3, does not define"
             used.add(base_metric(name))
         assert expr.count("(") == expr.count(")"), f"panel {title!r}: unbalanced parentheses"
     # the panels the operators asked for
@@ -213,7 +207,8 @@ def test_dashboard_uses_only_spec_metric_names():
         "streamtrain_window_size", "streamtrain_window_capacity", "streamtrain_window_age_seconds",
         "streamtrain_train_loss", "streamtrain_train_padding_tokens_total", "streamtrain_train_tokens_total",
         "streamtrain_predict_latency_seconds", "streamtrain_dp_epsilon", "streamtrain_consumer_lag_messages",
-        "streamtrain_model_version",
+        "streamtrain_model_version", "streamtrain_prequential_mse", "streamtrain_prequential_naive_mse",
+        "streamtrain_drift_detected_total",
     } <= used
 
 
@@ -222,7 +217,7 @@ def test_dashboard_promql_uses_each_metric_type_correctly():
         for inner in re.findall(r"\b(?:rate|increase)\((streamtrain_[a-z0-9_]+)", expr):
             assert inner.endswith(("_total",) + HISTOGRAM_SUFFIXES), f"panel {title!r}: rate() over gauge {inner}"
         for inner in re.findall(r"histogram_quantile\(\s*[0-9.]+\s*,.*?(streamtrain_[a-z0-9_]+)", expr):
-            assert inner.endswith("_bucket") and inner.removesuffix("_bucket") in SPEC_HISTOGRAMS, title
+            assert inner.endswith("_bucket") and inner.removesuffix("_bucket") in CONTRACT_HISTOGRAMS, title
             assert "by (le)" in expr.replace("by(le)", "by (le)"), f"panel {title!r}: quantile must keep le"
         for name in METRIC_NAME.findall(expr):
             if name.endswith("_bucket"):
@@ -240,18 +235,15 @@ def test_dashboard_layout_is_valid():
     assert dashboard["uid"] and dashboard["title"]
 
 
-def spec_file() -> Path | None:
-    for candidate in (REPO.parent / "shared" / "SPEC.md", REPO / "shared" / "SPEC.md"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-@pytest.mark.skipif(spec_file() is None, reason="shared/SPEC.md is not next to the repository")
-def test_metric_list_matches_spec_section_3():
-    text = spec_file().read_text(encoding="utf-8")
-    section = text.split("## 3.", 1)[1].split("## 4.", 1)[0]
-    assert set(METRIC_NAME.findall(section)) == SPEC_METRICS
+def test_the_contract_lists_the_metrics_dashboards_rely_on():
+    """Runs in every clone: the list is the project's own (docs/contract.md)."""
+    assert len(CONTRACT_METRICS) >= 20
+    assert CONTRACT_HISTOGRAMS == {
+        "streamtrain_train_step_seconds", "streamtrain_train_batch_sequences",
+        "streamtrain_train_sample_age_seconds", "streamtrain_predict_latency_seconds",
+    }  # fmt: skip
+    assert all(kind in {"counter", "gauge", "histogram"} for kind in CONTRACT_METRICS.values())
+    assert all(name.endswith("_total") == (kind == "counter") for name, kind in CONTRACT_METRICS.items())
 
 
 # --- Kubernetes --------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import schemathesis
 import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import (
@@ -245,7 +246,7 @@ def test_a_mixed_poll_batch_decodes_exactly_as_its_messages_one_by_one(data: st.
 @FUZZ
 @given(values=json_value | st.lists(json_value, max_size=10), limits=st.sampled_from(LIMITS))
 def test_predict_validator_applies_the_event_value_rules(values: Any, limits: EventLimits) -> None:
-    """SPEC: predict instances follow the same value rules as events."""
+    """The contract: predict instances follow the same value rules as events."""
     try:
         parsed: np.ndarray | str = parse_values(values, limits.channels, limits.max_len)
     except EventError as err:
@@ -315,7 +316,7 @@ def predict_bodies(draw: st.DrawFn, channels: int, max_len: int, max_batch: int)
 
 
 def expected_outcome(body: Any, channels: int, max_len: int, max_batch: int) -> tuple[int, str | None]:
-    """(status, the instance a 422 must name) by the SPEC's rules, from the validator itself."""
+    """(status, the instance a 422 must name) by the contract's rules, from the validator itself."""
     if not isinstance(body, dict) or not isinstance(body.get("instances"), list):
         return 422, None
     instances = body["instances"]
@@ -434,7 +435,12 @@ def test_openapi_operations_have_no_server_errors(tmp_path: Path) -> None:
                         assert str(response.status_code) in declared, (where, response.status_code, response.text)
                     case.validate_response(response, checks=CHECKS)
 
-            check()
+            try:
+                check()
+            except Unsatisfiable:
+                # Only plain string path parameters (the OIP routes' model name and
+                # version, the admin model route's version): no value breaks the schema.
+                assert mode is GenerationMode.NEGATIVE and not (operation.body or operation.query), operation.path
 
 
 # ---------------------------------------------------------------------------------------

@@ -220,21 +220,40 @@ def test_predict_is_order_and_company_invariant() -> None:
                 assert other.anomaly_score == pytest.approx(reference[index].anomaly_score, abs=1e-5)
                 np.testing.assert_allclose(other.probs, reference[index].probs, atol=1e-5)
     assert all(p.anomaly_score == 0.0 for p, item in zip(reference, items) if len(item) == 1)
-    assert all(abs(sum(p.probs) - 1) < 1e-9 for p in reference)
+    assert all(abs(sum(p.probs) - 1) < 1e-6 for p in reference)  # float32 softmax, as exported
     assert model.training is False
 
 
-def test_predict_anomaly_score_is_standardized() -> None:
-    model = small_model(channels=1, n_classes=0)
-    norm = RunningNorm(1)
-    values, mask = pad_batch([np.random.default_rng(4).normal(size=(50, 1)).astype(np.float32) * 100])
-    norm.update(values, mask)
-    item = np.linspace(-100, 100, 20, dtype=np.float32)[:, None]
+def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
+    """Computed here from first principles, not with the functions predict uses:
+    z = (x − mean) / std of the training data per channel (population variance), and the
+    score is the mean over t of the channel-mean of (forecast_t − z_{t+1})²."""
+    rng = np.random.default_rng(4)
+    scale, shift = np.array([100.0, 0.5]), np.array([3.0, -7.0])
+    train = (rng.normal(size=(50, 2)) * scale + shift).astype(np.float32)
+    norm = RunningNorm(2)
+    norm.update(*pad_batch([train]))
+    mean, std = train.astype(np.float64).mean(axis=0), train.astype(np.float64).std(axis=0)
+    item = np.stack([np.linspace(-100, 100, 20), np.linspace(-8, -6, 20)], axis=1).astype(np.float32)
+    z = (item.astype(np.float64) - mean) / std
+
+    # a zero forecast head forecasts the last reading: the score is the mean of (z_{t+1} − z_t)²
+    silent = small_model(channels=2, n_classes=0)
+    with torch.no_grad():
+        silent.forecast_head.weight.zero_()
+        silent.forecast_head.bias.zero_()
+    (quiet,) = predict(silent, norm, [item], token_budget=64)
+    assert quiet.anomaly_score == pytest.approx(((z[1:] - z[:-1]) ** 2).mean(), rel=1e-4)
+    np.testing.assert_allclose(quiet.next, item[-1], rtol=1e-5)
+
+    # the real forecaster: its own forecasts, the same arithmetic
+    model = small_model(channels=2, n_classes=0)
+    with torch.no_grad():
+        forecast = model(torch.from_numpy(z).float()[None], torch.ones(1, 20, dtype=torch.bool)).forecast[0].double().numpy()
     (prediction,) = predict(model, norm, [item], token_budget=64)
-    x_norm = norm.normalize(torch.from_numpy(item)[None]).float()
-    expected = forecast_loss(model(x_norm, torch.ones(1, 20, dtype=torch.bool)), x_norm, torch.ones(1, 20, dtype=torch.bool), "per_sample")
-    assert prediction.anomaly_score == pytest.approx(expected.item(), rel=1e-5)
-    assert prediction.probs is None and len(prediction.next) == 1
+    assert prediction.anomaly_score == pytest.approx(((forecast[:-1] - z[1:]) ** 2).mean(), rel=1e-4)
+    np.testing.assert_allclose(prediction.next, forecast[-1] * std + mean, rtol=1e-4)
+    assert prediction.probs is None and len(prediction.next) == 2
 
 
 def ar1_batch(rng: np.random.Generator, batch: int, phi: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,3 +302,81 @@ def test_predict_groups_cover_every_instance_once_within_budget_and_length_share
             longest = lengths[group].max()
             assert len(group) == 1 or len(group) * longest <= budget
             assert len(group) == 1 or lengths[group].min() >= PREDICT_MIN_LENGTH_SHARE * longest
+
+
+# ------------------------------------------------------------------ level shifts
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None)
+@given(shift=st.floats(-1e3, 1e3), seed=st.integers(0, 2**16))
+def test_a_level_shift_moves_every_forecast_by_the_same_amount(shift: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    model = small_model(seed=seed % 7)
+    torch.nn.init.normal_(model.forecast_head.weight, std=0.3)  # a trained-looking head, not the zero start
+    items = ragged(rng, 4, 2, max_len=20)
+    values, mask = pad_batch(items)
+    offset = torch.tensor([shift, -0.5 * shift], dtype=torch.float64)
+    shifted = (values.double() + offset).float() * mask[..., None]
+    a, b = model(values, mask), model(shifted, mask)
+    expected = (a.forecast.double() + offset) * mask[..., None]
+    tolerance = 1e-4 * (1.0 + abs(shift))  # float32 rounding of the shifted readings
+    torch.testing.assert_close(b.forecast.double(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-3, rtol=0)
+
+
+def test_an_untrained_model_forecasts_the_last_value() -> None:
+    model = small_model()
+    x, mask = pad_batch(ragged(np.random.default_rng(8), 5, 2))
+    torch.testing.assert_close(model(x, mask).forecast, x * mask[..., None])
+
+
+def level_shift_series(rng: np.random.Generator, steps: int, levels: list[float]) -> np.ndarray:
+    """A noisy oscillation (period 12) around a level that jumps to each of ``levels`` in turn."""
+    level = np.repeat(levels, -(-steps // len(levels)))[:steps]
+    t = np.arange(steps)
+    return level + np.sin(2 * np.pi * t / 12 + rng.uniform(0, 2 * np.pi)) + 0.2 * rng.normal(size=steps)
+
+
+def fit_on_windows(model: SensorModel, windows: list[np.ndarray], steps: int, seed: int) -> RunningNorm:
+    """The trainer's recipe in a loop: running norm, AdamW, clipped token-mean loss."""
+    rng = np.random.default_rng(seed)
+    norm = RunningNorm(windows[0].shape[1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model.train()
+    for _ in range(steps):
+        batch = collate([windows[i] for i in rng.choice(len(windows), size=min(64, len(windows)), replace=False)])
+        norm.update(batch.values, batch.mask)
+        x = norm.normalize(batch.values).float() * batch.mask[..., None]
+        loss = forecast_loss(model(x, batch.mask), x, batch.mask)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return norm
+
+
+def one_step_ratios(model: SensorModel, norm: RunningNorm, series: np.ndarray, start: int, length: int) -> np.ndarray:
+    """Per channel: served forecast MSE / last-value MSE over ``series[start:]``."""
+    instances = [series[t - length : t] for t in range(start, len(series))]
+    forecast = np.array([p.next for p in predict(model, norm, instances, token_budget=4096)])
+    target, last = series[start:], series[start - 1 : -1]
+    return ((forecast - target) ** 2).mean(0) / ((last - target) ** 2).mean(0)
+
+
+def test_forecasts_beat_the_last_value_on_levels_never_seen_in_training() -> None:
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    train = level_shift_series(rng, 3000, [0.0, 3.0, -2.0])[:, None].astype(np.float32)
+    windows = [train[i : i + 24] for i in range(len(train) - 24)]
+    model = SensorModel(1, d_model=32, n_heads=4, n_layers=2, max_len=64)
+    norm = fit_on_windows(model, windows, steps=300, seed=11)
+    for level in (25.0, -40.0, 500.0):  # far outside what the running norm has seen
+        future = level_shift_series(rng, 400, [level])[:, None].astype(np.float32)
+        ratio = one_step_ratios(model, norm, np.concatenate([train, future]), start=len(train) + 24, length=24)
+        # Last value: MSE ~ 2(1 - cos(30 deg)) * 0.5 + 2 * 0.04 = 0.21; the best forecast's ~0.04.
+        assert ratio[0] <= 0.7, (level, ratio)
+

@@ -23,14 +23,46 @@ def test_first_block_has_the_run_and_test_commands() -> None:
     assert "scripts/test.sh" in (REPO / ".ci" / "run").read_text()
 
 
-def test_every_setting_is_in_the_settings_table() -> None:
-    for name in Settings.model_fields:
-        assert f"| `{name.upper()}` |" in README, name
+def readme_table(heading: str) -> list[list[str]]:
+    """Body rows of the first table under ``## heading``."""
+    section = README.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
 
 
-def test_every_exported_metric_is_documented() -> None:
+def documented_default(field: str) -> str:
+    """A setting's default as the table writes it."""
+    value = Settings.model_fields[field].default
+    return "unset" if value is None else str(value)
+
+
+def test_the_settings_table_is_every_setting_with_its_default() -> None:
+    rows = {row[0].strip("`"): row for row in readme_table("Settings")}
+    assert set(rows) == {name.upper() for name in Settings.model_fields}, set(rows) ^ {n.upper() for n in Settings.model_fields}
+    for name, field in Settings.model_fields.items():
+        default, meaning = rows[name.upper()][1].strip("`"), rows[name.upper()][2]
+        assert default == documented_default(name), f"{name.upper()}: README says {default}, Settings says {documented_default(name)}"
+        assert meaning == field.description, f"{name.upper()}: the README's meaning differs from the setting's description"
+
+
+def exported_metrics() -> dict[str, str]:
+    """Exposed metric name -> type, for every metric the service registers."""
     metrics = Metrics()
     metrics.watch_window_age(lambda: (0.0, 0.0))
-    names = {family.name for family in metrics.registry.collect()}
-    for name in names:
-        assert name in README, name
+    metrics.watch_models(lambda: ([1], 1, 0.0))
+    return {
+        family.name + ("_total" if family.type == "counter" else ""): family.type
+        for family in metrics.registry.collect()
+    }
+
+
+def test_the_metrics_table_is_every_exported_metric_with_its_type() -> None:
+    documented: dict[str, str] = {}
+    for row in readme_table("Metrics"):
+        for name in re.findall(r"`(streamtrain_[a-z0-9_]+)(?:\{[a-z_,]+\})?`", row[0]):
+            assert name not in documented, f"{name} is documented twice"
+            documented[name] = row[1]
+    exported = exported_metrics()
+    assert set(documented) == set(exported), set(documented) ^ set(exported)
+    for name, kind in exported.items():
+        assert documented[name] == kind, f"{name}: README says {documented[name]}, the registry says {kind}"

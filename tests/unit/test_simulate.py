@@ -1,4 +1,4 @@
-"""The simulated sensor fleet: SPEC-valid events, malformed shares, determinism, pacing, config."""
+"""The simulated sensor fleet: contract-valid events, malformed shares, determinism, pacing, config."""
 
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ from streamtrain.simulate import (
 )
 
 NOW = 1_764_412_345.0
-MAX_FUTURE_SKEW_S = 300.0  # SPEC section 1 default
+MAX_FUTURE_SKEW_S = 300.0  # docs/contract.md, section 1: the default
 
 
 def spec_violation(raw: bytes, cfg: SimulationConfig, now: float) -> str | None:
-    """SPEC section 1, read independently of streamtrain.events: the first rule broken, or None."""
+    """docs/contract.md, section 1, read independently of streamtrain.events: the first rule broken, or None."""
     if len(raw) > cfg.max_message_bytes:
         return "too_large"
     non_finite_literals: list[str] = []

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from scipy import optimize, stats
+from scipy import stats
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window import RecencyWindow, token_positions
@@ -75,25 +75,56 @@ def test_uniform_inclusion_probability_is_w_over_n() -> None:
     assert chi2 < stats.chi2.isf(1e-4, total - 1)
 
 
-def test_weighted_inclusion_by_age_matches_theory() -> None:
-    """π(a) = 1 − exp(−e^(c − λa)), with c fixed by Σπ = W (event time = arrival index)."""
-    capacity, total, trials, half_life = 50, 400, 400, 40.0
+def successive_sampling(weights: np.ndarray, draws: int, reps: int, rng: np.random.Generator) -> np.ndarray:
+    """Reference sampler, independent of keys: ``draws`` successive draws without replacement,
+    each with probability proportional to the weights left. Efraimidis–Spirakis' theorem says
+    the top-W keys are distributed exactly so. Returns the chosen indices, ``[reps, draws]``."""
+    left = np.tile(weights, (reps, 1))
+    chosen = np.empty((reps, draws), dtype=np.int64)
+    rows = np.arange(reps)
+    for d in range(draws):
+        cdf = np.cumsum(left, axis=1)
+        target = rng.random(reps) * cdf[:, -1]
+        chosen[:, d] = (cdf < target[:, None]).sum(axis=1)
+        left[rows, chosen[:, d]] = 0.0
+    return chosen
+
+
+def test_weighted_inclusion_by_age_matches_exact_successive_sampling() -> None:
+    """The window's decay rate, checked to a few percent.
+
+    Statistics of the kept ages (mean age, share younger than one half-life) from
+    independent seeded trials, against the exact law simulated by a key-free reference
+    sampler. Each z uses both sides' empirical standard errors (trials are i.i.d.), so
+    |z| < 4 is a sound bound; the same test must reject a decay rate 5% off either way.
+    """
+    capacity, total, trials, half_life = 50, 400, 1000, 40.0
     lam = math.log(2) / half_life
-    counts = np.zeros(total)
+    age = (total - 1) - np.arange(total)
+
+    def statistics(kept_ages: np.ndarray) -> np.ndarray:  # [reps, W] -> [reps, 2]
+        return np.stack([kept_ages.mean(axis=1), (kept_ages < half_life).mean(axis=1)], axis=1)
+
+    batches = [make_batch(start, min(64, total - start)) for start in range(0, total, 64)]  # ts = offset
+    ours = np.empty((trials, capacity))
     for trial in range(trials):
         window = RecencyWindow(capacity, half_life, rng=np.random.default_rng(1000 + trial), slack=17)
-        for start in range(0, total, 64):
-            window.insert_batch(make_batch(start, min(64, total - start)))
-        counts[window.snapshot().offsets] += 1
-    age = (total - 1) - np.arange(total)
-    c = optimize.brentq(lambda c: (1 - np.exp(-np.exp(c - lam * age))).sum() - capacity, -50, 50)
-    theory = 1 - np.exp(-np.exp(c - lam * age))
-    observed = counts / trials
-    # binomial standard error per item; allow 5 sigma (plus a little for the approximation)
-    se = np.sqrt(theory * (1 - theory) / trials) + 1e-3
-    assert np.all(np.abs(observed - theory) <= 5 * se + 0.03)
-    # recent items are kept more often than old ones
-    assert observed[-50:].mean() > 3 * observed[:100].mean()
+        for batch in batches:
+            window.insert_batch(batch)
+        ours[trial] = age[window.snapshot().offsets]
+    ours_stats = statistics(ours)
+
+    def z_scores(rate: float, seed: int) -> np.ndarray:
+        reference = statistics(age[successive_sampling(np.exp(-rate * age), capacity, 6000, np.random.default_rng(seed))])
+        se = np.sqrt(ours_stats.var(axis=0, ddof=1) / trials + reference.var(axis=0, ddof=1) / len(reference))
+        return (ours_stats.mean(axis=0) - reference.mean(axis=0)) / se
+
+    assert np.all(np.abs(z_scores(lam, seed=1)) < 4), z_scores(lam, seed=1)
+    for off in (0.95, 1.05):  # the tolerance is tighter than a 5% error in the decay rate
+        assert np.all(np.abs(z_scores(lam * off, seed=2)) > 4), off
+    # and recent items are kept far more often than old ones
+    counts = np.bincount(ours.astype(np.int64).ravel(), minlength=total)
+    assert counts[:50].mean() > 3 * counts[-100:].mean()
 
 
 def test_state_dict_round_trip_is_exact() -> None:
@@ -177,3 +208,136 @@ def test_token_positions() -> None:
     starts, lengths = np.array([5, 0, 9, 20]), np.array([2, 0, 3, 1])
     assert token_positions(starts, lengths).tolist() == [5, 6, 9, 10, 11, 20]
     assert token_positions(np.array([3]), np.array([0])).tolist() == []
+
+
+# --------------------------------------------------------------------------------------- counters
+
+
+def test_the_ledger_counts_every_covered_message_once_across_a_restore() -> None:
+    window = RecencyWindow(100, 50.0, rng=np.random.default_rng(0), slack=10)
+    for start in range(0, 1000, 100):
+        window.insert_batch(make_batch(start, 90), {0: start + 100}, rejected={"decode": 7, "schema": 3})
+    window.advance_offsets({0: 1010}, rejected={"too_large": 10})
+    stats = window.stats()
+    assert stats.accepted_total == 900 and stats.rejected_total == {"decode": 70, "schema": 30, "too_large": 10}
+    assert stats.seen_total == 1010 == window.seen_total == stats.accepted_total + sum(stats.rejected_total.values())
+    assert stats.size == 100 == stats.accepted_total - stats.evicted_total
+    assert window.evicted_since_start == window.evicted_total == 800
+
+    restored = RecencyWindow(100, 50.0, rng=np.random.default_rng(1))
+    restored.load_state_dict(window.state_dict())
+    again = restored.stats()
+    assert (again.seen_total, again.accepted_total, again.rejected_total, again.evicted_total) == (
+        stats.seen_total, stats.accepted_total, stats.rejected_total, stats.evicted_total)  # fmt: skip
+    # what this process evicts starts at zero, and only grows
+    assert restored.evicted_since_start == 0
+    seen = [0]
+    for start in range(1010, 1500, 70):
+        restored.insert_batch(make_batch(start, 70), {0: start + 70}, rejected={"empty": 1})
+        assert restored.evicted_since_start >= seen[-1]
+        seen.append(restored.evicted_since_start)
+    assert restored.evicted_since_start == restored.evicted_total - stats.evicted_total == 490
+    assert restored.stats().seen_total == 1010 + 490 + 7
+
+
+def test_insert_report_drops_only_events_that_can_never_enter() -> None:
+    window = RecencyWindow(50, math.inf, rng=np.random.default_rng(3), slack=5)
+    starts = range(0, 4000, 40)
+    reports = [window.insert_batch(make_batch(start, 40)) for start in starts]
+    assert all(r.offered == 40 and r.stored + r.dropped == 40 for r in reports)
+    assert reports[0].dropped == 0  # nothing is cut before the window first overflows
+    assert sum(r.dropped for r in reports) > 3000  # a uniform stream is mostly dropped at once
+    kept = window.snapshot().offsets
+    for report, start in zip(reports, starts):
+        if report.dropped == 40:  # a batch dropped whole has nothing in the window
+            assert not np.any((kept >= start) & (kept < start + 40)), start
+    assert any(r.dropped == 40 for r in reports)
+
+
+# --------------------------------------------------------------------------------------- restore under changed settings
+
+
+def day_long_window(half_life: float, seed: int) -> tuple[RecencyWindow, np.ndarray]:
+    """A window fed one event a second for a day; returns it and every event's E draw."""
+    rng = np.random.default_rng(seed)
+    window = RecencyWindow(500, half_life, rng=rng)
+    draws = np.random.default_rng(seed)  # the same stream: the window's exponential draws
+    exps = []
+    for start in range(0, 86_400, 2_400):
+        ts = 1.7e9 + np.arange(start, start + 2_400, dtype=np.float64)
+        window.insert_batch(make_batch(start, 2_400, ts=ts), {0: start + 2_400})
+        exps.append(draws.standard_exponential(2_400))
+    return window, np.concatenate(exps)
+
+
+def test_a_window_saved_with_another_half_life_is_rekeyed_with_its_own_draws(caplog: pytest.LogCaptureFixture) -> None:
+    old, exps = day_long_window(3600.0, seed=5)
+    state = old.state_dict()
+    for new_half_life in (math.inf, 600.0):
+        window = RecencyWindow(500, new_half_life, rng=np.random.default_rng(9))
+        with caplog.at_level("WARNING", logger="streamtrain.window"):
+            window.load_state_dict(state)
+        assert "re-keyed its 500 items for HALF_LIFE_S=" in caplog.text
+        snap = window.snapshot()
+        lam = 0.0 if math.isinf(new_half_life) else math.log(2) / new_half_life
+        expected = lam * (snap.ts - 1.7e9) - np.log(exps[snap.offsets])
+        np.testing.assert_allclose(snap.keys, expected, rtol=0, atol=1e-9)
+        assert set(snap.offsets.tolist()) == set(old.snapshot().offsets.tolist())  # the same items
+
+
+def test_after_switching_to_uniform_the_window_keeps_taking_events() -> None:
+    """The bug the re-keying fixes: a day of 1 h-half-life keys (up to λ·86400 = 16.6) would
+    outrank every uniform key −ln E of the new events, and the window would freeze."""
+    old, _ = day_long_window(3600.0, seed=6)
+    state = old.state_dict()
+    kept = old.snapshot()
+    # the window's own stream continues (its RNG state travels with the checkpoint)
+    draws = np.random.default_rng(6)
+    draws.standard_exponential(86_400)
+    new_keys = -np.log(np.concatenate([draws.standard_exponential(500) for _ in range(10)]))
+
+    def restored_then_fed(state: dict) -> RecencyWindow:
+        window = RecencyWindow(500, math.inf, rng=np.random.default_rng(1))
+        window.load_state_dict(state)
+        for start in range(86_400, 86_400 + 5_000, 500):
+            window.insert_batch(make_batch(start, 500, ts=np.full(500, 1.7e9 + start)))
+        return window
+
+    window = restored_then_fed(state)
+    # exactly the top W of the re-keyed old items and the new events
+    old_keys = kept.keys - math.log(2) / 3600.0 * (kept.ts - 1.7e9)
+    keys = np.concatenate([old_keys, new_keys])
+    offsets = np.concatenate([kept.offsets, np.arange(86_400, 91_400)])
+    assert set(window.snapshot().offsets.tolist()) == set(offsets[np.argsort(keys)[-500:]].tolist())
+    assert (window.snapshot().offsets >= 86_400).mean() > 0.05
+    frozen = dict(state, half_life_s=math.inf)  # what loading the old keys as they were did
+    assert (restored_then_fed(frozen).snapshot().offsets >= 86_400).sum() == 0
+
+
+def test_a_window_saved_with_other_channels_is_refused_before_anything_changes() -> None:
+    old = RecencyWindow(50, math.inf, channels=1, rng=np.random.default_rng(0))
+    old.insert_batch(make_batch(0, 30), {0: 30})
+    window = RecencyWindow(50, math.inf, channels=2, rng=np.random.default_rng(0))
+    window.insert_batch(make_batch(100, 5, channels=2), {0: 105})
+    with pytest.raises(ValueError, match="CHANNELS=1.*CHANNELS=2"):
+        window.load_state_dict(old.state_dict())
+    assert len(window) == 5 and window.next_offsets == {0: 105}
+
+
+# --------------------------------------------------------------------------------------- snapshots
+
+
+def test_a_pass_subset_gathers_only_its_own_readings() -> None:
+    window = RecencyWindow(2000, 30.0, rng=np.random.default_rng(2), slack=500)
+    for start in range(0, 6000, 250):
+        window.insert_batch(make_batch(start, 250), {0: start + 250})
+    snap = window.snapshot()
+    assert isinstance(snap.flat_values, tuple) and len(snap.flat_values) > 1  # shared chunks, no copy
+    pick = np.sort(np.random.default_rng(0).choice(len(snap), 100, replace=False))
+    sub = snap.subset(pick)
+    assert isinstance(sub.flat_values, np.ndarray) and sub.flat_values.shape[0] == sub.tokens  # nothing else copied
+    for values, offset in zip(sub.values, sub.offsets):
+        assert np.all(values == offset)
+    assert sub.subset(np.arange(10)).flat_values is sub.flat_values  # a subset of a subset shares them
+    flat, lengths = snap.gather_values(pick)
+    assert np.array_equal(flat, sub.flat_values) and np.array_equal(lengths, sub.lengths)

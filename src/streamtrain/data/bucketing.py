@@ -12,6 +12,14 @@ One pass over a window snapshot is planned in a handful of vectorized numpy call
    gets a batch of its own and is counted as oversize, never dropped;
 5. the batch order is shuffled, so short batches do not all come first.
 
+Stratified plans (``stratify=True``, for the ``stratified`` sampling policy) keep every
+batch's label mix close to the pass's: each class is dealt evenly over the pools, and a
+pool is ordered by each item's length *quantile within its class* instead of by length,
+so any run of consecutive items holds every class at its share (within three items)
+and items of similar within-class length. Batches are then cut greedily along that order
+by the same token budget (a running maximum of the padded length, one numpy call per
+batch); padding grows where the classes' lengths differ, which is the price of the mix.
+
 The greedy cut needs no Python loop per item. Within a sorted pool the capacity
 ``cap[j] = budget // cost(len[j])`` is non-increasing, so ``g[j] = j + 1 - cap[j]`` is
 strictly increasing, and the batch that starts at ``i`` ends at the largest ``j`` of the
@@ -127,6 +135,23 @@ class PassDiagnostics:
     plan_seconds: float = 0.0
     pass_index: int | None = None
     snapshot_version: int | None = None
+    # Label mix (when labels are given): total-variation distance between a batch's label
+    # shares and the pass's, 0 = the same mix, 1 = disjoint; mean and max over batches.
+    # NaN when fewer than two label values (unlabeled counts as one) are present.
+    label_deviation: float = math.nan
+    label_deviation_max: float = math.nan
+    # What the pass sampler chose (streamtrain.data.passes); a whole-window pass has
+    # window_items == items. Concentration is over the window's sensors: sensor_hhi is the
+    # normalized Herfindahl index of the pass's sensor shares (0 = every sensor the same
+    # share, 1 = one sensor only), window_sensor_hhi the same over the window.
+    window_items: int = 0
+    fresh_items: int = 0  # events new since the last pass that this pass took as fresh
+    fresh_deferred: int = 0  # new events beyond the fresh share, left to the replay
+    sensors: int = 0
+    sensor_top_share: float = math.nan
+    sensor_hhi: float = math.nan
+    window_sensor_hhi: float = math.nan
+    curriculum_beta: float = 0.0  # the curriculum's bias against difficult items (0: none)
 
     def as_metrics(self) -> dict[str, float]:
         """Every field as a float, for gauges (None becomes NaN)."""
@@ -146,6 +171,44 @@ class BatchPlan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         return self.batches[rank :: self.world_size]
+
+
+def label_codes(labels: ArrayLike) -> tuple[np.ndarray, int]:
+    """Dense int64 codes of label values (unlabeled, -1, is a value of its own) and how many."""
+    values, codes = np.unique(np.asarray(labels), return_inverse=True)
+    return codes.astype(np.int64).reshape(-1), int(values.size)
+
+
+def rank_within_groups(groups: np.ndarray) -> np.ndarray:
+    """For each position, how many earlier positions hold the same group (0, 1, 2, ...)."""
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    first = np.searchsorted(sorted_groups, sorted_groups, side="left")
+    ranks = np.empty(groups.size, dtype=np.int64)
+    ranks[order] = np.arange(groups.size) - first
+    return ranks
+
+
+def label_deviation(emitted: np.ndarray, sizes: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(mean, max) over batches of the total-variation distance to the emitted items' label mix.
+
+    ``TV_b = 1/2 sum_c |f_bc - p_c|`` computed over the (batch, label) pairs that occur:
+    ``TV_b = 1/2 (1 + sum_{c in b} (|f_bc - p_c| - p_c))``, so memory stays O(items) for
+    any number of classes.
+    """
+    if sizes.size == 0:
+        return math.nan, math.nan
+    codes, classes = label_codes(labels[emitted])
+    if classes < 2:
+        return math.nan, math.nan
+    pass_mix = np.bincount(codes, minlength=classes) / codes.size
+    batch_of = np.repeat(np.arange(sizes.size), sizes)
+    pairs, counts = np.unique(batch_of * classes + codes, return_counts=True)
+    batch, label = pairs // classes, pairs % classes
+    share = counts / sizes[batch]
+    excess = np.bincount(batch, weights=np.abs(share - pass_mix[label]) - pass_mix[label], minlength=sizes.size)
+    tv = np.clip(0.5 * (1.0 + excess), 0.0, 1.0)
+    return float(tv.mean()), float(tv.max())
 
 
 def _sort_by_pool_then_length(pool_sizes: np.ndarray, padded: np.ndarray) -> np.ndarray:
@@ -243,22 +306,37 @@ def _correlation(x: np.ndarray, y: np.ndarray) -> float:
 
 
 def describe_plan(
-    batches: list[np.ndarray], lengths: np.ndarray, budget: TokenBudget, **planner_facts: Any
+    batches: list[np.ndarray],
+    lengths: np.ndarray,
+    budget: TokenBudget,
+    labels: np.ndarray | None = None,
+    **planner_facts: Any,
 ) -> PassDiagnostics:
     """Diagnostics of any list of index batches over ``lengths`` (baselines use it too).
 
-    ``planner_facts`` fill the fields only the planner knows (``partial_batches``, ...).
+    ``labels`` (per item) add the label-mix deviation; ``planner_facts`` fill the fields
+    only the planner knows (``partial_batches``, ...).
     """
     sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
     emitted = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
-    return _describe_flat(emitted, sizes, lengths, budget, **planner_facts)
+    return _describe_flat(emitted, sizes, lengths, budget, labels, **planner_facts)
 
 
 def _describe_flat(
-    emitted: np.ndarray, sizes: np.ndarray, lengths: np.ndarray, budget: TokenBudget, **planner_facts: Any
+    emitted: np.ndarray,
+    sizes: np.ndarray,
+    lengths: np.ndarray,
+    budget: TokenBudget,
+    labels: np.ndarray | None = None,
+    **planner_facts: Any,
 ) -> PassDiagnostics:
     """:func:`describe_plan` for batches given back to back (``emitted``) with their ``sizes``."""
     n_items = int(lengths.size)
+    planner_facts.setdefault("window_items", n_items)
+    if labels is not None:
+        planner_facts["label_deviation"], planner_facts["label_deviation_max"] = label_deviation(
+            emitted, sizes, np.asarray(labels)
+        )
     if sizes.size == 0:
         nan = float("nan")
         return PassDiagnostics(
@@ -305,6 +383,60 @@ def _describe_flat(
     )
 
 
+def _stratified_pool_order(
+    codes: np.ndarray, padded: np.ndarray, n_pools: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (of the permuted items) in stratified pool order, and the pools' sizes.
+
+    Every class is dealt evenly over the pools (an item's pool follows its rank within its
+    class in the random order); inside a pool, items are ordered by their length quantile
+    within (pool, class), ``(rank + 1/2) / count``, ties in the random order. A run of
+    consecutive items then covers the same quantile range of every class.
+    """
+    n = codes.size
+    class_size = np.bincount(codes)[codes]
+    pool = rank_within_groups(codes) * n_pools // class_size
+    classes = int(codes.max()) + 1
+    by_group = np.lexsort((padded, pool * classes + codes))  # stable: equal lengths keep the random order
+    group_sorted = (pool * classes + codes)[by_group]
+    first = np.searchsorted(group_sorted, group_sorted, side="left")
+    last = np.searchsorted(group_sorted, group_sorted, side="right")
+    quantile = np.empty(n)
+    quantile[by_group] = (np.arange(n) - first + 0.5) / (last - first)
+    order = np.lexsort((np.arange(n), quantile, pool))
+    return order, np.bincount(pool, minlength=n_pools)
+
+
+def _cut_in_order(
+    padded: np.ndarray, pool_starts: np.ndarray, pool_sizes: np.ndarray, budget: TokenBudget
+) -> tuple[np.ndarray, int]:
+    """Greedy token-budget batches along ``padded`` as given (not sorted), never across a pool.
+
+    A batch of ``k`` items starting at ``i`` fits when ``k <= capacity(max(padded[i:i+k]))``;
+    that test is monotone in ``k`` (the count grows, the capacity of the running maximum
+    falls), so the longest fitting run is one ``maximum.accumulate`` and one ``argmin``.
+    Returns the batch starts and how many batches a pool's end cut short.
+    """
+    capacity_of = budget.capacity(np.arange(int(padded.max()) + 1))
+    starts: list[int] = []
+    partial = 0
+    for pool_start, pool_size in zip(pool_starts.tolist(), pool_sizes.tolist(), strict=True):
+        pool_end = pool_start + pool_size
+        if pool_size == 0:
+            continue
+        longest_run = max(1, int(capacity_of[int(padded[pool_start:pool_end].min())]))
+        position = pool_start
+        while position < pool_end:
+            running_max = np.maximum.accumulate(padded[position : min(pool_end, position + longest_run)])
+            fits = np.arange(1, running_max.size + 1) <= capacity_of[running_max]
+            take = running_max.size if fits.all() else max(1, int(np.argmin(fits)))
+            if position + take == pool_end and take < capacity_of[running_max[take - 1]]:
+                partial += 1
+            starts.append(position)
+            position += take
+    return np.asarray(starts, dtype=np.int64), partial
+
+
 def plan_batches(
     lengths: ArrayLike,
     budget: TokenBudget,
@@ -312,10 +444,14 @@ def plan_batches(
     *,
     pool_size: int | None = None,
     world_size: int = 1,
+    labels: ArrayLike | None = None,
+    stratify: bool = False,
 ) -> BatchPlan:
     """Plan one pass over items of the given ``lengths``; batches hold indices into ``lengths``.
 
     ``pool_size`` is in items; ``None`` picks :func:`auto_pool_size` for this snapshot.
+    ``labels`` (one per item) add the label-mix deviation to the diagnostics; with
+    ``stratify=True`` they also shape the batches (see the module docstring).
 
     Every item appears exactly once over all batches, except items counted in
     ``diagnostics.withheld_items`` (only possible with ``world_size > 1``).
@@ -328,31 +464,41 @@ def plan_batches(
         raise ValueError(f"lengths must be >= 0, got minimum {lengths.min()}")
     pool_size = require_int(pool_size, "pool_size (None: automatic)", 1, optional=True)
     world_size = require_int(world_size, "world_size", 1)
+    label_array = None if labels is None else np.asarray(labels).reshape(-1)
+    if label_array is not None and label_array.size != lengths.size:
+        raise ValueError(f"labels has {label_array.size} entries for {lengths.size} items; give one per item")
+    if stratify and label_array is None:
+        raise ValueError("stratify=True needs labels: one label per item")
     lengths = lengths.astype(np.int64, copy=False)
     n = lengths.size
     if n == 0:
-        return BatchPlan([], describe_plan([], lengths, budget, plan_seconds=time.perf_counter() - started), world_size)
+        diagnostics = describe_plan([], lengths, budget, label_array, plan_seconds=time.perf_counter() - started)
+        return BatchPlan([], diagnostics, world_size)
 
     if pool_size is None:
         pool_size = auto_pool_size(lengths, budget)
     permutation = rng.permutation(n)
     padded = budget.padded_length(lengths[permutation])
     n_pools = -(-n // pool_size)
-    pool_starts = -(-np.arange(n_pools) * n // n_pools)  # equal pools (sizes differ by at most one)
-    pool_sizes = np.diff(np.append(pool_starts, n))
-    order = _sort_by_pool_then_length(pool_sizes, padded)
-    items = permutation[order]
-    padded_sorted = padded[order]
-
-    ends = _batch_ends(padded_sorted, np.repeat(pool_starts, pool_sizes), budget)
-    starts = _walk_batch_starts(ends)
-    start_array = np.asarray(starts, dtype=np.int64)
-    end_array = ends[start_array]
-
-    # A partial batch ends at its pool's last item with room left (a pool's "short last batch").
-    ends_a_pool = np.isin(end_array, pool_starts[1:] - 1) | (end_array == n - 1)
-    room_left = end_array - start_array + 1 < budget.capacity(padded_sorted[end_array])
-    partial_batches = int(np.count_nonzero(ends_a_pool & room_left))
+    if stratify:
+        codes = label_codes(label_array[permutation])[0]  # type: ignore[index]
+        order, pool_sizes = _stratified_pool_order(codes, padded, n_pools)
+        pool_starts = np.cumsum(pool_sizes) - pool_sizes
+        items = permutation[order]
+        start_array, partial_batches = _cut_in_order(padded[order], pool_starts, pool_sizes, budget)
+    else:
+        pool_starts = -(-np.arange(n_pools) * n // n_pools)  # equal pools (sizes differ by at most one)
+        pool_sizes = np.diff(np.append(pool_starts, n))
+        order = _sort_by_pool_then_length(pool_sizes, padded)
+        items = permutation[order]
+        padded_sorted = padded[order]
+        ends = _batch_ends(padded_sorted, np.repeat(pool_starts, pool_sizes), budget)
+        start_array = np.asarray(_walk_batch_starts(ends), dtype=np.int64)
+        end_array = ends[start_array]
+        # A partial batch ends at its pool's last item with room left (a pool's "short last batch").
+        ends_a_pool = np.isin(end_array, pool_starts[1:] - 1) | (end_array == n - 1)
+        room_left = end_array - start_array + 1 < budget.capacity(padded_sorted[end_array])
+        partial_batches = int(np.count_nonzero(ends_a_pool & room_left))
 
     # Shuffle the batch order and lay the batches out back to back in that order.
     plan_sizes = np.diff(np.append(start_array, n))
@@ -369,6 +515,7 @@ def plan_batches(
         sizes,
         lengths,
         budget,
+        label_array,
         partial_batches=partial_batches,
         split_batches=split_batches,
         withheld_items=withheld_items,

@@ -10,7 +10,7 @@ one masked scatter into the padded buffer, with no Python loop over elements.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -18,6 +18,19 @@ from numpy.typing import ArrayLike
 
 from streamtrain.data._validate import require_int
 from streamtrain.events import NO_LABEL
+
+
+@dataclass(frozen=True)
+class BatchPosition:
+    """Where a batch sits in the training stream: pass ``pass_index``, batch ``index`` of ``batches``.
+
+    Counted in this rank's share of the pass; the dataset uses it to resume right after
+    the last batch the trainer actually trained (``WindowBatchDataset.mark_trained``).
+    """
+
+    pass_index: int
+    index: int
+    batches: int
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class Batch:
     lengths: torch.Tensor  # int64 [B]
     labels: torch.Tensor  # int64 [B], NO_LABEL (-1) where the event had no label
     ts: torch.Tensor  # float64 [B], event time (Unix s); NaN where unknown
+    position: BatchPosition | None = None  # set by WindowBatchDataset; None for a hand-made batch
 
     @property
     def batch_size(self) -> int:
@@ -44,11 +58,14 @@ class Batch:
         return int(self.values.shape[0] * self.values.shape[1])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+        return replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _TENSORS})
 
     def pin_memory(self) -> Batch:
         """Called by ``DataLoader(pin_memory=True)`` on custom batch types."""
-        return Batch(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+        return replace(self, **{name: getattr(self, name).pin_memory() for name in _TENSORS})
+
+
+_TENSORS = tuple(f.name for f in fields(Batch) if f.name != "position")
 
 
 def padded_length(max_length: int, pad_to_multiple_of: int) -> int:

@@ -110,6 +110,11 @@ class Prefetcher(Generic[T]):
             self._thread.join(timeout)
 
     @property
+    def buffered(self) -> int:
+        """Items produced and waiting for the consumer (at most ``depth``)."""
+        return self._queue.qsize()
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

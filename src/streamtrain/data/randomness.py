@@ -6,8 +6,12 @@ implementation of every draw on top of a single primitive, a vector of uniform 6
 words, so the two modes differ only in where the bits come from:
 
 * ``seeded``: numpy's PCG64, keyed by a :class:`numpy.random.SeedSequence` derived from
-  ``(seed, pass, rank, worker)``. Same inputs, same stream; different ranks, workers or
-  passes get statistically independent streams (``SeedSequence`` hashes the spawn key).
+  ``(seed, purpose, pass, rank, worker)``. Same inputs, same stream; different purposes,
+  passes, ranks or workers get statistically independent streams (``SeedSequence``
+  hashes the spawn key). The purpose tag keeps decisions apart that would otherwise
+  draw from one stream: the pass sampler's choice of items (``select``) and the batch
+  planner's order (``plan``) for the same pass are two children of the seed, so a
+  change in one never shifts the other.
 * ``crypto``: every bit comes from the OS CSPRNG (``os.urandom``). Not reproducible by
   design: differential privacy needs sampling and order an adversary cannot predict.
 
@@ -39,6 +43,13 @@ from streamtrain.data._validate import require_int
 
 ShuffleMode = Literal["seeded", "crypto"]
 SHUFFLE_MODES: Final[tuple[str, ...]] = get_args(ShuffleMode)
+
+StreamPurpose = Literal["plan", "select", "worker", "torch"]
+"""What a stream decides: batch planning, pass selection, a DataLoader worker's torch seed,
+the trainer's torch generator (re-seeded when a restore changes SEED)."""
+STREAM_PURPOSES: Final[tuple[str, ...]] = get_args(StreamPurpose)
+# The first word of every spawn key; fixed numbers, so a stream never changes with code order.
+_PURPOSE_TAGS: Final[dict[str, int]] = {"plan": 1, "select": 2, "worker": 3, "torch": 4}
 
 _TWO_POW_64: Final = 2**64
 _TWO_POW_64_FLOAT: Final = float(2**64)
@@ -115,7 +126,7 @@ class Randomness(ABC):
 
 
 class SeededRandomness(Randomness):
-    """Reproducible PCG64 stream for one ``(seed, pass, rank, worker)`` coordinate.
+    """Reproducible PCG64 stream for one ``(seed, purpose, pass, rank, worker)`` coordinate.
 
     ``rank=None`` / ``worker=None`` mean "shared by all ranks / workers": the batch plan
     uses that coordinate so every rank plans the same pass and then takes its own shard.
@@ -124,8 +135,17 @@ class SeededRandomness(Randomness):
     mode: ClassVar[ShuffleMode] = "seeded"
     reproducible: ClassVar[bool] = True
 
-    def __init__(self, seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None):
-        self.seed_sequence = derive_seed_sequence(seed, pass_index, rank, worker)
+    def __init__(
+        self,
+        seed: int,
+        pass_index: int = 0,
+        rank: int | None = None,
+        worker: int | None = None,
+        *,
+        purpose: StreamPurpose = "plan",
+    ):
+        self.purpose = purpose
+        self.seed_sequence = derive_seed_sequence(seed, pass_index, rank, worker, purpose=purpose)
         self.generator = np.random.Generator(np.random.PCG64(self.seed_sequence))
 
     def raw_uint64(self, n: int) -> np.ndarray:
@@ -148,32 +168,56 @@ class CryptoRandomness(Randomness):
 
 
 def derive_seed_sequence(
-    seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None
+    seed: int,
+    pass_index: int = 0,
+    rank: int | None = None,
+    worker: int | None = None,
+    *,
+    purpose: StreamPurpose = "plan",
 ) -> np.random.SeedSequence:
-    """The SeedSequence of one stream: entropy ``seed``, spawn key ``(pass, rank, worker)``.
+    """The SeedSequence of one stream: entropy ``seed``, spawn key ``(purpose, pass, rank, worker)``.
 
-    ``None`` (shared by all ranks or workers) is encoded as 0 and index ``i`` as ``i + 1``,
-    so a shared stream never coincides with rank 0's or worker 0's own stream.
+    That is the ``(pass, rank, worker)`` descendant of the root ``SeedSequence(seed)``'s
+    child for the purpose tag: what ``SeedSequence.spawn`` would hand out, addressed by
+    name so that no stream depends on how many were spawned before it. ``None`` (shared
+    by all ranks or workers) is encoded as 0 and index ``i`` as ``i + 1``, so a shared
+    stream never coincides with rank 0's or worker 0's own stream.
     """
     seed = require_int(seed, "seed")
     pass_index = require_int(pass_index, "pass_index")
+    if purpose not in _PURPOSE_TAGS:
+        raise ValueError(f"stream purpose must be one of {STREAM_PURPOSES}, got {purpose!r}")
     rank_key = 0 if rank is None else require_int(rank, "rank") + 1
     worker_key = 0 if worker is None else require_int(worker, "worker") + 1
-    return np.random.SeedSequence(entropy=seed, spawn_key=(pass_index, rank_key, worker_key))
+    return np.random.SeedSequence(entropy=seed, spawn_key=(_PURPOSE_TAGS[purpose], pass_index, rank_key, worker_key))
 
 
-def derive_seed(seed: int, pass_index: int = 0, rank: int | None = None, worker: int | None = None) -> int:
+def derive_seed(
+    seed: int,
+    pass_index: int = 0,
+    rank: int | None = None,
+    worker: int | None = None,
+    *,
+    purpose: StreamPurpose = "worker",
+) -> int:
     """A 63-bit integer seed for libraries that take one (``torch.manual_seed``), per stream."""
-    word = derive_seed_sequence(seed, pass_index, rank, worker).generate_state(1, dtype=np.uint64)[0]
+    sequence = derive_seed_sequence(seed, pass_index, rank, worker, purpose=purpose)
+    word = sequence.generate_state(1, dtype=np.uint64)[0]
     return int(word >> np.uint64(1))
 
 
 def make_randomness(
-    mode: ShuffleMode, seed: int = 0, pass_index: int = 0, rank: int | None = None, worker: int | None = None
+    mode: ShuffleMode,
+    seed: int = 0,
+    pass_index: int = 0,
+    rank: int | None = None,
+    worker: int | None = None,
+    *,
+    purpose: StreamPurpose = "plan",
 ) -> Randomness:
     """The randomness for one stream; ``crypto`` ignores the coordinates by design."""
     if mode == "seeded":
-        return SeededRandomness(seed, pass_index, rank, worker)
+        return SeededRandomness(seed, pass_index, rank, worker, purpose=purpose)
     if mode == "crypto":
         return CryptoRandomness()
     raise ValueError(f"shuffle mode must be one of {SHUFFLE_MODES}, got {mode!r}; set STREAMTRAIN_SHUFFLE accordingly")

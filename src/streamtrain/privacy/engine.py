@@ -126,7 +126,7 @@ class DPEngine:
         self.norm = norm if norm is not None else public_norm(config, int(getattr(model, "channels", 1)))
         # Refuses seeded randomness, unsafe settings, unsafe models and a missed target ε.
         self.accountant: PerEventAccountant = check_dp_safety(
-            config, self.randomness.mode, model, "expected_batch_size", self.norm
+            config, self.randomness.mode, model, input_norm=self.norm
         )
         self.lifetime: SensorLifetimeAccountant | None = (
             SensorLifetimeAccountant(self.accountant, config.target_epsilon) if config.unit == "sensor" else None

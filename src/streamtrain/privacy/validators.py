@@ -8,7 +8,7 @@ starts consuming; :class:`streamtrain.privacy.DPEngine` calls it again on constr
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,8 +16,6 @@ from torch import nn
 from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant, expected_exposures
 from streamtrain.privacy.config import DPConfig, DPConfigError, env_name
 from streamtrain.privacy.window import UNITS
-
-GradientNormalization = Literal["expected_batch_size", "actual_batch_size"]
 
 NOISE_MULTIPLIER_RANGE = (0.3, 1000.0)
 CLIP_NORM_RANGE = (1e-6, 1e6)
@@ -197,7 +195,6 @@ def check_dp_safety(
     config: DPConfig,
     shuffle_mode: str,
     model: nn.Module | None = None,
-    normalization: GradientNormalization = "expected_batch_size",
     input_norm: Any | None = None,
 ) -> PerEventAccountant:
     """Refuse every unsafe DP configuration; return the accountant of the schedule.
@@ -211,12 +208,6 @@ def check_dp_safety(
             "shuffle is predictable and voids the privacy guarantee; set SHUFFLE=crypto"
         )
     check_ranges(config)
-    if normalization != "expected_batch_size":
-        raise DPConfigError(
-            f"gradient normalization {normalization!r} is refused under DP: dividing by the actual batch size "
-            "makes the update depend on every other event's presence; divide by the public expected batch size "
-            "(STREAMTRAIN_DP_EXPECTED_BATCH_SIZE)"
-        )
     if input_norm is not None and not getattr(input_norm, "frozen", False):
         raise DPConfigError(
             "input normalization from running statistics of private events is refused under DP (the statistics "

@@ -7,6 +7,7 @@ into shared forwards (serve/batcher.py); requests beyond the workers and their q
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import math
 import time
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +26,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
-from streamtrain.model import predict as model_predict
+from streamtrain.export import encode_bundle
+from streamtrain.model import PredictionArrays, predict_arrays
+from streamtrain.registry import UnknownVersion
+from streamtrain.serve import oip
+from streamtrain.metrics import INGEST_RESTART_REASONS
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     CheckpointResult,
@@ -34,8 +40,11 @@ from streamtrain.serve.schemas import (
     PredictRequest,
     PredictResponse,
     Readiness,
+    RollbackRequest,
+    RollbackResult,
     WindowReport,
 )
+from streamtrain.registry import UnknownVersion
 from streamtrain.service import Service
 
 
@@ -70,15 +79,16 @@ window_router = APIRouter(tags=["window"])
 
 
 def window_report(service: ServiceDep) -> WindowReport:
-    """Window statistics; the ingest counters come with them (DP mode: admin token, operator plane)."""
+    """Window statistics and the ledger of the Kafka messages the window covers (kept across restarts);
+    in DP mode operator plane only (admin token)."""
     stats = service.window.stats()
-    ingest = service.ingest.stats
     return WindowReport(
         size=stats.size,
         capacity=stats.capacity,
-        seen_total=ingest.seen_total,
+        seen_total=stats.seen_total,
         accepted_total=stats.accepted_total,
-        rejected_total={reason: int(ingest.rejected.get(reason, 0)) for reason in REASONS},
+        rejected_total={reason: int(stats.rejected_total.get(reason, 0)) for reason in REASONS},
+        held_out_total=stats.held_out_total,
         evicted_total=stats.evicted_total,
         half_life_s=None if math.isinf(stats.half_life_s) else stats.half_life_s,
         tokens=stats.tokens,
@@ -86,6 +96,9 @@ def window_report(service: ServiceDep) -> WindowReport:
         age_s=None if stats.age_s is None else stats.age_s.__dict__,
         length=None if stats.length is None else stats.length.__dict__,
         next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
+        last_record_age_s=service.ingest.last_record_age_s,
+        ingest_restarts_total={reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS},
+        dead_letters_pending=service.ingest.dead_letters.pending,
     )
 
 
@@ -104,6 +117,8 @@ def model_report(service: ServiceDep) -> ModelReport:
     dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
     if dp is not None:  # only the public clock, the published version and ε: nothing data-dependent
         return ModelReport(
+            quality=None,
+            versions=trainer.registry.versions(),
             version=None if published is None else published.version,
             step=trainer.step if published is None else published.step,
             tokens_trained=None,
@@ -121,7 +136,13 @@ def model_report(service: ServiceDep) -> ModelReport:
         "last_pass": diagnostics,
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }
+    quality = getattr(trainer, "quality", None)
+    if quality is not None:
+        training["publish_held"] = trainer.publish_held
+        training["last_gate"] = None if trainer.last_gate is None else dataclasses.asdict(trainer.last_gate)
     return ModelReport(
+        quality=None if quality is None else quality.report(None if published is None else published.version),
+        versions=trainer.registry.versions(),
         version=None if published is None else published.version,
         step=trainer.step if published is None else published.step,
         tokens_trained=trainer.tokens_trained if published is None else published.tokens_trained,
@@ -130,10 +151,6 @@ def model_report(service: ServiceDep) -> ModelReport:
         dp=None,
         training=training,
     )
-
-
-def _all_finite(*numbers: list[float]) -> bool:
-    return all(math.isfinite(x) for group in numbers for x in group)
 
 
 def _unprocessable(message: str) -> HTTPException:
@@ -166,19 +183,21 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
         raise HTTPException(status_code=503, detail="no model published yet: the window is still filling")
     batcher: PredictBatcher = request.app.state.predict_batcher
     try:
-        predictions = await batcher.submit(published, arrays)
+        predictions: PredictionArrays = await batcher.submit(published, arrays)
     except Overloaded as err:
         raise HTTPException(status_code=503, detail=f"overloaded: {err}; retry later") from None
-    for i, p in enumerate(predictions):
-        if not _all_finite(p.next, [p.anomaly_score], p.probs or []):
-            raise _unprocessable(
-                f"instances[{i}].values: non_finite: the forecast overflows for these readings; "
-                "they lie far outside the range the model works in"
-            )
+    overflowed = np.flatnonzero(~predictions.finite_rows())
+    if overflowed.size:
+        raise _unprocessable(
+            f"instances[{int(overflowed[0])}].values: non_finite: the forecast overflows for these readings; "
+            "they lie far outside the range the model works in"
+        )
     return PredictResponse(
         model_version=published.version,
-        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs} for p in predictions],
-    )
+        model_age_s=oip.model_age_s(published),
+        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs}
+                     for p in predictions.to_predictions()],
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- metrics
@@ -219,6 +238,44 @@ def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
     return CheckpointResult(path=path.name, step=service.trainer.step)
 
 
+@admin.get("/models/{version}", dependencies=[Depends(require_admin)], response_class=Response,
+           responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+                            "description": "safetensors bundle: the model's tensors, its normalization and a JSON description"},
+                      401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})  # fmt: skip
+def admin_model(version: str, service: ServiceDep) -> Response:
+    """A kept version (or ``serving``) as the bundle ``streamtrain export --url`` reads."""
+    registry = service.trainer.registry
+    published = None
+    if version == "serving":
+        published = registry.serving
+    elif version.isascii() and version.isdigit():
+        try:
+            published = registry.get(int(version))
+        except UnknownVersion:
+            published = None
+    if published is None:
+        kept = ", ".join(map(str, registry.versions())) or "none yet"
+        raise HTTPException(status_code=404, detail=f"no kept model version {version!r} (kept: {kept})")
+    return Response(
+        encode_bundle(published),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="streamtrain-v{published.version}.safetensors"'},
+    )
+
+
+@admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}})
+def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
+    """Make a kept earlier version serve again; training continues from its weights."""
+    before = service.published
+    try:
+        service.trainer.rollback(body.version, trigger="admin", reason="asked by an admin")
+    except UnknownVersion:
+        kept = service.trainer.registry.versions()
+        raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
+    return RollbackResult(version=body.version, previous=None if before is None else before.version)
+
+
 @admin.get("/metrics", response_class=Response, dependencies=[Depends(require_admin)],
            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}})
 def admin_metrics(service: ServiceDep) -> Response:
@@ -250,7 +307,7 @@ class BodySizeLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(send)
+            await self._reject(send, scope.get("path", ""))
             return
         received = 0
         exceeded = started = False
@@ -279,10 +336,12 @@ class BodySizeLimit:
         except _BodyTooLarge:
             pass
         if exceeded and not started:
-            await self._reject(send)
+            await self._reject(send, scope.get("path", ""))
 
-    async def _reject(self, send: Send) -> None:
-        body = b'{"detail":"request body too large"}'
+    async def _reject(self, send: Send, path: str = "") -> None:
+        # The Open Inference Protocol's routes answer errors as {"error": ...}.
+        key = b"error" if path.startswith("/v2/") else b"detail"
+        body = b'{"' + key + b'":"request body too large"}'
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -298,7 +357,8 @@ class _BodyTooLarge(Exception):
 def _predict_metrics(app: FastAPI, service: Service) -> None:
     @app.middleware("http")
     async def count_predictions(request: Request, call_next: Any) -> Response:
-        if request.url.path != "/v1/predict":
+        path = request.url.path
+        if path != "/v1/predict" and not (path.startswith("/v2/models/") and path.endswith("/infer")):
             return await call_next(request)
         started = time.perf_counter()
         response = await call_next(request)
@@ -317,7 +377,7 @@ async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(service: Service) -> FastAPI:
-    """The HTTP API of SPEC section 2 over ``service``."""
+    """The HTTP API of docs/contract.md, section 2, over ``service``."""
     settings = service.settings
     app = FastAPI(
         title="streamtrain",
@@ -327,7 +387,7 @@ def create_app(service: Service) -> FastAPI:
     )
     app.state.service = service
     app.state.predict_batcher = PredictBatcher(
-        model_predict,
+        predict_arrays,
         settings.token_budget,
         workers=settings.predict_concurrency,
         admit=settings.predict_concurrency + settings.predict_queue,
@@ -343,6 +403,7 @@ def create_app(service: Service) -> FastAPI:
                           responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}})  # fmt: skip
     app.include_router(model_router)
     app.include_router(metrics_router)
+    app.include_router(oip.router)
     if admin_on:
         app.state.admin_token = settings.admin_token.get_secret_value()
         app.include_router(admin)
@@ -358,7 +419,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def unreadable_body(request: Request, exc: StarletteHTTPException) -> Response:
-        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as SPEC says."""
+        """A body FastAPI cannot even decode (not UTF-8) is invalid input too: 422, as the contract says."""
         if exc.status_code == 400 and exc.detail == _UNPARSABLE_BODY:
             return JSONResponse(status_code=422, content={"detail": "body: not UTF-8 JSON"})
         return await http_exception_handler(request, exc)

@@ -1,4 +1,4 @@
-"""Merge concurrent /v1/predict requests into shared forward passes.
+"""Merge concurrent predict requests (/v1/predict and OIP infer) into shared forward passes.
 
 On a few CPU cores, N requests each running their own forward from N threads fight over
 the cores and the GIL: a request's latency grows with N while the work per request stays
@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from streamtrain.model import Prediction
-
 log = logging.getLogger(__name__)
 
-#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.predict`.
-PredictFn = Callable[[Any, Any, Sequence[np.ndarray], int], list[Prediction]]
+#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.predict_arrays`:
+#: one answer per array, in order, in anything that slices (a list, PredictionArrays).
+PredictFn = Callable[[Any, Any, Sequence[np.ndarray], int], Any]
 
 
 class Overloaded(Exception):
@@ -42,7 +41,7 @@ class _Request:
     published: Any  # the model version the request was admitted with (model, norm)
     arrays: list[np.ndarray]
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[Prediction]] = field(repr=False)
+    future: asyncio.Future[Any] = field(repr=False)
 
 
 def _resolve(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -90,8 +89,9 @@ class PredictBatcher:
         for thread in self._threads:
             thread.start()
 
-    async def submit(self, published: Any, arrays: list[np.ndarray]) -> list[Prediction]:
-        """The predictions for ``arrays``, in order; :class:`Overloaded` when the queue is full."""
+    async def submit(self, published: Any, arrays: list[np.ndarray]) -> Any:
+        """The predictions for ``arrays`` (the predict function's slice), in order;
+        :class:`Overloaded` when the queue is full."""
         loop = asyncio.get_running_loop()
         request = _Request(published, arrays, loop, loop.create_future())
         with self._cond:
@@ -144,7 +144,7 @@ class PredictBatcher:
                 else:
                     request.loop.call_soon_threadsafe(_resolve, request.future, answer)
 
-    def _forward(self, group: list[_Request]) -> list[list[Prediction] | BaseException]:
+    def _forward(self, group: list[_Request]) -> list[Any]:
         """Each request's predictions (or the error of the shared forward)."""
         published = group[0].published
         arrays = [a for request in group for a in request.arrays]
@@ -155,7 +155,7 @@ class PredictBatcher:
             return [err] * len(group)
         if len(group) > 1:
             self.merged_forwards += 1
-        answers: list[list[Prediction] | BaseException] = []
+        answers: list[Any] = []
         start = 0
         for request in group:
             answers.append(predictions[start : start + len(request.arrays)])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,18 +25,34 @@ class Quantiles(BaseModel):
 
 
 class WindowReport(BaseModel):
-    size: int
-    capacity: int
-    seen_total: int = Field(description="Messages read from Kafka")
+    """The ``*_total`` fields count the Kafka messages the window's offsets cover, once each:
+    a checkpoint saves them with the offsets, so they survive restarts and never count a
+    replayed message twice. ``seen_total == accepted_total + sum(rejected_total) + held_out_total`` and
+    ``size == accepted_total - evicted_total``. The Prometheus counters of the same names
+    count what this process did since it started."""
+
+    size: int = Field(description="Items in the window")
+    capacity: int = Field(description="Most items the window holds (WINDOW_CAPACITY)")
+    seen_total: int = Field(description="Messages covered: accepted_total, every rejected message and held_out_total")
     accepted_total: int = Field(description="Valid events offered to the window")
-    rejected_total: dict[str, int] = Field(description="Refused messages by reason")
-    evicted_total: int = Field(description="Accepted events pushed out (or never kept)")
+    rejected_total: dict[str, int] = Field(description="Refused (dead-lettered) messages by reason")
+    held_out_total: int = Field(description="Valid events kept out of the window for the publish gate's holdout (HOLDOUT_SHARE)")
+    evicted_total: int = Field(
+        description="Accepted events not in the window: lost the reservoir race (on arrival or later) or expired (MAX_AGE_S)"
+    )
     half_life_s: float | None = Field(description="Recency half-life; null means a uniform reservoir")
     tokens: int = Field(description="Sum of lengths in the window")
     sensors: int = Field(description="Distinct sensor ids in the window")
     age_s: Quantiles | None
     length: Quantiles | None
     next_offsets: dict[str, int] = Field(description="Partition -> next offset the window covers")
+    last_record_age_s: float | None = Field(
+        None, description="Seconds since the consumer last read a record from Kafka; null before the first"
+    )
+    ingest_restarts_total: dict[str, int] = Field(
+        default_factory=dict, description="Consumers recreated since start, by reason (unassigned, no_fetch_progress, no_heartbeat, error)"
+    )
+    dead_letters_pending: int = Field(0, description="Dead letters not yet acknowledged by Kafka")
 
 
 class DPReport(BaseModel):
@@ -47,6 +63,15 @@ class DPReport(BaseModel):
     unit: str = Field("event", description="The privacy unit: event or sensor")
 
 
+class QualityReport(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    n: int = Field(description="Events scored by the serving model before they were trained on")
+    prequential_mse: float | None = Field(description="Forecast MSE per step of the serving model (fading average)")
+    naive_mse: float | None = Field(description="The last-value forecast's MSE on the same events")
+    skill: float | None = Field(description="1 - prequential_mse / naive_mse")
+    drifts: int = Field(description="Drift detections so far")
+
+
 class ModelReport(BaseModel):
     version: int | None
     step: int
@@ -55,6 +80,20 @@ class ModelReport(BaseModel):
     published_at: float | None
     dp: DPReport | None
     training: dict[str, Any] = Field(default_factory=dict, description="Pass diagnostics and timings")
+    quality: QualityReport | None = Field(
+        None, description="Test-then-train quality of the serving model; null until the first event was scored"
+    )
+    versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(strict=True, description="A kept version (see /v1/model versions)")
+
+
+class RollbackResult(BaseModel):
+    version: int = Field(description="The version that serves now")
+    previous: int | None = Field(description="The version that served before")
 
 
 class Instance(BaseModel):
@@ -82,6 +121,7 @@ class PredictionOut(BaseModel):
 
 class PredictResponse(BaseModel):
     model_version: int
+    model_age_s: float = Field(description="Seconds since the answering version was published")
     predictions: list[PredictionOut]
 
 
@@ -92,3 +132,85 @@ class CheckpointResult(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: Any
+
+
+# ---------------------------------------------------------------------- Open Inference Protocol v2
+# The KServe / Triton request and response bodies. The infer route reads the body itself
+# (JSON, or JSON plus binary tensor data), checks it with these models and answers
+# ``{"error": ...}``; they are also what the OpenAPI document shows.
+
+
+class OIPTensorIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(description="values (required) or lengths (optional)")
+    shape: list[Annotated[int, Field(ge=0)]] = Field(description="values: [batch, length, channels]; lengths: [batch]")
+    datatype: str = Field(description="values: FP32; lengths: INT32 or INT64", examples=["FP32"])
+    parameters: dict[str, Any] | None = Field(
+        None, description="binary_data_size: the tensor's bytes follow the JSON header (binary extension)"
+    )
+    data: list[Any] | None = Field(None, description="Row-major contents, flat or nested; absent with binary_data_size")
+
+
+class OIPRequestedOutput(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(description="next, anomaly_score or probs")
+    parameters: dict[str, Any] | None = Field(None, description="binary_data: true answers this output as raw bytes")
+
+
+class OIPInferRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = Field(None, description="Echoed in the answer")
+    model_name: str | None = Field(None, description="Ignored (the path names the model); KServe's client sends it")
+    parameters: dict[str, Any] | None = Field(None, description="binary_data_output: true answers every output as raw bytes")
+    inputs: list[OIPTensorIn] = Field(min_length=1)
+    outputs: list[OIPRequestedOutput] | None = Field(None, description="Outputs to answer, in this order (default: all)")
+
+
+class OIPTensorOut(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class OIPInferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    parameters: dict[str, Any] = Field(description="model_age_s: seconds since this version was published")
+    outputs: list[OIPTensorOut]
+
+
+class OIPTensorMetadata(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class OIPModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[OIPTensorMetadata]
+    outputs: list[OIPTensorMetadata]
+
+
+class OIPServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class OIPLive(BaseModel):
+    live: bool
+
+
+class OIPReady(BaseModel):
+    ready: bool
+    name: str | None = None
+    error: str | None = None
+
+
+class OIPError(BaseModel):
+    error: str

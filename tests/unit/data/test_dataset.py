@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import threading
 from collections.abc import Callable
@@ -15,8 +16,10 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from streamtrain.data import dataset as dataset_module
 from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
-from streamtrain.data.collate import Batch
+from streamtrain.data.collate import Batch, BatchPosition
 from streamtrain.data.dataset import WindowBatchDataset
+from streamtrain.data.passes import PassSampler
+from streamtrain.data.policies import SensorBalancedPolicy
 from streamtrain.data.randomness import derive_seed
 from streamtrain.window import RecencyWindow, WindowSnapshot
 
@@ -162,13 +165,32 @@ def test_state_dict_resumes_at_the_next_pass(make_snapshot: Callable, lognormal:
     original = WindowBatchDataset(lambda: snapshot, BUDGET, seed=9)
     run_passes(original, 2)
     state = original.state_dict()
-    assert state == {"next_pass": 2, "seed": 9}
-    resumed = WindowBatchDataset(lambda: snapshot, BUDGET, seed=0)
-    resumed.load_state_dict(state)
+    assert (state["next_pass"], state["seed"], state["skip_batches"]) == (2, 9, 0)
+    resumed = WindowBatchDataset(lambda: snapshot, BUDGET, seed=9)
+    assert resumed.load_state_dict(state) == 9
     continued = run_passes(original, 1)[0]
     assert np.array_equal(item_ids(run_passes(resumed, 1)[0]), item_ids(continued))
     with pytest.raises(ValueError, match="next_pass"):
         resumed.load_state_dict({"seed": 1})
+
+
+def test_a_changed_seed_wins_over_the_saved_one_and_says_so(
+    make_snapshot: Callable, lognormal: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    snapshot = make_snapshot(lognormal(600))
+    original = WindowBatchDataset(lambda: snapshot, BUDGET, seed=9)
+    run_passes(original, 2)
+    state = original.state_dict()
+    reseeded = WindowBatchDataset(lambda: snapshot, BUDGET, seed=10)
+    with caplog.at_level(logging.WARNING, logger="streamtrain.data.dataset"):
+        assert reseeded.load_state_dict(state) == 9
+    assert "SEED=9" in caplog.text and "SEED=10" in caplog.text
+    assert reseeded.seed == 10 and reseeded.next_pass == 2
+    fresh_with_new_seed = WindowBatchDataset(lambda: snapshot, BUDGET, seed=10)
+    fresh_with_new_seed.next_pass = 2
+    after_restore = item_ids(run_passes(reseeded, 1)[0])
+    assert np.array_equal(after_restore, item_ids(run_passes(fresh_with_new_seed, 1)[0]))
+    assert not np.array_equal(after_restore, item_ids(run_passes(original, 1)[0]))
 
 
 def test_diagnostics_reach_the_callback_once_per_pass(make_snapshot: Callable, lognormal: Callable) -> None:
@@ -269,3 +291,119 @@ def test_crypto_plan_is_shared_by_rank_zero(make_snapshot: Callable, lognormal: 
         assert together.size == len(snapshot) and np.array_equal(np.sort(together), np.sort(snapshot.ts))
         passes.append(together)
     assert not np.array_equal(passes[0], passes[1])
+
+
+# ---------------------------------------------------------------------- resuming after the last trained batch
+def tracked(window: RecencyWindow, **kwargs) -> WindowBatchDataset:  # type: ignore[no-untyped-def]
+    sampler = PassSampler(50, 0.5, "seeded", 1)
+    return WindowBatchDataset(window.snapshot, TokenBudget(256), seed=1, sampler=sampler, track_trained=True, **kwargs)
+
+
+def take(batches, count: int, dataset: WindowBatchDataset | None = None) -> list[Batch]:  # type: ignore[no-untyped-def]
+    """``count`` batches; each is marked trained when ``dataset`` is given."""
+    out = []
+    for _ in range(count):
+        batch = next(batches)
+        if dataset is not None:
+            dataset.mark_trained(batch)
+        out.append(batch)
+    return out
+
+
+def test_a_moved_window_redraws_the_interrupted_pass_and_keeps_its_fresh_events_fresh(
+    make_event_batch: Callable, lognormal: Callable
+) -> None:
+    window = RecencyWindow(capacity=2000, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(200), first_id=0))
+    dataset = tracked(window)
+    batches = iter(dataset)
+    first = take(batches, 1, dataset)
+    take(batches, first[0].position.batches - 1, dataset)  # the rest of pass 0, trained
+    window.insert_batch(make_event_batch(lognormal(20, seed=1), first_id=1000))  # 20 fresh events
+    take(batches, 1, dataset)  # pass 1 is drawn (the 20 fresh in it) and its first batch trained
+    take(batches, 2)  # planned ahead, never trained
+    state = dataset.state_dict()
+    assert state["next_pass"] == 1 and state["skip_batches"] == 1
+    assert state["sampler"]["watermark"] == 200, "the events of the interrupted pass must still count as fresh"
+
+    window.insert_batch(make_event_batch(lognormal(5, seed=2), first_id=2000))  # the window moves on
+    restored = RecencyWindow(capacity=2000)
+    restored.load_state_dict(window.state_dict())
+    resumed = tracked(restored)
+    resumed.load_state_dict(state)
+    redrawn: list[Batch] = []
+    resumed.on_pass_end = lambda _: redrawn.append(None)  # type: ignore[arg-type, func-returns-value]
+    pass_batches = []
+    for batch in resumed:
+        if redrawn:
+            break
+        pass_batches.append(batch)
+    assert pass_batches[0].position.pass_index == 1 and pass_batches[0].position.index == 0, "redrawn from its start"
+    ids = set(item_ids(pass_batches).tolist())
+    new_ts = 1.7e9 + np.concatenate([1000 + np.arange(20), 2000 + np.arange(5)])
+    assert set(new_ts.tolist()) <= ids, "every fresh event not yet trained is in the redrawn pass"
+
+
+def test_a_new_iteration_continues_right_after_the_last_trained_batch(
+    make_event_batch: Callable, lognormal: Callable
+) -> None:
+    window = RecencyWindow(capacity=2000, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(300), first_id=0))
+    uninterrupted = take(iter(tracked(window)), 12)
+    dataset = tracked(window)
+    first_try = iter(dataset)
+    before = take(first_try, 7, dataset)
+    take(first_try, 3)  # handed out, then the consumer failed before training them
+    after = take(iter(dataset), 5, dataset)  # the trainer restarts its loop: a new iteration
+    assert np.array_equal(item_ids(before + after), item_ids(uninterrupted))
+    with pytest.raises(StopIteration):
+        next(first_try)  # the old generator retired
+
+
+def test_untracked_states_resume_at_the_next_pass(make_event_batch: Callable, lognormal: Callable) -> None:
+    window = RecencyWindow(capacity=2000, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(300), first_id=0))
+    dataset = WindowBatchDataset(window.snapshot, TokenBudget(256), sampler=PassSampler(50, 0.5, "seeded", 0))
+    batches = iter(dataset)
+    take(batches, 1)
+    state = dataset.state_dict()
+    assert state["next_pass"] == 1 and state["skip_batches"] == 0 and state["sampler"]["passes"] == 1
+
+
+def test_track_trained_refuses_worker_processes(make_snapshot: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
+    snapshot = make_snapshot(np.full(20, 4))
+    dataset = WindowBatchDataset(
+        lambda: snapshot, TokenBudget(16), max_passes=1, allow_worker_processes=True, track_trained=True
+    )
+    with pytest.raises(RuntimeError, match="track_trained"):
+        next(iter(dataset))
+
+
+def test_a_sampler_must_share_the_dataset_randomness() -> None:
+    with pytest.raises(ValueError, match="same"):
+        WindowBatchDataset(lambda: None, BUDGET, seed=1, sampler=PassSampler(10, 0.5, "seeded", 2))  # type: ignore[arg-type, return-value]
+
+
+@pytest.mark.parametrize("change", ["budget", "policy", "pass_size"])
+def test_changed_settings_redraw_the_interrupted_pass_whole(
+    make_event_batch: Callable, lognormal: Callable, change: str
+) -> None:
+    window = RecencyWindow(capacity=2000, rng=np.random.default_rng(0))
+    window.insert_batch(make_event_batch(lognormal(300), first_id=0))
+    dataset = tracked(window)
+    trained = take(iter(dataset), 2, dataset)
+    state = dataset.state_dict()
+    assert state["skip_batches"] == 2
+    same = tracked(window)
+    same.load_state_dict(state)
+    assert next(iter(same)).position == BatchPosition(0, 2, trained[0].position.batches)
+    sampler = PassSampler(
+        40 if change == "pass_size" else 50, 0.5, "seeded", 1,
+        SensorBalancedPolicy(2.0) if change == "policy" else None,
+    )  # fmt: skip
+    budget = TokenBudget(512 if change == "budget" else 256)
+    changed = WindowBatchDataset(window.snapshot, budget, seed=1, sampler=sampler, track_trained=True)
+    changed.load_state_dict(state)
+    first = next(iter(changed)).position
+    assert first is not None and (first.pass_index, first.index) == (0, 0)

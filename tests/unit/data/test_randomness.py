@@ -10,10 +10,12 @@ import pytest
 from scipy import stats
 
 from streamtrain.data.randomness import (
+    STREAM_PURPOSES,
     CryptoRandomness,
     Randomness,
     SeededRandomness,
     derive_seed,
+    derive_seed_sequence,
     make_randomness,
 )
 
@@ -50,6 +52,27 @@ def test_seeded_streams_differ_across_pass_rank_worker_and_shared() -> None:
     heads = {tuple(SeededRandomness(5, *c).raw_uint64(4).tolist()) for c in coordinates}
     assert len(heads) == len(coordinates)
     assert not np.array_equal(SeededRandomness(5).raw_uint64(8), SeededRandomness(6).raw_uint64(8))
+
+
+def test_each_purpose_has_its_own_stream_for_the_same_coordinates() -> None:
+    heads = {
+        purpose: tuple(SeededRandomness(5, 2, 0, None, purpose=purpose).raw_uint64(4).tolist())
+        for purpose in STREAM_PURPOSES
+    }
+    assert len(set(heads.values())) == len(STREAM_PURPOSES)
+    assert len({derive_seed(5, 2, purpose=purpose) for purpose in STREAM_PURPOSES}) == len(STREAM_PURPOSES)
+    with pytest.raises(ValueError, match="purpose"):
+        make_randomness("seeded", 5, purpose="shuffle")  # type: ignore[arg-type]
+
+
+def test_a_stream_is_a_child_in_the_seed_sequence_spawn_tree() -> None:
+    """(seed, purpose, pass, rank, worker) names the node spawn() would hand out on that path."""
+    root = np.random.SeedSequence(9)
+    purpose_child = root.spawn(3)[2]  # tag 2: "select"
+    node = purpose_child.spawn(5)[4].spawn(2)[1].spawn(1)[0]  # pass 4, rank 0 (key 1), shared worker (key 0)
+    derived = derive_seed_sequence(9, 4, 0, None, purpose="select")
+    assert derived.spawn_key == node.spawn_key
+    assert np.array_equal(derived.generate_state(4), node.generate_state(4))
 
 
 def test_derived_seeds_are_distinct_per_rank_and_worker_and_stable() -> None:

@@ -39,10 +39,6 @@ def test_seeded_shuffle_is_refused_naming_shuffle_and_crypto() -> None:
     assert "crypto" in str(error)
 
 
-def test_normalization_by_actual_batch_size_is_refused() -> None:
-    refused("actual batch size", config=DPConfig(**SAFE), shuffle_mode="crypto", normalization="actual_batch_size")
-
-
 def test_running_input_norm_from_private_data_is_refused() -> None:
     refused("NORM_MEAN", config=DPConfig(**SAFE), shuffle_mode="crypto", input_norm=RunningNorm(1))
 

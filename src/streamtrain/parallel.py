@@ -1,0 +1,366 @@
+"""One optimizer step over the union of every rank's batch: data-parallel training.
+
+Each rank trains on token-budget batches from its own window (the partitions it owns).
+A step must equal the single-process step over the union of the ranks' batches, for any
+split, including a rank with no data at all that step. Three things make that so:
+
+* **Global normalization of the loss.** :func:`streamtrain.model.total_loss` divides the
+  forecast error by the batch's count of forecast targets (positions whose next reading
+  is real) and the classification loss by its count of labelled events. Each rank
+  scales its local means by ``local count / global count`` instead, so the losses of the
+  ranks *add up* to the loss of the union; the gradients are then *summed* over the
+  ranks (:meth:`~streamtrain.distributed.Collectives.allreduce_gradients`), not averaged.
+  The global counts are known before the forward pass (they depend only on the masks
+  and labels), so they travel in the step's one small agreement collective.
+* **Normalization statistics merged before they are used.** Every rank computes the
+  moments (count, mean, M2 in float64) of its batch's real readings, all ranks gather
+  them, merge them in rank order with Chan's formula and fold the result into their
+  :class:`~streamtrain.model.RunningNorm`, so every rank normalizes with the statistics
+  of the union, bit for bit the same on every rank.
+* **A rank with no data contributes zeros**, a zero gradient and zero counts, and still
+  takes part in both collectives: nobody waits for it, and it applies the same update.
+
+One step costs two collectives: the agreement (tens of float64 per rank, gathered) and
+the gradient sum (one flat all-reduce per 25 MiB bucket, with the loss sums and the
+non-finite flag riding along). Every decision that follows (skip a non-finite step, clip,
+step the optimizer, publish, checkpoint, stop) is taken from those identical results,
+so ranks never diverge.
+
+With one rank both collectives are local and the step is the single-process step of
+:meth:`streamtrain.train.Trainer.train_step` (tested to agree).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamtrain.data.collate import Batch
+from streamtrain.distributed import DEFAULT_BUCKET_BYTES, Collectives, StepAgreement, StepSignals
+from streamtrain.model import RunningNorm, SensorModel, classification_loss, forecast_loss, naive_last_value_loss
+
+# ----------------------------------------------------------------------------------------
+# normalization statistics
+
+
+@dataclass(frozen=True)
+class Moments:
+    """Count, mean and sum of squared deviations (M2) of real readings per channel, float64."""
+
+    count: int
+    mean: torch.Tensor  # float64 [C]
+    m2: torch.Tensor  # float64 [C]
+    clipped: int = 0  # readings clamped to the outlier band before these moments were taken
+
+    @classmethod
+    def empty(cls, channels: int) -> Moments:
+        zeros = torch.zeros(channels, dtype=torch.float64)
+        return cls(0, zeros, zeros.clone())
+
+    @property
+    def channels(self) -> int:
+        return int(self.mean.numel())
+
+    def as_payload(self) -> np.ndarray:
+        """``[count, clipped, mean..., m2...]`` for the step's agreement collective."""
+        head = np.array([self.count, self.clipped], dtype=np.float64)
+        return np.concatenate([head, self.mean.numpy(), self.m2.numpy()])
+
+    @classmethod
+    def from_payload(cls, row: np.ndarray, channels: int) -> Moments:
+        row = np.asarray(row, dtype=np.float64)
+        if row.shape != (2 + 2 * channels,):
+            raise ValueError(f"a moments payload for {channels} channels has {2 + 2 * channels} numbers, got {row.shape}")
+        return cls(
+            count=int(round(row[0])),
+            clipped=int(round(row[1])),
+            mean=torch.from_numpy(row[2 : 2 + channels].copy()),
+            m2=torch.from_numpy(row[2 + channels :].copy()),
+        )
+
+
+def merge_moments(a: Moments, b: Moments) -> Moments:
+    """Chan et al.'s parallel merge: the moments of the union of two disjoint samples."""
+    if b.count == 0:
+        return replace(a, clipped=a.clipped + b.clipped)
+    if a.count == 0:
+        return replace(b, clipped=a.clipped + b.clipped)
+    total = a.count + b.count
+    delta = b.mean - a.mean
+    return Moments(
+        count=total,
+        mean=a.mean + delta * (b.count / total),
+        m2=a.m2 + b.m2 + delta.square() * (a.count * b.count / total),
+        clipped=a.clipped + b.clipped,
+    )
+
+
+def merge_all(parts: Sequence[Moments]) -> Moments:
+    """Fold ``parts`` left to right (rank order), so every rank gets bit-identical moments."""
+    if not parts:
+        raise ValueError("merge_all needs at least one Moments")
+    merged = parts[0]
+    for part in parts[1:]:
+        merged = merge_moments(merged, part)
+    return merged
+
+
+def batch_moments(norm: RunningNorm, values: torch.Tensor, mask: torch.Tensor) -> Moments:
+    """The moments :meth:`RunningNorm.update` would merge for this batch, without merging them.
+
+    Readings are clamped to the norm's outlier band first, as ``update`` does. After the
+    norm's warm-up the band comes from its running statistics (the same on every rank);
+    during warm-up it comes from each rank's own batch (median and MAD), so only a batch
+    with outliers in the first ``warmup_count`` tokens can differ from the single-process
+    statistics. ``norm`` is left unchanged.
+    """
+    channels = norm.channels
+    if values.dim() != 3 or values.shape[-1] != channels or values.shape[:2] != mask.shape:
+        raise ValueError(
+            f"batch_moments: expected values [B, L, {channels}] and mask [B, L], "
+            f"got {tuple(values.shape)} and {tuple(mask.shape)}"
+        )
+    real = values.detach()[mask.bool()].to(torch.float64)
+    n = int(real.shape[0])
+    if n == 0:
+        return Moments.empty(channels)
+    clipped = 0
+    if norm.clip_std is not None:
+        before = norm.clipped
+        real = norm._clamp_outliers(real)  # the norm's own rule; it counts what it clamps
+        clipped, norm.clipped = norm.clipped - before, before
+    mean = real.mean(dim=0)
+    return Moments(count=n, mean=mean, m2=(real - mean).square().sum(dim=0), clipped=clipped)
+
+
+def apply_moments(norm: RunningNorm, moments: Moments) -> None:
+    """Fold ``moments`` into ``norm`` exactly as :meth:`RunningNorm.update` folds a batch."""
+    if moments.count == 0 and moments.clipped == 0:
+        return
+    if norm.frozen:
+        raise RuntimeError("apply_moments: this norm is frozen (public constants); do not update it")
+    state = norm.state_dict()
+    count = int(state["count"])
+    total = count + moments.count
+    if moments.count:
+        delta = moments.mean - state["mean"]
+        state["mean"] = state["mean"] + delta * (moments.count / total)
+        state["m2"] = state["m2"] + moments.m2 + delta.square() * (count * moments.count / total)
+    state["count"] = total
+    state["clipped"] = int(state.get("clipped", 0)) + moments.clipped
+    norm.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------------------
+# the counts that normalize the loss
+
+
+@dataclass(frozen=True)
+class LossCounts:
+    """What a batch holds, as the loss and the counters count it."""
+
+    real_tokens: int  # readings (the trainer's tokens_trained counts these)
+    forecast_targets: int  # positions t with t and t+1 real: the forecast loss's denominator
+    labelled: int  # events with a label: the classification loss's denominator
+    sequences: int
+    padded_tokens: int
+
+    @classmethod
+    def of(cls, batch: Batch | None) -> LossCounts:
+        if batch is None:
+            return cls(0, 0, 0, 0, 0)
+        lengths = batch.lengths
+        return cls(
+            real_tokens=int(lengths.sum()),
+            forecast_targets=int((lengths - 1).clamp_min(0).sum()),
+            labelled=int((batch.labels >= 0).sum()),
+            sequences=batch.batch_size,
+            padded_tokens=batch.padded_tokens,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "real_tokens": self.real_tokens,
+            "forecast_targets": self.forecast_targets,
+            "labelled": self.labelled,
+            "sequences": self.sequences,
+            "padded_tokens": self.padded_tokens,
+        }
+
+
+def globally_normalized_loss(
+    output: Any,
+    x_norm: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor | None,
+    local: LossCounts,
+    totals: dict[str, int],
+    class_weight: float = 1.0,
+) -> torch.Tensor:
+    """This rank's share of the union's :func:`~streamtrain.model.total_loss`.
+
+    ``total_loss`` is ``forecast mean + class_weight × classification mean`` over one
+    batch; the shares of all ranks add up to it over the union: each local mean is
+    weighted by ``local count / global count`` of its own denominator.
+    """
+    loss = forecast_loss(output, x_norm, mask) * (local.forecast_targets / max(totals["forecast_targets"], 1))
+    if output.logits is not None and labels is not None:
+        class_part = classification_loss(output.logits, labels) * (local.labelled / max(totals["labelled"], 1))
+        loss = loss + class_weight * class_part
+    return loss
+
+
+# ----------------------------------------------------------------------------------------
+# the step
+
+
+@dataclass(frozen=True)
+class ParallelStepReport:
+    """What one data-parallel step did; every field but ``local_*`` and the timings is global."""
+
+    agreement: StepAgreement
+    applied: bool
+    skipped_reason: str | None  # None, "stop", "no_data", "non_finite_loss", "non_finite_grad"
+    loss: float  # the union's total_loss (nan when no step ran)
+    forecast_loss: float  # the union's forecast MSE (normalized units)
+    naive_loss: float  # the last-value forecast's MSE on the same batches
+    grad_norm: float  # global gradient norm before clipping (nan when not computed)
+    real_tokens: int
+    padded_tokens: int
+    sequences: int
+    local_real_tokens: int
+    seconds: float
+    agree_seconds: float  # the agreement collective
+    allreduce_seconds: float  # the gradient all-reduce
+
+
+class DataParallelStep:
+    """Runs lockstep optimizer steps: ``step(batch or None, step=..., signals=...)``.
+
+    Holds no state of its own: the model, norm, optimizer and scheduler are the
+    trainer's (rank 0 checkpoints them once; they are identical on every rank). Every
+    rank must call it once per step, with or without a batch; the returned agreement
+    tells all of them alike whether to publish, checkpoint or stop.
+    """
+
+    def __init__(
+        self,
+        collectives: Collectives,
+        model: SensorModel,
+        norm: RunningNorm,
+        optimizer: torch.optim.Optimizer,
+        *,
+        grad_clip_norm: float,
+        scheduler: Any | None = None,
+        class_weight: float = 1.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.collectives = collectives
+        self.model = model
+        self.norm = norm
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip_norm = float(grad_clip_norm)
+        self.class_weight = float(class_weight)
+        self.bucket_bytes = int(bucket_bytes)
+        self.fault_injector = fault_injector  # tests make one rank's loss non-finite here
+
+    def step(self, batch: Batch | None, *, step: int, signals: StepSignals | None = None) -> ParallelStepReport:
+        started = time.perf_counter()
+        if batch is not None and batch.batch_size == 0:
+            batch = None
+        signals = replace(signals or StepSignals(), has_data=batch is not None)
+        local = LossCounts.of(batch)
+        channels = self.norm.channels
+        moments = Moments.empty(channels)
+        if batch is not None and not self.norm.frozen:
+            moments = batch_moments(self.norm, batch.values, batch.mask)
+
+        agreed_at = time.perf_counter()
+        agreement = self.collectives.agree(step, signals, local.as_dict(), moments.as_payload())
+        agree_seconds = time.perf_counter() - agreed_at
+        totals = agreement.totals
+
+        def report(applied: bool, reason: str | None, **values: float) -> ParallelStepReport:
+            return ParallelStepReport(
+                agreement=agreement,
+                applied=applied,
+                skipped_reason=reason,
+                loss=values.get("loss", math.nan),
+                forecast_loss=values.get("forecast_loss", math.nan),
+                naive_loss=values.get("naive_loss", math.nan),
+                grad_norm=values.get("grad_norm", math.nan),
+                real_tokens=totals["real_tokens"],
+                padded_tokens=totals["padded_tokens"],
+                sequences=totals["sequences"],
+                local_real_tokens=local.real_tokens,
+                seconds=time.perf_counter() - started,
+                agree_seconds=agree_seconds,
+                allreduce_seconds=values.get("allreduce_seconds", 0.0),
+            )
+
+        if agreement.stop:
+            return report(False, "stop")
+        if not agreement.has_data:
+            return report(False, "no_data")
+
+        norm_before = self.norm.state_dict()  # a refused step must not move the normalization
+        if not self.norm.frozen:
+            parts = [Moments.from_payload(row, channels) for row in agreement.per_rank]
+            apply_moments(self.norm, merge_all(parts))
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(4, dtype=torch.float64)  # non-finite flag, loss, forecast sum, naive sum
+        if batch is not None:
+            mask = batch.mask
+            dtype = next(self.model.parameters()).dtype  # float32 in the service, as Trainer.train_step
+            x_norm = self.norm.normalize(batch.values).to(dtype) * mask[..., None]
+            output = self.model(x_norm, mask)
+            loss = globally_normalized_loss(output, x_norm, mask, batch.labels, local, totals, self.class_weight)
+            if self.fault_injector is not None:
+                loss = self.fault_injector(loss)
+            if torch.isfinite(loss):
+                loss.backward()
+            else:
+                sums[0] = 1.0
+            with torch.no_grad():
+                sums[1] = float(loss.detach())
+                sums[2] = float(forecast_loss(output, x_norm, mask)) * local.forecast_targets
+                sums[3] = float(naive_last_value_loss(x_norm, mask)) * local.forecast_targets
+
+        reduced_at = time.perf_counter()
+        reduced = self.collectives.allreduce_gradients(self.model.parameters(), sums, bucket_bytes=self.bucket_bytes)
+        allreduce_seconds = time.perf_counter() - reduced_at
+        assert reduced is not None
+        flag, loss_value, forecast_sum, naive_sum = (float(v) for v in reduced.tolist())
+        targets = max(totals["forecast_targets"], 1)
+        values = {
+            "loss": loss_value,
+            "forecast_loss": forecast_sum / targets,
+            "naive_loss": naive_sum / targets,
+            "allreduce_seconds": allreduce_seconds,
+        }
+
+        skipped: str | None = None
+        if flag > 0:
+            skipped = "non_finite_loss"
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+            values["grad_norm"] = float(grad_norm)
+            if not torch.isfinite(grad_norm):
+                skipped = "non_finite_grad"
+            else:
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if skipped is not None:
+            self.norm.load_state_dict(norm_before)
+        return report(skipped is None, skipped, **values)

@@ -1,0 +1,158 @@
+"""The topics the service creates: the event topic and its dead-letter topic, fitted to the cluster.
+
+Replication follows the broker's ``default.replication.factor`` unless
+``TOPIC_REPLICATION_FACTOR`` is set (a hard-coded 1 would leave a three-broker cluster's
+topics unreplicated). The dead-letter topic must take every message the event topic can
+hold, plus the four contract headers: it is created with a ``max.message.bytes`` of the
+event topic's limit (read from the broker, so a topic an operator configured is matched)
+plus :data:`DLQ_HEADROOM_BYTES`. Existing topics are never altered; a dead-letter topic
+that is smaller than its event topic is reported, and messages it refuses are forwarded
+as bounded stand-ins (``dead_letters.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+from kafka.errors import TopicAlreadyExistsError
+
+from streamtrain.config import Settings
+
+log = logging.getLogger(__name__)
+
+#: Room for the contract headers and the record-batch framing of a forwarded message.
+DLQ_HEADROOM_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = "max.message.bytes"
+
+
+@dataclass(frozen=True)
+class TopicLimits:
+    """``max.message.bytes`` of the event topic and of its dead-letter topic, as the broker reports them."""
+
+    source_max_message_bytes: int
+    dlq_max_message_bytes: int
+
+
+def forbid_topic_auto_creation(client: Any) -> Any:
+    """Make a kafka-python producer or consumer never create topics by asking for them.
+
+    kafka-python 3.0.12 accepts ``allow_auto_create_topics=False`` but never passes it to
+    its cluster metadata, which keeps asking the broker to auto-create every topic it
+    requests: a deleted dead-letter topic would come back with the broker's defaults
+    (1 MB limit, 1 partition) instead of being created again with its size limit.
+    """
+    cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
+    if cluster is None or "allow_auto_create_topics" not in getattr(cluster, "config", {}):
+        raise RuntimeError("kafka-python's cluster metadata changed: re-check streamtrain.topics.forbid_topic_auto_creation")
+    cluster.config["allow_auto_create_topics"] = False
+    return client
+
+
+def _admin(bootstrap: str, timeout_s: float) -> KafkaAdminClient:
+    # A short reconnect backoff: after a broker outage the default grows to 30 s, and ingest
+    # (which prepares its topics on every reconnect) would wait that long after the broker is back.
+    return KafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), reconnect_backoff_max_ms=1000,
+        bootstrap_timeout_ms=int(timeout_s * 1000),
+    )
+
+
+def _create(
+    admin: KafkaAdminClient,
+    topics: Mapping[str, int],
+    timeout_s: float,
+    replication_factor: int | None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    configs = configs or {}
+    wanted = {
+        name: {
+            "num_partitions": partitions,
+            "replication_factor": -1 if replication_factor is None else replication_factor,  # -1: the broker's default
+            "configs": dict(configs.get(name, {})),
+        }
+        for name, partitions in topics.items()
+    }
+    if not wanted:
+        return
+    try:
+        admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000), wait_for_metadata=True)
+    except TopicAlreadyExistsError:  # another replica was first
+        log.info("topics %s: created meanwhile by someone else", sorted(wanted))
+        return
+    for name in wanted:
+        log.info("created topic %s (%d partitions, replication %s, %s)", name, wanted[name]["num_partitions"],
+                 replication_factor or "broker default", wanted[name]["configs"] or "broker default configs")  # fmt: skip
+
+
+def ensure_topics(
+    bootstrap: str,
+    topics: Mapping[str, int],
+    timeout_s: float = 10.0,
+    *,
+    replication_factor: int | None = None,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    """Create missing topics (name -> partitions); existing ones are left alone.
+
+    ``replication_factor=None`` uses the broker's ``default.replication.factor``;
+    ``configs`` maps a topic name to topic configs for its creation.
+    """
+    admin = _admin(bootstrap, timeout_s)
+    try:
+        existing = set(admin.list_topics())
+        missing = {name: p for name, p in topics.items() if name not in existing}
+        _create(admin, missing, timeout_s, replication_factor, configs)
+    finally:
+        admin.close()
+
+
+def max_message_bytes(admin: KafkaAdminClient, topic: str) -> int:
+    """The topic's effective ``max.message.bytes`` (its own setting, else the broker's)."""
+    described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {MAX_MESSAGE_BYTES: None})], config_filter="all")
+    return int(described["topic"][topic][MAX_MESSAGE_BYTES]["value"])
+
+
+def dlq_configs(source_max_message_bytes: int) -> dict[str, str]:
+    """Topic configs of a dead-letter topic that takes whatever its event topic holds."""
+    return {MAX_MESSAGE_BYTES: str(source_max_message_bytes + DLQ_HEADROOM_BYTES)}
+
+
+def prepare_topics(settings: Settings, timeout_s: float = 10.0) -> TopicLimits:
+    """Create the event topic and ``<topic>.dlq`` if missing; report both size limits."""
+    admin = _admin(settings.kafka_bootstrap, timeout_s)
+    try:
+        existing = set(admin.list_topics())
+        if settings.topic not in existing:
+            _create(admin, {settings.topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor)
+        source = max_message_bytes(admin, settings.topic)
+        if settings.dlq_topic not in existing:
+            _create(admin, {settings.dlq_topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor,
+                    {settings.dlq_topic: dlq_configs(source)})  # fmt: skip
+        dlq = max_message_bytes(admin, settings.dlq_topic)
+    finally:
+        admin.close()
+    if dlq < source:
+        log.warning(
+            "dead-letter topic %s takes messages up to %d bytes, its event topic %s up to %d: larger dead letters "
+            "are forwarded as stand-ins (raise its %s to keep them whole)",
+            settings.dlq_topic, dlq, settings.topic, source, MAX_MESSAGE_BYTES,
+        )  # fmt: skip
+    return TopicLimits(source, dlq)
+
+
+def ensure_dead_letter_topic(settings: Settings, source_max_message_bytes: int, timeout_s: float = 10.0) -> bool:
+    """Create ``<topic>.dlq`` again if it went missing (deleted); True if it had to be created."""
+    admin = _admin(settings.kafka_bootstrap, timeout_s)
+    try:
+        if settings.dlq_topic in set(admin.list_topics()):
+            return False
+        _create(admin, {settings.dlq_topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor,
+                {settings.dlq_topic: dlq_configs(source_max_message_bytes)})  # fmt: skip
+        return True
+    finally:
+        admin.close()

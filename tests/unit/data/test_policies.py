@@ -1,0 +1,391 @@
+"""Sampling policies: each keeps a pass exactly-once, its fresh rule and its own promise, in both randomness modes."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from streamtrain.data.bucketing import TokenBudget, label_codes, label_deviation, plan_batches
+from streamtrain.data.passes import PassSampler
+from streamtrain.data.policies import (
+    CurriculumPolicy,
+    SensorBalancedPolicy,
+    StratifiedPolicy,
+    UniformPolicy,
+    concentration,
+    gumbel_top_k,
+    make_policy,
+    systematic_round,
+    water_fill,
+)
+from streamtrain.data.randomness import CryptoRandomness, Randomness, SeededRandomness
+from streamtrain.window import WindowSnapshot
+
+MODES = ["seeded", "crypto"]
+
+
+def snapshot_of(
+    lengths: np.ndarray, sensors: np.ndarray, labels: np.ndarray, seq: np.ndarray | None = None
+) -> WindowSnapshot:
+    n = lengths.size
+    starts = np.zeros(n, np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return WindowSnapshot(
+        flat_values=np.zeros((int(lengths.sum()), 1), np.float32),
+        starts=starts,
+        lengths=lengths.astype(np.int64),
+        ts=np.arange(n, dtype=np.float64),
+        labels=labels.astype(np.int64),
+        keys=np.zeros(n),
+        sensor_ids=np.array([f"sensor-{s}" for s in sensors], dtype=object),
+        partitions=np.zeros(n, np.int32),
+        offsets=np.arange(n, dtype=np.int64),
+        seq=np.arange(n, dtype=np.int64) if seq is None else seq,
+    )
+
+
+@st.composite
+def windows(draw: st.DrawFn) -> tuple[WindowSnapshot, int]:
+    """A window with skewed sensors, labels and arrival numbers, and a watermark inside it."""
+    n = draw(st.integers(1, 300))
+    n_sensors = draw(st.integers(1, 8))
+    skew = draw(st.floats(0.0, 3.0))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    share = np.arange(1, n_sensors + 1, dtype=np.float64) ** -skew
+    sensors = rng.choice(n_sensors, n, p=share / share.sum())
+    labels = rng.integers(-1, draw(st.integers(1, 4)), n)
+    lengths = rng.integers(0, draw(st.integers(1, 200)), n)
+    seq = rng.permutation(n).astype(np.int64) * draw(st.integers(1, 3))  # any order, gaps allowed
+    watermark = draw(st.integers(0, int(seq.max()) + 2))
+    return snapshot_of(lengths, sensors, labels, seq), watermark
+
+
+policies = st.sampled_from(["uniform", "sensor_balanced", "stratified", "curriculum"]).flatmap(
+    lambda name: st.builds(
+        make_policy,
+        st.just(name),
+        sensor_temperature=st.sampled_from([0.5, 1.0, 2.0, 5.0, math.inf]),
+        curriculum_strength=st.floats(0.0, 20.0),
+        curriculum_half_life_steps=st.sampled_from([1.0, 100.0, math.inf]),
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    window=windows(),
+    policy=policies,
+    max_items=st.integers(0, 320),
+    fresh_share=st.floats(0.0, 1.0),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**31),
+    planned_steps=st.integers(0, 10_000),
+)
+def test_every_policy_takes_each_chosen_item_once_and_keeps_the_fresh_rule(
+    window: tuple[WindowSnapshot, int],
+    policy,
+    max_items: int,
+    fresh_share: float,
+    mode: str,
+    seed: int,
+    planned_steps: int,
+) -> None:
+    snapshot, watermark = window
+    n = len(snapshot)
+    sampler = PassSampler(max_items, fresh_share, mode, seed, policy)  # type: ignore[arg-type]
+    sampler.watermark = watermark
+    selection = sampler.select(snapshot, planned_steps=planned_steps)
+    index = selection.index
+    bounded = 0 < max_items < n
+
+    assert np.array_equal(index, np.unique(index)), "an item twice, or not in ascending order"
+    assert index.size == (max_items if bounded else n)
+    assert index.min() >= 0 and index.max() < n
+    is_fresh = snapshot.seq >= watermark
+    assert np.all(is_fresh[selection.fresh]) and np.isin(selection.fresh, index).all()
+    assert selection.facts["fresh_items"] == selection.fresh.size
+    assert selection.facts["fresh_deferred"] == np.count_nonzero(is_fresh) - selection.fresh.size
+    assert sampler.watermark == max(watermark, int(snapshot.seq.max()) + 1)
+    assert sampler.passes == 1
+    if not bounded:
+        assert selection.fresh.size == np.count_nonzero(is_fresh)
+        return
+    cap = int(max_items * fresh_share)
+    assert selection.fresh.size <= cap
+    if policy.name in ("uniform", "curriculum"):
+        # the newest fresh items, as many as the fresh share allows
+        newest = np.flatnonzero(is_fresh)[np.argsort(-snapshot.seq[is_fresh], kind="stable")][:cap]
+        assert np.array_equal(np.sort(newest), selection.fresh)
+    else:
+        groups = label_codes(snapshot.labels)[0] if policy.name == "stratified" else sensor_codes(snapshot)
+        for group in np.unique(groups[selection.fresh]):
+            # inside a group, fresh items are taken newest first
+            group_fresh = np.flatnonzero(is_fresh & (groups == group))
+            taken = np.intersect1d(selection.fresh, group_fresh)
+            newest = group_fresh[np.argsort(-snapshot.seq[group_fresh], kind="stable")][: taken.size]
+            assert np.array_equal(np.sort(newest), taken)
+
+
+def sensor_codes(snapshot: WindowSnapshot) -> np.ndarray:
+    return np.unique(snapshot.sensor_ids.astype(str), return_inverse=True)[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=windows(),
+    temperature=st.sampled_from([0.5, 1.0, 2.0, 4.0, math.inf]),
+    max_items=st.integers(1, 300),
+    fresh_share=st.floats(0.0, 1.0),
+    mode=st.sampled_from(MODES),
+)
+def test_sensor_balanced_gives_every_sensor_its_tempered_quota(
+    window: tuple[WindowSnapshot, int], temperature: float, max_items: int, fresh_share: float, mode: str
+) -> None:
+    snapshot, watermark = window
+    n = len(snapshot)
+    if max_items >= n:
+        return
+    sampler = PassSampler(max_items, fresh_share, mode, 1, SensorBalancedPolicy(temperature))  # type: ignore[arg-type]
+    sampler.watermark = watermark
+    selection = sampler.select(snapshot)
+    codes = sensor_codes(snapshot)
+    in_window = np.bincount(codes)
+    in_pass = np.bincount(codes[selection.index], minlength=in_window.size)
+    weights = in_window ** (1 / temperature) if math.isfinite(temperature) else np.ones(in_window.size)
+    target = water_fill(weights, in_window, max_items)
+    assert np.all(in_pass <= in_window)
+    assert np.all(np.abs(in_pass - target) < 1.0), "a sensor's items are off its quota by a whole item"
+
+
+@settings(max_examples=200, deadline=None)
+@given(window=windows(), max_items=st.integers(1, 300), fresh_share=st.floats(0.0, 1.0), mode=st.sampled_from(MODES))
+def test_stratified_pass_has_the_window_label_mix(
+    window: tuple[WindowSnapshot, int], max_items: int, fresh_share: float, mode: str
+) -> None:
+    snapshot, watermark = window
+    n = len(snapshot)
+    if max_items >= n:
+        return
+    sampler = PassSampler(max_items, fresh_share, mode, 2, StratifiedPolicy())  # type: ignore[arg-type]
+    sampler.watermark = watermark
+    selection = sampler.select(snapshot)
+    assert selection.stratify
+    codes, classes = label_codes(snapshot.labels)
+    in_pass = np.bincount(codes[selection.index], minlength=classes)
+    assert np.all(np.abs(in_pass - max_items * np.bincount(codes) / n) < 1.0)
+
+
+def assert_plan_is_stratified(plan, lengths: np.ndarray, labels: np.ndarray, budget: TokenBudget) -> None:
+    emitted = np.concatenate(plan.batches) if plan.batches else np.zeros(0, np.int64)
+    assert np.unique(emitted).size == emitted.size
+    assert emitted.size + plan.diagnostics.withheld_items == lengths.size
+    codes, classes = label_codes(labels)
+    mix = np.bincount(codes[emitted], minlength=classes) / max(emitted.size, 1)
+    for batch in plan.batches:
+        width = max(int(budget.padded_length(lengths[batch].max())), 1)
+        assert batch.size <= max(1, int(budget.capacity(width))), "a batch over the token budget"
+        deviation = np.abs(np.bincount(codes[batch], minlength=classes) - mix * batch.size)
+        assert deviation.max() <= 3.0, f"batch of {batch.size} is {deviation.max():.2f} items off its label share"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 400),
+    classes=st.integers(1, 6),
+    max_length=st.integers(1, 300),
+    budget=st.builds(
+        TokenBudget,
+        max_tokens=st.integers(1, 4096),
+        max_sequences=st.none() | st.integers(1, 64),
+        pad_to_multiple_of=st.sampled_from([1, 8]),
+        quadratic_length=st.none() | st.floats(8.0, 2048.0),
+    ),
+    pool_size=st.none() | st.integers(1, 500),
+    world_size=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    crypto=st.booleans(),
+)
+def test_stratified_batches_keep_the_budget_and_every_class_within_three_items_of_its_share(
+    n: int,
+    classes: int,
+    max_length: int,
+    budget: TokenBudget,
+    pool_size: int | None,
+    world_size: int,
+    seed: int,
+    crypto: bool,
+) -> None:
+    rng = np.random.default_rng(seed)
+    labels = rng.choice(classes, n, p=rng.dirichlet(np.ones(classes))) - 1  # -1: unlabeled is a class too
+    lengths = rng.integers(0, max_length + 1, n)
+    randomness: Randomness = CryptoRandomness() if crypto else SeededRandomness(seed)
+    plan = plan_batches(
+        lengths, budget, randomness, pool_size=pool_size, world_size=world_size, labels=labels, stratify=True
+    )
+    assert_plan_is_stratified(plan, lengths, labels, budget)
+    assert len(plan.batches) % world_size == 0
+
+
+def test_stratified_batches_mix_labels_that_length_bucketing_would_separate() -> None:
+    rng = np.random.default_rng(0)
+    labels = rng.choice(3, 6000, p=[0.6, 0.3, 0.1])
+    lengths = np.clip(np.round(rng.lognormal(np.log(24) + 0.7 * labels, 0.5)), 2, 512).astype(np.int64)
+    budget = TokenBudget(4096)
+    plain = plan_batches(lengths, budget, SeededRandomness(0), labels=labels).diagnostics
+    stratified = plan_batches(lengths, budget, SeededRandomness(0), labels=labels, stratify=True).diagnostics
+    assert plain.label_deviation > 0.3, "the lengths were meant to separate the classes"
+    assert stratified.label_deviation < 0.05 and stratified.label_deviation_max < 0.25
+    assert stratified.padding_share > plain.padding_share  # the price, reported
+
+
+def test_label_deviation_by_hand() -> None:
+    labels = np.array([0, 0, 1, 1, 0, 1])
+    # pass mix: half and half. Batch [0, 1] is all 0 (TV 1/2), batch [2, 4] is even (0), [3, 5] all 1 (1/2).
+    emitted = np.array([0, 1, 2, 4, 3, 5])
+    mean, largest = label_deviation(emitted, np.array([2, 2, 2]), labels)
+    assert mean == pytest.approx(1 / 3) and largest == pytest.approx(0.5)
+    assert all(math.isnan(x) for x in label_deviation(emitted, np.array([6]), np.zeros(6, np.int64)))
+    diagnostics = plan_batches(np.full(6, 3), TokenBudget(6), SeededRandomness(0), pool_size=6, labels=labels).diagnostics
+    assert diagnostics.batches == 3 and 0.0 <= diagnostics.label_deviation <= diagnostics.label_deviation_max <= 1.0
+
+
+def test_concentration_by_hand() -> None:
+    assert concentration(np.array([0, 0, 1, 1]), 2) == (0.5, 0.0)
+    assert concentration(np.array([0, 0, 0, 0]), 2) == (1.0, 1.0)
+    top, hhi = concentration(np.array([0, 0, 0, 1]), 4)  # shares .75 .25 0 0 of four sensors
+    assert top == 0.75 and hhi == pytest.approx((0.75**2 + 0.25**2 - 0.25) / 0.75)
+    assert math.isnan(concentration(np.array([0, 0]), 1)[1]) and math.isnan(concentration(np.zeros(0, int), 3)[0])
+
+
+# ------------------------------------------------------------------------------ building blocks
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.lists(st.just(0.0) | st.floats(1e-6, 1e6), min_size=1, max_size=12),
+    caps=st.lists(st.integers(0, 50), min_size=12, max_size=12),
+    share=st.floats(0.0, 1.2),
+)
+def test_water_fill_spends_the_total_within_caps_at_one_level(weights: list[float], caps: list[int], share: float) -> None:
+    w = np.array(weights)
+    c = np.array(caps[: w.size], dtype=np.float64)
+    total = share * c.sum()
+    q = water_fill(w, c, total)
+    assert np.all(q >= 0) and np.all(q <= c + 1e-9)
+    reachable = c.sum() if total >= c.sum() else min(total, c[w > 0].sum())
+    assert q.sum() == pytest.approx(reachable, abs=1e-6)
+    free = (q < c - 1e-9) & (w > 0)
+    if free.any() and total < c.sum():
+        level = q[free] / w[free]
+        assert np.allclose(level, level[0]), "uncapped groups must share one level"
+        capped = (q >= c - 1e-9) & (w > 0)
+        assert np.all(c[capped] / w[capped] <= level[0] + 1e-9), "a group capped below the level"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    quotas=st.lists(st.floats(0.0, 40.0), min_size=1, max_size=20).map(np.array),
+    seed=st.integers(0, 2**32 - 1),
+    crypto=st.booleans(),
+)
+def test_systematic_rounding_keeps_the_total_and_stays_within_one(quotas: np.ndarray, seed: int, crypto: bool) -> None:
+    quotas = quotas * (np.round(quotas.sum()) / quotas.sum()) if quotas.sum() > 0 else quotas  # a whole total
+    out = systematic_round(quotas, CryptoRandomness() if crypto else SeededRandomness(seed))
+    assert out.sum() == round(quotas.sum())
+    assert np.all(out >= np.floor(quotas - 1e-6)) and np.all(out <= np.ceil(quotas + 1e-6))
+
+
+def test_systematic_rounding_is_unbiased() -> None:
+    quotas = np.array([0.3, 2.5, 1.2, 0.0, 3.0, 0.7, 0.3])  # total 8
+    draws = np.array([systematic_round(quotas, SeededRandomness(5, p)) for p in range(8000)])
+    # each count is floor + Bernoulli(fraction): standard error sqrt(f(1-f)/8000) <= 0.0056
+    assert np.all(np.abs(draws.mean(axis=0) - quotas) < 0.025)
+    assert np.all(draws.sum(axis=1) == 8)
+
+
+def test_gumbel_top_k_draws_like_successive_weighted_draws() -> None:
+    weights = np.array([1.0, 2.0, 3.0, 4.0])
+    k, draws = 2, 20_000
+    # exact inclusion probabilities of Plackett-Luce draws without replacement
+    exact = np.zeros(4)
+    for first, second in itertools.permutations(range(4), 2):
+        p = weights[first] / weights.sum() * weights[second] / (weights.sum() - weights[first])
+        exact[[first, second]] += p
+    counts = np.zeros(4)
+    for d in range(draws):
+        counts[gumbel_top_k(np.arange(4), np.log(weights), k, SeededRandomness(11, d))] += 1
+    assert counts.sum() == k * draws
+    # k items per draw: compare each item's inclusion count with its binomial law
+    z = (counts - draws * exact) / np.sqrt(draws * exact * (1 - exact))
+    assert np.all(np.abs(z) < 4.5), z
+
+
+# ------------------------------------------------------------------------------ each policy's effect
+def skewed_fleet(n: int = 4000, seed: int = 0) -> WindowSnapshot:
+    """One chatty sensor with ~half the events, nine quiet ones sharing the rest."""
+    rng = np.random.default_rng(seed)
+    share = np.array([20.0] + [2.2] * 9)
+    sensors = rng.choice(10, n, p=share / share.sum())
+    lengths = np.clip(np.round(rng.lognormal(np.log(48), 0.8, n)), 4, 512).astype(np.int64)
+    return snapshot_of(lengths, sensors, rng.integers(0, 3, n))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sensor_balancing_flattens_a_chatty_sensor_and_temperature_one_keeps_the_window_mix(mode: str) -> None:
+    window = skewed_fleet()
+
+    def shares(policy) -> tuple[float, float]:
+        facts = PassSampler(500, 0.0, mode, 3, policy).select(window).facts  # type: ignore[arg-type]
+        return facts["sensor_top_share"], facts["sensor_hhi"]
+
+    window_top, window_hhi = concentration(sensor_codes(window), 10)
+    uniform_top, _ = shares(UniformPolicy())
+    as_window_top, as_window_hhi = shares(SensorBalancedPolicy(1.0))
+    equal_top, equal_hhi = shares(SensorBalancedPolicy(math.inf))
+    assert abs(uniform_top - window_top) < 0.08  # a 500-item sample of the window
+    assert abs(as_window_top - window_top) < 0.005 and abs(as_window_hhi - window_hhi) < 0.005  # quotas: exact
+    assert equal_top == pytest.approx(0.1, abs=0.003) and equal_hhi < 1e-4
+    assert shares(SensorBalancedPolicy(2.0))[0] < window_top - 0.1
+
+
+def test_curriculum_prefers_short_items_and_anneals_to_uniform() -> None:
+    window = skewed_fleet(3000)
+    rank = (stats.rankdata(window.lengths) - 1) / (len(window) - 1)
+    policy = CurriculumPolicy(strength=4.0, half_life_steps=100.0)
+    assert policy.beta(0) == 4.0 and policy.beta(100) == pytest.approx(2.0) and policy.beta(1000) < 0.004
+
+    def mean_rank(planned_steps: int, passes: int = 40) -> float:
+        sampler = PassSampler(300, 0.0, "seeded", 4, policy)
+        return float(np.mean([rank[sampler.select(window, planned_steps=planned_steps).index].mean() for _ in range(passes)]))
+
+    early, late = mean_rank(0), mean_rank(2000)
+    assert early < 0.3, "strength 4 should favour the short items clearly"
+    # at beta ~ 0 a 300-of-3000 replay has mean rank 0.5 with standard error ~0.017 / sqrt(40)
+    assert abs(late - 0.5) < 0.02
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_curriculum_at_zero_strength_replays_uniformly(mode: str) -> None:
+    window = skewed_fleet(200)
+    sampler = PassSampler(20, 0.0, mode, 6, CurriculumPolicy(strength=0.0))  # type: ignore[arg-type]
+    counts = np.zeros(200)
+    passes = 1000
+    for _ in range(passes):
+        counts[sampler.select(window).index] += 1
+    # every item with probability 1/10 per pass: chi-square over 200 cells
+    statistic = float(((counts - passes / 10) ** 2 / (passes / 10)).sum())
+    assert stats.chi2.sf(statistic / 0.9, 199) > 1e-6  # a fixed 20 per pass: each count varies by p(1 - p), not p
+
+
+def test_make_policy_names_the_choices() -> None:
+    assert make_policy("stratified").stratify_batches and not make_policy("uniform").stratify_batches
+    with pytest.raises(ValueError, match="SAMPLING"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="temperature"):
+        SensorBalancedPolicy(0.0)
+    with pytest.raises(ValueError, match="half_life"):
+        CurriculumPolicy(1.0, 0.0)

@@ -1,0 +1,448 @@
+"""Scale-out machinery: launch context, ownership, lockstep, the data-parallel step.
+
+The multi-process tests start real processes the way torchrun does (WORLD_SIZE, RANK,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment; gloo over localhost), running
+``dist_worker.py``; every rank writes what it saw and this file checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dist_worker
+from streamtrain.config import load_settings
+from streamtrain.data import collate
+from streamtrain.distributed import (
+    EXIT_COLLECTIVE_FAILURE,
+    OWNERSHIP_VERSION,
+    Collectives,
+    DistConfigError,
+    DistContext,
+    Ownership,
+    StepSignals,
+    capacity_share,
+    free_port,
+    http_port,
+    owner,
+    resolve_backend,
+)
+from streamtrain.metrics import Metrics
+from streamtrain.model import RunningNorm
+from streamtrain.parallel import (
+    DataParallelStep,
+    LossCounts,
+    Moments,
+    apply_moments,
+    batch_moments,
+    merge_all,
+)
+from streamtrain.train import Trainer
+from streamtrain.window import RecencyWindow
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+# ----------------------------------------------------------------------------------------
+# launch context
+
+
+def test_no_world_size_means_one_process() -> None:
+    ctx = DistContext.from_env({})
+    assert (ctx.rank, ctx.world_size, ctx.distributed) == (0, 1, False)
+    assert Collectives(ctx).start().active is False
+
+
+def test_context_reads_torchrun_variables() -> None:
+    env = {
+        "WORLD_SIZE": "4",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "trainer-0.trainer",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
+    ctx = DistContext.from_env(env)
+    assert ctx == DistContext(3, 4, 1, 2, "trainer-0.trainer", 29500, 2)
+    assert ctx.owned_partitions(10) == [3, 7]
+    assert ctx.is_primary is False
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2"),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE"),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR"),
+        ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ],
+)
+def test_bad_launch_environment_is_one_line(env: dict[str, str], names: str) -> None:
+    with pytest.raises(DistConfigError) as err:
+        DistContext.from_env(env)
+    assert names in str(err.value) and "\n" not in str(err.value)
+
+
+def test_http_port_rule() -> None:
+    two_local = DistContext(rank=3, world_size=4, local_rank=1, local_world_size=2, master_addr="h", master_port=1)
+    pod = DistContext(rank=3, world_size=4, local_rank=0, local_world_size=1, master_addr="h", master_port=1)
+    assert http_port(8000, two_local, explicit=False) == 8001  # configured + LOCAL_RANK
+    assert http_port(0, two_local, explicit=False) == 0  # ephemeral stays ephemeral
+    assert http_port(9000, pod, explicit=True) == 9000  # set for this process alone
+    with pytest.raises(DistConfigError, match="share this host"):
+        http_port(9000, two_local, explicit=True)
+    with pytest.raises(DistConfigError, match="65535"):
+        http_port(65535, two_local, explicit=False)
+
+
+def test_backend_choice() -> None:
+    assert resolve_backend("auto", "cpu") == "gloo"
+    assert resolve_backend("gloo", "cpu") == "gloo"
+    with pytest.raises(DistConfigError, match="CUDA"):
+        resolve_backend("nccl", "cpu")
+    with pytest.raises(DistConfigError, match="auto"):
+        resolve_backend("mpi", "cpu")
+    if torch.distributed.is_nccl_available():
+        assert resolve_backend("auto", "cuda") == "nccl"
+
+
+# ----------------------------------------------------------------------------------------
+# ownership
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(0, 300))
+def test_ownership_partitions_the_partitions(world_size: int, partition_count: int) -> None:
+    rule = Ownership(world_size=world_size, partition_count=partition_count)
+    shares = [rule.partitions_of(rank) for rank in range(world_size)]
+    flat = sorted(p for share in shares for p in share)
+    assert flat == list(range(partition_count))  # every partition exactly once
+    for rank, share in enumerate(shares):
+        assert share == sorted(share)
+        assert all(owner(p, world_size) == rank == p % world_size for p in share)
+        assert len(share) in (partition_count // world_size, partition_count // world_size + 1)
+    assert rule.idle_ranks() == [r for r in range(world_size) if not shares[r]]
+    # growing the topic never moves an existing partition
+    grown = Ownership(world_size=world_size, partition_count=partition_count + 5)
+    assert all(grown.owner(p) == rule.owner(p) for p in range(partition_count))
+
+
+def test_ownership_is_versioned() -> None:
+    rule = Ownership(world_size=3, partition_count=8)
+    record = rule.as_dict()
+    assert record == {"rule": "modulo", "version": OWNERSHIP_VERSION, "world_size": 3, "partition_count": 8}
+    assert Ownership.from_dict(record) == rule
+    with pytest.raises(ValueError, match="unknown"):
+        Ownership.from_dict({**record, "version": OWNERSHIP_VERSION + 1})
+    with pytest.raises(ValueError, match="negative"):
+        owner(-1, 2)
+
+
+@given(st.integers(1, 10**7), st.integers(1, 64))
+def test_capacity_shares_add_up(capacity: int, world_size: int) -> None:
+    shares = [capacity_share(capacity, rank, world_size) for rank in range(world_size)]
+    if capacity >= world_size:
+        assert sum(shares) == capacity
+    assert max(shares) - min(shares) <= 1 and min(shares) >= 1
+
+
+# ----------------------------------------------------------------------------------------
+# normalization statistics
+
+
+def _moments_of(values: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    real = values.astype(np.float64)
+    mean = real.mean(axis=0)
+    return real.shape[0], mean, ((real - mean) ** 2).sum(axis=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(0, 2**31 - 1), st.floats(-1e4, 1e4))
+def test_chan_merge_equals_the_union(sizes: list[int], seed: int, center: float) -> None:
+    rng = np.random.default_rng(seed)
+    parts = [rng.normal(center, 3.0, (n, 2)) for n in sizes]
+    merged = merge_all(
+        [
+            Moments(n, torch.from_numpy(m), torch.from_numpy(m2)) if n else Moments.empty(2)
+            for n, m, m2 in (_moments_of(p) if len(p) else (0, None, None) for p in parts)
+        ]
+    )
+    union = np.concatenate(parts)
+    assert merged.count == union.shape[0]
+    if union.shape[0]:
+        count, mean, m2 = _moments_of(union)
+        np.testing.assert_allclose(merged.mean.numpy(), mean, rtol=1e-12, atol=1e-9)
+        np.testing.assert_allclose(merged.m2.numpy(), m2, rtol=1e-9, atol=1e-7)
+
+
+def test_batch_moments_then_apply_is_running_norm_update() -> None:
+    rng = np.random.default_rng(1)
+    reference, ours = RunningNorm(2, warmup_count=50), RunningNorm(2, warmup_count=50)
+    for step in range(6):
+        items = [rng.normal(3.0, 2.0, (int(rng.integers(1, 30)), 2)).astype(np.float32) for _ in range(8)]
+        if step == 4:
+            items[0][0] = 1e30  # an outlier after warm-up: clamped by the running band
+        batch = collate(items)
+        reference.update(batch.values, batch.mask)
+        before = ours.state_dict()
+        moments = batch_moments(ours, batch.values, batch.mask)
+        assert ours.state_dict()["count"] == before["count"] and ours.clipped == before["clipped"]
+        apply_moments(ours, moments)
+    for key, value in reference.state_dict().items():
+        other = ours.state_dict()[key]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+    assert ours.clipped >= 1
+
+
+def test_moments_payload_round_trip() -> None:
+    moments = Moments(5, torch.tensor([1.5, -2.0], dtype=torch.float64), torch.tensor([3.0, 4.0], dtype=torch.float64), 2)
+    back = Moments.from_payload(moments.as_payload(), 2)
+    assert back.count == 5 and back.clipped == 2
+    assert torch.equal(back.mean, moments.mean) and torch.equal(back.m2, moments.m2)
+    with pytest.raises(ValueError, match="6 numbers"):
+        Moments.from_payload(np.zeros(5), 2)
+
+
+def test_loss_counts() -> None:
+    batch = collate([np.ones((3, 1), np.float32), np.ones((1, 1), np.float32)], labels=[2, -1])
+    assert LossCounts.of(batch) == LossCounts(real_tokens=4, forecast_targets=2, labelled=1, sequences=2, padded_tokens=6)
+    assert LossCounts.of(None) == LossCounts(0, 0, 0, 0, 0)
+
+
+# ----------------------------------------------------------------------------------------
+# one rank: the step is the single-process step
+
+
+def _trainer(**overrides: object) -> Trainer:
+    return Trainer(load_settings(window_capacity=1000, seed=3, **overrides), RecencyWindow(1000, math.inf), Metrics())
+
+
+def test_one_rank_step_is_trainer_train_step_bit_for_bit() -> None:
+    torch.set_num_threads(1)
+    reference, ours = _trainer(n_classes=3), _trainer(n_classes=3)
+    dp = DataParallelStep(
+        Collectives(DistContext()),
+        ours.model,
+        ours.norm,
+        ours.optimizer,
+        grad_clip_norm=ours.settings.grad_clip_norm,
+        scheduler=ours.scheduler,
+    )
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        items = [rng.normal(2, 3, (int(rng.integers(1, 60)), 1)).astype(np.float32) for _ in range(12)]
+        batch = collate(items, labels=rng.integers(-1, 3, len(items)))
+        nan = step == 2
+        reference.fault_injector = ours_injector = (lambda loss: loss * math.nan) if nan else None
+        dp.fault_injector = ours_injector
+        expected = reference.train_step(batch)
+        report = dp.step(batch, step=step)
+        assert report.applied == expected.applied
+        assert report.skipped_reason == expected.skipped_reason
+        if expected.applied:
+            assert report.loss == pytest.approx(expected.loss, rel=1e-6)
+    for (name, a), b in zip(reference.model.named_parameters(), ours.model.parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(reference.norm.mean, ours.norm.mean) and reference.norm.count == ours.norm.count
+
+
+def test_one_rank_collectives_are_local() -> None:
+    c = Collectives(DistContext())
+    agreement = c.agree(7, StepSignals(stop=True, has_data=True), {"real_tokens": 12}, [1.0, 2.0])
+    assert agreement.stop and not agreement.checkpoint and agreement.ranks_with_data == 1
+    assert agreement.totals == {"real_tokens": 12}
+    np.testing.assert_array_equal(agreement.per_rank, [[1.0, 2.0]])
+    layer = torch.nn.Linear(2, 1)
+    tail = c.allreduce_gradients(layer.parameters(), torch.tensor([3.0]))
+    assert tail is not None and float(tail) == 3.0
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())  # zeros, not None
+    assert c.agree_all(True) and c.max_int(5) == 5 and c.broadcast_ints([4]) == [4]
+    with pytest.raises(ValueError, match="2\\*\\*53"):
+        c.agree(0, StepSignals(), {"tokens": 2**60})
+
+
+def test_no_data_anywhere_is_an_idle_step() -> None:
+    trainer = _trainer()
+    dp = DataParallelStep(Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    report = dp.step(None, step=0, signals=StepSignals(publish_due=True))
+    assert (report.applied, report.skipped_reason, report.agreement.publish) == (False, "no_data", True)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert dp.step(None, step=1, signals=StepSignals(stop=True)).skipped_reason == "stop"
+
+
+# ----------------------------------------------------------------------------------------
+# real processes
+
+
+def _launch(
+    scenario: str, out: Path, *, timeout_s: float, world: int = 2, late_s: float = 0.0
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``world`` ranks of ``dist_worker.py`` as torchrun would on one host; the last
+    one joins ``late_s`` seconds late."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    python_path = os.pathsep.join([str(REPO / "src"), str(WORKER.parent), os.environ.get("PYTHONPATH", "")])
+    processes = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TEST_DIST_TIMEOUT_S=str(timeout_s),
+            TEST_START_DELAY_S=str(late_s if rank == world - 1 else 0.0),
+            PYTHONPATH=python_path,
+        )
+        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed with the process
+        processes.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env, stdout=log, stderr=log))
+    return processes
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(out.glob("rank*.log")))
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
+
+
+def _reference_params() -> tuple[dict[str, np.ndarray], RunningNorm, list[float]]:
+    """One process, the union of both ranks' batches per step, the same optimizer.
+
+    The one-rank DataParallelStep is Trainer.train_step bit for bit (tested above), so
+    this is the service's single-process step. Both sides run in float64: in float32
+    Adam turns rounding noise in gradients that are zero in exact arithmetic (the
+    attention key biases) into ~1e-6 moves, which would measure float32, not the method.
+    """
+    trainer = dist_worker.double_trainer()
+    dp = DataParallelStep(
+        Collectives(DistContext()),
+        trainer.model,
+        trainer.norm,
+        trainer.optimizer,
+        grad_clip_norm=trainer.settings.grad_clip_norm,
+        scheduler=trainer.scheduler,
+    )
+    losses = []
+    for step, per_rank in enumerate(dist_worker.schedule()):
+        union = [item for items in per_rank if items for item in items]
+        if step == dist_worker.NAN_STEP or not union:
+            losses.append(math.nan)  # the ranks skip these steps together (NaN loss; no data)
+            continue
+        losses.append(dp.step(collate(union), step=step).loss)
+    return {n: p.detach().numpy() for n, p in trainer.model.named_parameters()}, trainer.norm, losses
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, list[subprocess.Popen[bytes]]]]]:
+    """All three multi-process scenarios, started at once: their start-up (imports,
+    rendezvous) and the hang's timeout overlap instead of adding up."""
+    root = tmp_path_factory.mktemp("worlds")
+    started = {
+        "train": (root / "train", _launch("train", root / "train", timeout_s=60)),
+        # rank 1 joins later than DIST_TIMEOUT_S: a slow start is not a failure
+        "kill": (root / "kill", _launch("kill", root / "kill", timeout_s=FAILURE_TIMEOUT_S, late_s=FAILURE_TIMEOUT_S + 2)),
+        "hang": (root / "hang", _launch("hang", root / "hang", timeout_s=FAILURE_TIMEOUT_S)),
+    }
+    try:
+        yield started
+    finally:
+        for _, processes in started.values():
+            _stop(processes)
+
+
+FAILURE_TIMEOUT_S = 4.0
+
+
+def test_two_ranks_train_one_model(worlds: dict[str, tuple[Path, list[subprocess.Popen[bytes]]]]) -> None:
+    tmp_path, processes = worlds["train"]
+    codes = [p.wait(240) for p in processes]
+    assert codes == [0, 0], _logs(tmp_path)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    params = [dict(np.load(tmp_path / f"rank{r}-params.npz")) for r in range(2)]
+
+    # lockstep: every rank took the same decisions, flags ORed over the ranks
+    strip = [[{k: v for k, v in r.items() if k != "local_real_tokens"} for r in s["reports"]] for s in seen]
+    assert json.dumps(strip[0]) == json.dumps(strip[1])
+    reports = seen[0]["reports"]
+    assert [r["checkpoint"] for r in reports] == [step == 1 for step in range(dist_worker.STEPS)]
+    assert [r["publish"] for r in reports] == [step == 3 for step in range(dist_worker.STEPS)]
+    assert [r["skipped"] for r in reports] == [None, None, None, "non_finite_loss", None, "no_data", None]
+    assert [r["ranks_with_data"] for r in reports] == [2, 2, 1, 2, 1, 0, 2]
+    for step, per_rank in enumerate(dist_worker.schedule()):
+        union_tokens = sum(len(item) for items in per_rank if items for item in items)
+        assert reports[step]["real_tokens"] == union_tokens
+        assert sum(s["reports"][step]["local_real_tokens"] for s in seen) == union_tokens
+    assert all(s["stop_agreed"] for s in seen)
+    assert all(s["lockstep_error"] and "out of lockstep" in s["lockstep_error"] for s in seen)
+    assert seen[0]["in_sync"] == 0.0
+
+    # one model: the ranks agree, and equal one process trained on the union of their batches
+    expected, norm, losses = _reference_params()
+    worst_between_ranks = max(float(np.abs(params[0][n] - params[1][n]).max()) for n in expected)
+    worst_vs_union = max(float(np.abs(params[0][n] - expected[n]).max()) for n in expected)
+    assert worst_between_ranks <= 1e-6
+    assert worst_vs_union <= 1e-6
+    moved = max(float(np.abs(params[0][n] - dist_worker.double_trainer().model.state_dict()[n].numpy()).max()) for n in expected)
+    assert moved > 1e-3  # the comparison is not vacuous: training moved the weights
+    for step, loss in enumerate(losses):
+        if not math.isnan(loss):
+            assert reports[step]["loss"] == pytest.approx(loss, rel=1e-9)
+    assert int(params[0]["norm_count"]) == norm.count
+    np.testing.assert_allclose(params[0]["norm_mean"], norm.mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(params[0]["norm_m2"], norm.state_dict()["m2"].numpy(), rtol=1e-10)
+    np.testing.assert_array_equal(params[0]["norm_mean"], params[1]["norm_mean"])
+
+    # collective checkpoints: the damaged newest one is skipped by every rank together
+    union = set()
+    for rank, s in enumerate(seen):
+        ckpt = s["checkpoints"]
+        assert ckpt["saved"]["10"]["ok"] and ckpt["saved"]["20"]["ok"]
+        assert ckpt["restored_step"] == 10 and ckpt["topology_changed"] is False
+        assert ckpt["restored_items"] == ckpt["saved"]["10"]["items"]
+        assert ckpt["restored_offsets"] == ckpt["saved"]["10"]["next_offsets"]
+        assert all(int(p) % 2 == rank for p in ckpt["restored_offsets"])
+        union |= {tuple(item) for item in ckpt["restored_items"]}
+    assert union == {(p, o) for p in range(3) for o in range(25)}
+
+
+def test_a_dead_or_hung_rank_makes_the_others_fail_within_the_timeout(
+    worlds: dict[str, tuple[Path, list[subprocess.Popen[bytes]]]],
+) -> None:
+    codes = {mode: worlds[mode][1][0].wait(240) for mode in ("kill", "hang")}
+    killed = worlds["kill"][1][1].wait(30)
+    for mode in ("kill", "hang"):
+        out = worlds[mode][0]
+        assert (out / "rank1.ready").exists(), _logs(out)
+        assert codes[mode] == EXIT_COLLECTIVE_FAILURE, _logs(out)  # the survivor left with its own code
+        outcome = json.loads((out / "rank0.json").read_text())
+        assert outcome["error"].startswith("CollectiveFailure: rank 0 of 2"), outcome
+        assert f"DIST_TIMEOUT_S={FAILURE_TIMEOUT_S:g}" in outcome["error"]
+        # detected within the timeout (plus scheduling slack on a loaded machine)
+        assert outcome["seconds_after_last_step"] <= FAILURE_TIMEOUT_S + 5.0, outcome
+        assert "leaving the training group" in (out / "rank0.log").read_text()
+    assert killed == -9
+    hang = json.loads((worlds["hang"][0] / "rank0.json").read_text())
+    assert hang["seconds_after_last_step"] >= FAILURE_TIMEOUT_S * 0.9  # a hang is noticed by the timeout, not sooner
