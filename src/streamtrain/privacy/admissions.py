@@ -80,6 +80,28 @@ def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
                 ) from None
 
 
+def _last_watermark(path: Path, tail_bytes: int = 1 << 16) -> int | None:
+    """The watermark of the last verified entry of one log file, reading only its tail."""
+    try:
+        with open(path, "rb") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - tail_bytes))
+            tail = file.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.split(b"\n")[1 if size > tail_bytes else 0 : -1]):  # complete lines only
+        try:
+            body, _, crc = line.decode("ascii").rpartition("\t")
+            if int(crc, 16) == zlib.crc32(body.encode("ascii")):
+                return int(json.loads(body)["w"])
+        except (ValueError, UnicodeDecodeError, KeyError):
+            continue
+    if size > tail_bytes:  # no verified line in the tail: read it all (and refuse damage)
+        marks = [int(entry["w"]) for entry in _read_lines(path)]
+        return max(marks) if marks else None
+    return None
+
+
 def _cut_torn_tail(path: Path) -> None:
     """Before appending: drop a torn last line, so it cannot merge with the next one."""
     try:
@@ -151,11 +173,20 @@ class AdmissionRecord:
                 state.candidates.setdefault(int(entry["s"]), []).extend(str(s) for s in entry["c"])
 
     def watermarks(self, partitions: Sequence[int]) -> dict[int, int]:
-        """The recorded watermark of each of ``partitions`` (read now: another process may have moved them)."""
-        state = RecordState()
+        """The recorded watermark of each of ``partitions`` (read now: another process may have moved them).
+
+        Watermarks only grow, so the last complete line of a log holds its partition's; only
+        the log's tail is read (this runs in Kafka's rebalance callback).
+        """
+        found: dict[int, int] = {}
         for partition in partitions:
-            self._read_partition(int(partition), state)
-        return state.watermarks
+            path = self.partition_path(int(partition))
+            for part in (path, path.with_name(path.name + ".1")):
+                mark = _last_watermark(part)
+                if mark is not None:
+                    found[int(partition)] = mark
+                    break
+        return found
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -103,3 +103,15 @@ def test_a_full_log_is_rotated_and_still_read(tmp_path: Path) -> None:
     assert (tmp_path / "adm" / "partition-0.jsonl.1").exists()
     state = AdmissionRecord(tmp_path / "adm", tmp_path / "clock.jsonl").load()
     assert state.watermarks == {0: 6} and state.last_step == 5
+
+
+def test_a_moved_partitions_watermark_is_read_from_the_logs_tail(tmp_path: Path) -> None:
+    record = make(tmp_path)
+    for step in range(1, 400):
+        record.append(decision(step, {3: [10 * step]}, {3: 10 * step + 1}), [(1, step)])
+    record.sync()
+    elsewhere = AdmissionRecord(tmp_path / "adm", tmp_path / "other-clock.jsonl")  # another process, same shared dir
+    assert elsewhere.watermarks([3, 4]) == {3: 3991}
+    with open(record.partition_path(3), "ab") as file:
+        file.write(b'{"s":400,"w":99')  # torn: ignored
+    assert elsewhere.watermarks([3]) == {3: 3991}
