@@ -1,6 +1,6 @@
-"""DP-SGD step time and loss: ours vs Opacus ``make_private`` (Poisson) vs non-DP training.
+"""DP-SGD step time and utility: ours vs Opacus ``make_private`` (Poisson) vs non-DP training.
 
-All three train the same :class:`~streamtrain.model.SensorModel` from the same initial
+Part 1, step time. All three train the same :class:`~streamtrain.model.SensorModel` from the same initial
 weights on the same logical batches: Poisson samples of the training set (rate q, so the
 expected batch is ``--expected-batch``), drawn once with a fixed seed and shared.
 
@@ -19,7 +19,16 @@ interleaved step by step so machine load hits them alike. Loss is the forecast M
 held-out sequences after ``--steps`` steps of ours and of non-DP on the same batches, next
 to the naive last-value baseline (Opacus, the slow one, only runs the timed steps).
 
-Run: ``python bench/dp.py [--steps N] [--timed-steps N] [--items N] [--expected-batch B] [--json]``.
+Part 2, utility on the simulator's stream (``--utility-steps``, 0 to skip). The service's
+DP path with its default settings — :class:`DPEngine` admitting arrivals of the simulated
+sensor fleet (``streamtrain simulate``'s generator, 100 events/s) on its public clock (2 Hz:
+1200 steps = 10 minutes of stream), the service's model and optimizer — against the same
+model trained without DP on the same arrivals (each step on that step's arrivals, as the
+service's trainer favours fresh events). Rows give the held-out forecast MSE of both over
+the last-value forecast's, with the ε per event spent so far, at points along the way: the
+loss-vs-ε curve (ε grows over the first K steps, then stays at its cap while learning goes on).
+
+Run: ``python bench/dp.py [--steps N] [--timed-steps N] [--utility-steps N] [--json]``.
 """
 
 from __future__ import annotations
@@ -39,10 +48,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
+from streamtrain.config import Settings  # noqa: E402
 from streamtrain.data import TokenBudget, collate, plan_batches  # noqa: E402
 from streamtrain.data.randomness import SeededRandomness  # noqa: E402
-from streamtrain.model import SensorModel, forecast_loss, naive_last_value_loss  # noqa: E402
+from streamtrain.events import EventLimits, decode_batch  # noqa: E402
+from streamtrain.model import SensorModel, build_model, forecast_loss, naive_last_value_loss  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
+from streamtrain.simulate import SensorFleet, SimulationConfig  # noqa: E402
 
 BENCH = "dp"
 
@@ -72,7 +84,7 @@ def make_ours(model: SensorModel, args: argparse.Namespace, train_size: int) -> 
     q = args.expected_batch / train_size
     config = DPConfig(
         noise_multiplier=args.sigma, clip_norm=args.clip, q0=q, eligible_steps=args.steps,
-        admit_per_step=max(1, train_size // args.steps), delta=1e-6, target_epsilon=1e6,
+        admit_per_step=max(1, train_size // args.steps), target_epsilon=1e6,
         expected_batch_size=float(args.expected_batch),
     )  # fmt: skip
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -183,6 +195,81 @@ def run(args: argparse.Namespace) -> list[Row]:
     ]
 
 
+def utility(args: argparse.Namespace) -> list[Row]:
+    """Part 2: held-out loss over the last value's, DP (service defaults) vs non-DP, along the stream."""
+    torch.set_num_threads(args.threads)
+    settings = Settings(dp="on", shuffle="crypto", learning_rate=args.utility_lr or Settings.model_fields["learning_rate"].default)
+    fleet = SensorFleet(SimulationConfig(rate=args.rate, sensors=16, seed=args.seed + 7, max_len=settings.max_len))
+    limits = EventLimits.from_settings(settings)
+    torch.manual_seed(settings.seed)
+    private_model = build_model(settings)
+    plain_model = copy.deepcopy(private_model)
+    config = DPConfig.from_settings(settings)
+    engine = DPEngine(private_model, torch.optim.AdamW(private_model.parameters(), lr=settings.learning_rate,
+                      weight_decay=settings.weight_decay), config, settings.dp_token_budget)  # fmt: skip
+    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    budget = TokenBudget(settings.token_budget, max_sequences=settings.max_batch_sequences)
+    rng = np.random.default_rng(args.seed)
+
+    def arrivals(count: int, now: float, first_offset: int) -> list[np.ndarray]:
+        raw = fleet.generate_batch(count, now=now)
+        events = decode_batch(raw.values, limits, now + 2.0, [0] * count, list(range(first_offset, first_offset + count))).events
+        return events, [events.values[a : a + n] for a, n in zip(events.starts, events.lengths, strict=True)]
+
+    held_events, held = arrivals(512, 9_000.0, 0)
+    held_batch = collate(held)
+    x_held = engine.norm.normalize(held_batch.values).float() * held_batch.mask[..., None]
+    naive = float(naive_last_value_loss(x_held, held_batch.mask))
+
+    def ratio(model: SensorModel) -> float:
+        model.eval()
+        with torch.no_grad():
+            loss = float(forecast_loss(model(x_held, held_batch.mask), x_held, held_batch.mask))
+        model.train()
+        return loss / naive
+
+    def plain_step(items: list[np.ndarray]) -> None:
+        lengths = np.array([len(v) for v in items])
+        target_tokens = max(1, int((lengths - 1).sum()))
+        for group in plan_batches(lengths, budget, SeededRandomness(int(rng.integers(1 << 30))), pool_size=len(items)).batches:
+            batch = collate([items[i] for i in group])
+            x_norm = engine.norm.normalize(batch.values).float() * batch.mask[..., None]
+            per_sample = forecast_loss(plain_model(x_norm, batch.mask), x_norm, batch.mask, reduction="per_sample")
+            (per_sample * (batch.lengths - 1).clamp_min(1)).sum().div(target_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(plain_model.parameters(), settings.grad_clip_norm)
+        plain_optimizer.step()
+        plain_optimizer.zero_grad(set_to_none=True)
+
+    rate = config.step_rate_hz
+    k = config.eligible_steps  # ε grows over the first K steps, then stays at its cap
+    early = {int(round(k * f)) for f in (1 / 8, 1 / 4, 1 / 2, 1.0)}
+    late = {int(round(args.utility_steps * f)) for f in (1 / 6, 1 / 3, 1 / 2, 2 / 3, 1.0)}
+    marks = sorted(m for m in (early | late) if 0 < m <= args.utility_steps)
+    rows: list[Row] = []
+    now, offset = 10_000.0, 512
+    engine.step(now)
+    started = time.perf_counter()
+    for step in range(1, args.utility_steps + 1):
+        count = int(rng.poisson(args.rate / rate))
+        events, items = arrivals(count, now, offset)
+        offset += count
+        engine.admit(events, now=now + 0.5 / rate)
+        now = 10_000.0 + step / rate + 1e-3
+        engine.step(now)
+        if items:
+            plain_step(items)
+        if step in marks:
+            minutes = step / rate / 60
+            epsilon = engine.epsilon_spent()
+            rows.append(Row(BENCH, f"stream {minutes:.1f} min (step {step}): DP holdout_loss vs last value, eps {epsilon:.2f}",
+                            ratio(private_model) * naive, naive, "<= 0.9x at 10 min, eps <= 8" if step == marks[-1] else ""))  # fmt: skip
+            rows.append(Row(BENCH, f"stream {minutes:.1f} min (step {step}): non-DP holdout_loss vs last value",
+                            ratio(plain_model) * naive, naive))  # fmt: skip
+            print(f"# utility step {step}/{args.utility_steps} after {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    rows.append(Row(BENCH, "epsilon per event (cap, DP defaults) vs target", engine.epsilon_cap, config.target_epsilon, "<= 1.0x"))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=2048, help="training sequences")
@@ -202,11 +289,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-micro-batch", type=int, default=128, help="sequences per micro-batch, both")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--utility-steps", type=int, default=1200, help="part 2: DP clock steps (2 Hz: 1200 = 10 min); 0 skips")
+    parser.add_argument("--utility-lr", type=float, default=None, help="part 2: learning rate (default: the service's)")
+    parser.add_argument("--rate", type=float, default=100.0, help="part 2: simulated events per second")
+    parser.add_argument("--skip-timing", action="store_true", help="run part 2 only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not args.warmup < args.timed_steps <= args.steps:
         parser.error("need --warmup < --timed-steps <= --steps")
-    emit(run(args), args.json)
+    rows = [] if args.skip_timing else run(args)
+    if args.utility_steps > 0:
+        rows += utility(args)
+    emit(rows, args.json)
 
 
 if __name__ == "__main__":

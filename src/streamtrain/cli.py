@@ -75,9 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     service.on_agreed_stop = stop_http
     try:
-        service.start()  # restores the newest checkpoint before any thread starts
-    except IncompatibleCheckpoint as err:
+        service.start()  # restores the newest checkpoint (and the DP admission record) before any thread starts
+    except (IncompatibleCheckpoint, ValueError) as err:  # incl. a DP admission record it must not resume from
         print(f"streamtrain: {err}", file=sys.stderr)
+        service.stop(final_checkpoint=False)
         return 2
     except CollectiveFailure as err:  # a peer died or hung while the ranks restored together
         exit_after_collective_failure(err)

@@ -212,19 +212,28 @@ class Settings(BaseSettings):
 
     # --- Differential privacy ------------------------------------------------------------------
     dp: Literal["on", "off"] = Field("off", description="DP-SGD training (needs shuffle=crypto)")
-    dp_noise_multiplier: float = Field(1.0, description="Gaussian noise multiplier sigma")
-    dp_clip_norm: float = Field(1.0, description="Per-sample gradient clip norm C")
-    dp_q0: float = Field(0.05, description="Sampling probability of a fresh eligible event")
+    dp_noise_multiplier: float = Field(1.1, description="Noise multiplier sigma (noise std / clip norm)")
+    dp_clip_norm: float = Field(1.0, description="Per-unit gradient clip norm C")
+    dp_q0: float = Field(0.05, description="Sampling probability of a fresh eligible record")
     dp_half_life_steps: float = Field(math.inf, description="Recency half-life of q_j in steps; inf = constant")
-    dp_eligible_steps: int = Field(100, description="K: steps an admitted event stays eligible")
-    dp_admit_per_step: int = Field(64, description="R: events admitted per public-clock step")
+    dp_eligible_steps: int = Field(100, description="K: steps an admitted record stays eligible")
+    dp_admit_per_step: int = Field(64, description="R: records admitted per public-clock step")
     dp_step_rate_hz: float = Field(2.0, description="Public clock: DP steps per second")
-    dp_delta: float = Field(1e-6, description="delta of the per-event guarantee")
-    dp_target_epsilon: float = Field(8.0, description="Per-event epsilon the configuration must not exceed")
+    dp_delta: float = Field(1e-12, description="delta of the per-unit guarantee (refused when delta x DP_EXPECTED_UNITS > 0.01)")
+    dp_target_epsilon: float = Field(8.0, description="Per-unit epsilon the configuration must not exceed (sensor unit: over its life)")
     dp_expected_batch_size: float | None = Field(
         None, description="Public divisor of the noisy gradient sum (default: sum_j R*q_j)"
     )
-    dp_noise_source: Literal["urandom", "philox"] = Field("urandom", description="Noise bits: OS CSPRNG or CSPRNG-keyed Philox")
+    dp_unit: Literal["event", "sensor"] = Field(
+        "event", description="Privacy unit: event (each event) or sensor (all of a sensor's events, lifetime budget)"
+    )
+    dp_sensor_events: int = Field(4, description="Sensor unit: b, most events of one sensor in the DP window (clipped together)")
+    dp_expected_units: float = Field(
+        1e10, description="Privacy units (events or sensors) the deployment will admit over its whole life; sizes delta"
+    )
+    dp_admission_dir: Path | None = Field(
+        None, description="Where the per-partition admission record lives (default CHECKPOINT_DIR/dp-admissions); shared by replicas"
+    )
     dp_norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
     dp_norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")
     dp_token_budget: int = Field(1024, ge=1, description="Padded tokens per DP micro-batch")

@@ -240,11 +240,16 @@ class _SeekOnAssign(ConsumerRebalanceListener):
         self.consumer: KafkaConsumer | None = None  # set when partitions are assigned by hand
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        self._ingestor.assigned = self._ingestor.assigned - {tp.partition for tp in revoked}
-        log.info("partitions revoked: %s", sorted(tp.partition for tp in revoked))
+        partitions = sorted(tp.partition for tp in revoked)
+        self._ingestor.assigned = self._ingestor.assigned - set(partitions)
+        log.info("partitions revoked: %s", partitions)
+        if self._ingestor.on_revoked is not None and partitions:
+            self._ingestor.on_revoked(partitions)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         consumer = self.consumer if self.consumer is not None else self._ingestor._consumer
+        if self._ingestor.on_assigned is not None and assigned:
+            self._ingestor.on_assigned(sorted(tp.partition for tp in assigned))
         stored = self._ingestor.resume_offsets()
         for tp in assigned:
             if tp.partition in stored and consumer is not None:
@@ -347,6 +352,8 @@ class Ingestor:
         metrics: Metrics,
         *,
         on_events: Callable[[EventBatch, dict[int, int]], None] | None = None,
+        on_assigned: Callable[[list[int]], None] | None = None,
+        on_revoked: Callable[[list[int]], None] | None = None,
         before_insert: Callable[[EventBatch], EventBatch] | None = None,
         clock: Callable[[], float] = time.time,
         consumer_factory: ConsumerFactory | None = None,
@@ -357,6 +364,9 @@ class Ingestor:
         group; the default factory is then :func:`assigned_consumer`."""
         self.settings = settings
         self.on_events = on_events  # DP mode: every valid event also goes to the DP window
+        # DP mode: partitions arriving and leaving (IO thread: local work only, no consumer calls)
+        self.on_assigned = on_assigned
+        self.on_revoked = on_revoked
         # Test-then-train: the serving model scores a batch before the window (and so the
         # trainer) can see it; returns the events the window gets (held-out ones stay out).
         self.before_insert = before_insert
@@ -700,6 +710,8 @@ class Ingestor:
     def _close_consumer(self) -> None:
         consumer, self._consumer = self._consumer, None
         self._connected = False
+        if self.assigned and self.on_revoked is not None:  # leaving the group gives the partitions up
+            self.on_revoked(sorted(self.assigned))
         self.assigned = frozenset()
         if consumer is None:
             return

@@ -66,6 +66,38 @@ class _ModelInfoCollector(Collector):
         yield age
 
 
+#: What ``/metrics`` shows in DP mode: the public clock, ε, versions, health and the
+#: predict path (whose inputs are the caller's). Everything else counts or times private
+#: events (consumed, rejected, window, tokens, batch sizes, step time, loss) and moves to
+#: the operator plane (``/v1/admin/metrics``, admin token), outside the DP guarantee.
+DP_PUBLIC_METRICS = frozenset(
+    {
+        "streamtrain_kafka_connected",
+        "streamtrain_train_steps",
+        "streamtrain_model_version",
+        "streamtrain_model_info",
+        "streamtrain_model_age_seconds",
+        "streamtrain_dp_epsilon",
+        "streamtrain_dp_record_failures",
+        "streamtrain_checkpoints_written",
+        "streamtrain_checkpoint_failures",
+        "streamtrain_checkpoints_corrupt",
+        "streamtrain_predict_requests",
+        "streamtrain_predict_latency_seconds",
+    }
+)
+
+
+class _OnlyFamilies(Collector):
+    """A view of a registry with only the named metric families (for the DP public plane)."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry, self._names = registry, names
+
+    def collect(self):  # type: ignore[override]
+        return (family for family in self._registry.collect() if family.name in self._names)
+
+
 class Metrics:
     """The service's metrics on a private registry."""
 
@@ -192,7 +224,12 @@ class Metrics:
         for trigger in ("admin", "automatic"):
             self.model_rollbacks.labels(trigger)
         self.dp_epsilon = Gauge(
-            "streamtrain_dp_epsilon", "Largest per-event epsilon spent so far (DP mode only)", registry=registry
+            "streamtrain_dp_epsilon", "Largest per-unit epsilon spent so far (DP mode only)", registry=registry
+        )
+        self.dp_record_failures = Counter(
+            "streamtrain_dp_record_failures",
+            "DP admission record syncs that failed (the model was held back, DP mode only)",
+            registry=registry,
         )
         # Checkpoints
         self.checkpoints_written = Counter(
@@ -228,5 +265,8 @@ class Metrics:
         version, its publication time) at every scrape."""
         self.registry.register(_ModelInfoCollector(source))
 
-    def exposition(self) -> bytes:
+    def exposition(self, public_only: bool = False) -> bytes:
+        """Prometheus text; ``public_only`` keeps the DP public plane (:data:`DP_PUBLIC_METRICS`)."""
+        if public_only:
+            return generate_latest(_OnlyFamilies(self.registry, DP_PUBLIC_METRICS))  # type: ignore[arg-type]
         return generate_latest(self.registry)

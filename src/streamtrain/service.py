@@ -115,6 +115,8 @@ class Service:
             self.window,
             self.metrics,
             on_events=getattr(self.trainer, "admit", None),
+            on_assigned=getattr(self.trainer, "on_partitions_assigned", None),
+            on_revoked=getattr(self.trainer, "on_partitions_revoked", None),
             before_insert=None if quality is None else quality.observe,
             owned_partitions=self.ctx.owned_partitions if self.scaled_out else None,
         )
@@ -218,8 +220,17 @@ class Service:
         Raises :class:`IncompatibleCheckpoint` before anything is loaded when the
         checkpoint's model or window cannot serve the configured settings. One process
         with one-file checkpoints only restores as it always did; otherwise the newest
-        checkpoint of either kind is restored, this rank's share of it (collectively).
+        checkpoint of either kind is restored, this rank's share of it (collectively). In DP
+        mode the admission record then decides where the DP clock and every partition's
+        admissions continue (privacy/service.py), checkpoint or not (DP runs in one process).
         """
+        restored = self._load_checkpoint()
+        resume = getattr(self.trainer, "resume_from_record", None)
+        if resume is not None:
+            resume()
+        return restored
+
+    def _load_checkpoint(self) -> LoadedCheckpoint | RestoredShare | None:
         if not self.scaled_out and not any(info.complete for info in self.sharded_store.scan()):
             return self._restore_one_file(self.store.load_latest())
         try:
@@ -301,7 +312,10 @@ class Service:
         with self._checkpoint_lock:
             # Trainer first: waiting for a step in progress must not hold ingest back.
             with self.trainer.lock, self.ingest.apply_lock:  # both states cover the same offsets
-                trainer_state = _detached_copy(self.trainer.state_dict())
+                try:
+                    trainer_state = _detached_copy(self.trainer.state_dict())  # DP: syncs the admission record first
+                except OSError as err:
+                    return self._checkpoint_failed(f"DP admission record not durable: {err}")
                 build_window_state = self.window.capture_state()
                 step = int(trainer_state["step"])
                 dead_letters = self.ingest.dead_letter_mark()  # the dead letters of those offsets
@@ -417,10 +431,13 @@ class Service:
         if stalled is not None:
             blocking.append(f"ingest_stalled: {stalled}")
         if self.published is None:
-            age = self.ingest.last_record_age_s
-            last = "no record read yet" if age is None else f"last record read {age:.0f} s ago"
-            needed = getattr(getattr(self.trainer, "dataset", None), "min_items", self.settings.min_window_items)
-            blocking.append(f"no_model_published: window has {len(self.window)} of {needed} items needed ({last})")
+            if self.settings.dp == "on":  # window counts are data-dependent: operator plane only
+                blocking.append("no_model_published: the first DP model is published on the public clock")
+            else:
+                age = self.ingest.last_record_age_s
+                last = "no record read yet" if age is None else f"last record read {age:.0f} s ago"
+                needed = getattr(getattr(self.trainer, "dataset", None), "min_items", self.settings.min_window_items)
+                blocking.append(f"no_model_published: window has {len(self.window)} of {needed} items needed ({last})")
         notes = []
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
@@ -429,4 +446,6 @@ class Service:
             notes.append(f"dead_letters_pending: {self.ingest.dead_letters.describe()}")
         if not self.trainer.running and not self._stop.is_set():
             notes.append("trainer_not_running" + (f": {self.trainer.last_error}" if self.trainer.last_error else ""))
+        if getattr(self.trainer, "record_error", None):
+            notes.append(f"dp_admission_record_failing: {self.trainer.record_error}")
         return not blocking, blocking + notes

@@ -15,7 +15,7 @@ from streamtrain.simulate import SimulationConfig, run_simulation
 pytestmark = pytest.mark.integration
 
 DP_SETTINGS = dict(
-    dp="on", shuffle="crypto", dp_noise_multiplier=1.5, dp_q0=0.2, dp_eligible_steps=20,
+    dp="on", shuffle="crypto", dp_noise_multiplier=2.0, dp_q0=0.2, dp_eligible_steps=20,
     dp_admit_per_step=16, dp_step_rate_hz=5, dp_target_epsilon=8, dp_token_budget=512,
     max_len=128, window_capacity=5000,
 )
@@ -34,19 +34,25 @@ def test_dp_service_spends_bounded_epsilon_while_training(kafka_bootstrap, make_
             first = service.get("/v1/model")
             assert first["dp"] is not None
             time.sleep(3)
-            later = wait_for(lambda: (m := service.get("/v1/model"))["dp"]["steps"] > first["dp"]["steps"] + 5 and m,
-                             30, "DP steps on the public clock")
+            later = wait_for(lambda: ((m := service.get("/v1/model"))["dp"]["steps"] > first["dp"]["steps"] + 5
+                                      and m["dp"]["epsilon"] > 0 and m),
+                             30, "DP steps on the public clock, with events admitted")  # fmt: skip
         finally:
             sender.wait(30)
         dp = later["dp"]
         assert 0 < dp["epsilon"] <= dp["target_epsilon"] == 8
         assert dp["epsilon"] <= dp["epsilon_cap"] + 1e-9
-        assert dp["delta"] == 1e-6 and dp["K"] == 20 and dp["R"] == 16
+        assert dp["delta"] == 1e-12 and dp["K"] == 20 and dp["R"] == 16 and dp["unit"] == "event"
         metrics = service.client.get("/metrics").text
         epsilon_line = next(line for line in metrics.splitlines() if line.startswith("streamtrain_dp_epsilon "))
         assert 0 < float(epsilon_line.split()[1]) <= 8
+        # nothing unaccounted on the public plane: no counts of events, tokens or window statistics
+        for name in ("streamtrain_events_consumed_total", "streamtrain_train_tokens_total", "streamtrain_window_size",
+                     "streamtrain_train_step_seconds", "streamtrain_consumer_lag_messages"):
+            assert name not in metrics, name
+        assert service.client.get("/v1/window").status_code == 404  # no admin token: no operator plane
         # the training loss is not released in DP mode, and predictions still work
-        assert later["loss"] is None
+        assert later["loss"] is None and later["tokens_trained"] is None
         answer = service.client.post("/v1/predict", json={"instances": [{"values": [0.1, 0.2, 0.3]}]})
         assert answer.status_code == 200
         # keeps stepping on the clock even after the stream stopped (noise-only steps)

@@ -1,21 +1,26 @@
 """Differential privacy for streaming training, split as Opacus splits it.
 
-config (the public schedule) · window (admission per public-clock step, K-step eligibility)
-· sampling (Poisson with q_j) · per_sample (torch.func gradients, clipping) · noise
-(CSPRNG Gaussian, hardened) · accounting (per-event ε with dp_accounting) · validators
-(start-up refusals) · engine (one DP-SGD step on the public clock). See docs/privacy.md.
+config (the public schedule) · window (admission per public-clock step, K-step eligibility,
+the event or sensor unit) · admissions (the durable admission record) · sampling (Poisson
+with q_j) · per_sample (torch.func gradients, clipping onto an integer grid) · noise (exact
+discrete Gaussian from the CSPRNG) · accounting (per-unit ε with dp_accounting) ·
+validators (start-up refusals) · engine (one DP-SGD step on the public clock). See
+docs/privacy.md.
 """
 
-from streamtrain.privacy.accounting import PerEventAccountant
+from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant
+from streamtrain.privacy.admissions import AdmissionRecord, AdmissionRecordError, participation
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine, DPStepReport, public_norm
-from streamtrain.privacy.noise import SecureGaussianNoise
+from streamtrain.privacy.noise import DiscreteGaussianNoise, discrete_gaussian
 from streamtrain.privacy.per_sample import PerSampleGradients, clip_factors, sensor_per_sample_loss
 from streamtrain.privacy.sampling import PoissonSampler
 from streamtrain.privacy.validators import check_dp_safety, check_model_static, check_ranges
-from streamtrain.privacy.window import DPClock, DPWindow, EligibleSet
+from streamtrain.privacy.window import DPClock, DPWindow, EligibleSet, StepDecision
 
 __all__ = [
+    "AdmissionRecord",
+    "AdmissionRecordError",
     "DPAggregates",
     "DPClock",
     "DPConfig",
@@ -23,11 +28,15 @@ __all__ = [
     "DPEngine",
     "DPStepReport",
     "DPWindow",
+    "DiscreteGaussianNoise",
     "EligibleSet",
     "PerEventAccountant",
     "PerSampleGradients",
     "PoissonSampler",
-    "SecureGaussianNoise",
+    "SensorLifetimeAccountant",
+    "StepDecision",
+    "discrete_gaussian",
+    "participation",
     "check_dp_safety",
     "check_model_static",
     "check_ranges",

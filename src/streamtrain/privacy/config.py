@@ -1,7 +1,8 @@
 """DP-SGD configuration: the public schedule every per-event guarantee is computed from.
 
-Everything here is public: the schedule (σ, C, q0, half-life, K, R, step rate) and the
-constant the noisy gradient sum is divided by. Nothing is derived from the data.
+Everything here is public: the privacy unit, the schedule (σ, C, q0, half-life, K, R, b,
+step rate), δ with the deployment's expected number of units, and the constant the noisy
+gradient sum is divided by. Nothing is derived from the data.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ SETTING_NAMES: dict[str, str] = {
     "delta": "dp_delta",
     "target_epsilon": "dp_target_epsilon",
     "expected_batch_size": "dp_expected_batch_size",
-    "noise_source": "dp_noise_source",
+    "unit": "dp_unit",
+    "sensor_events": "dp_sensor_events",
+    "expected_units": "dp_expected_units",
     "norm_mean": "dp_norm_mean",
     "norm_std": "dp_norm_std",
 }
@@ -63,8 +66,9 @@ class DPConfig(BaseModel):
     expected_batch_size: float | None = Field(
         _default("expected_batch_size"), description="Public divisor of the noisy sum; default sum_j R * q_j (full window)"
     )
-    noise_source: str = Field(_default("noise_source"), description="'urandom': every noise bit from the OS CSPRNG; "
-                              "'philox': Philox keyed with 128 fresh CSPRNG bits per step (faster)")
+    unit: str = Field(_default("unit"), description="The privacy unit: 'event' (one event) or 'sensor' (all of a sensor's events)")
+    sensor_events: int = Field(_default("sensor_events"), description="b: sensor unit, most events of one sensor in the window")
+    expected_units: float = Field(_default("expected_units"), description="Privacy units the deployment will admit over its life (for δ)")
     norm_mean: tuple[float, ...] | None = Field(_default("norm_mean"), description="Public input mean per channel (default 0)")
     norm_std: tuple[float, ...] | None = Field(_default("norm_std"), description="Public input std per channel (default 1)")
 
@@ -108,5 +112,5 @@ class DPConfig(BaseModel):
         return 1.0 / self.step_rate_hz
 
     def schedule_key(self) -> tuple[float, float, float, int]:
-        """The fields the per-event ε depends on (a checkpoint must agree on them)."""
+        """The fields the per-record ε depends on (a checkpoint must agree on them)."""
         return (self.noise_multiplier, self.q0, self.half_life_steps, self.eligible_steps)

@@ -1,27 +1,32 @@
-"""The DP-SGD engine: public clock → DP window → Poisson sample → clipped sums → noise → step.
+"""The DP-SGD engine: public clock → DP window → Poisson sample → clipped integer sums → noise → step.
 
 One call of :meth:`DPEngine.step` runs one step of the public clock when it is due:
 
-1. close the step's admissions (≤ R arrivals, CSPRNG choice) and expire events that have
-   been eligible K steps (:class:`DPWindow`);
-2. Poisson-sample the eligible events, age j with probability q_j (:class:`PoissonSampler`);
-3. cut the sample into token-budget micro-batches (the pipeline's length bucketing),
-   sum per-sample gradients clipped to C over the whole gradient (:class:`PerSampleGradients`);
-4. add N(0, σ²C²) once (:class:`SecureGaussianNoise`), divide by the public expected batch
-   size — never by the actual one — and take one optimizer step.
+1. close the step's admissions (≤ R records, CSPRNG choice) and expire records that have
+   been eligible K steps (:class:`DPWindow`); the decisions go to the admission record;
+2. Poisson-sample the eligible records, age j with probability q_j (:class:`PoissonSampler`);
+3. cut the sample into token-budget micro-batches, put each record's clipped gradient on
+   the integer grid (:meth:`PerSampleGradients.grid_sum`) and add the integer vectors;
+4. add exact discrete Gaussian noise N_Z(0, (σ·grid)²) to the integer sum once
+   (:mod:`noise`), scale back, divide by the public expected batch size — never by the
+   actual one — and take one optimizer step.
 
 The step runs even when nothing is sampled (a noise-only step), so whether and when a step
-happens never depends on the data. Per-step sample sizes are never reported: only totals
-over whole reporting periods (:class:`DPAggregates`).
+happens never depends on the data; a step that raises is released as a noise-only step and
+the clock goes on, so a failure never wedges training. Per-step sample sizes are never
+reported: only totals over whole reporting periods (:class:`DPAggregates`), and those only
+on the operator plane.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -33,27 +38,31 @@ from streamtrain.data.collate import collate
 from streamtrain.data.randomness import CryptoRandomness, Randomness
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model import RunningNorm
-from streamtrain.privacy.accounting import PerEventAccountant
+from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant
+from streamtrain.privacy.admissions import AdmissionRecord, RecordState
 from streamtrain.privacy.config import DPConfig, DPConfigError
-from streamtrain.privacy.noise import SecureGaussianNoise
+from streamtrain.privacy.noise import GRID, BitSource, DiscreteGaussianNoise
 from streamtrain.privacy.per_sample import PerSampleGradients, PerSampleLoss, sensor_per_sample_loss
 from streamtrain.privacy.sampling import PoissonSampler
 from streamtrain.privacy.validators import check_dp_safety
 from streamtrain.privacy.window import DPClock, DPWindow
 
-ACCOUNTANT_NAME = "pld_replace_one"
+log = logging.getLogger(__name__)
+
+ACCOUNTANT_NAME = "pld_replace_one_discrete_gaussian"
 
 
 @dataclass(frozen=True)
 class DPAggregates:
-    """Totals over completed reporting periods only; nothing here is per step."""
+    """Totals over completed reporting periods only; nothing here is per step (operator plane)."""
 
     steps: int = 0
     sampled_sequences: int = 0
     sampled_tokens: int = 0
     padded_tokens: int = 0
     micro_batches: int = 0
-    nonfinite_examples: int = 0  # examples whose gradient was not finite (they count as zero)
+    nonfinite_examples: int = 0  # records whose gradient was not finite (they count as zero)
+    failed_steps: int = 0  # steps that raised and were released as noise-only steps
     step_seconds: float = 0.0
     periods: int = 0
 
@@ -71,13 +80,14 @@ class DPAggregates:
 
 @dataclass(frozen=True)
 class DPStepReport:
-    """What one step may tell the outside: its number, ε so far, and period aggregates."""
+    """What one step may tell the outside: its number and ε so far (aggregates: operator plane)."""
 
     step: int
     epsilon: float
     aggregates: DPAggregates  # as of the last completed reporting period
     aggregates_updated: bool  # this step completed a period (new totals to export)
     behind_steps: int  # steps already due after this one (the clock outruns the trainer)
+    failed: bool = False  # the step raised and was released as a noise-only step
 
 
 def public_norm(config: DPConfig, channels: int) -> RunningNorm:
@@ -92,8 +102,9 @@ class DPEngine:
 
     ``model`` is trained in place by ``optimizer``; ``admit`` is called by the ingest side
     (thread-safe), ``step`` by the trainer loop. The model and optimizer states belong to
-    the trainer's checkpoint; :meth:`state_dict` holds the DP state (clock, window,
-    accountant table, aggregates).
+    the trainer's checkpoint; :meth:`state_dict` holds the DP state (clock, window, ledger,
+    accountant table, aggregates). With a ``record``, every closed step's decisions are
+    appended to it; the caller syncs it before publishing.
     """
 
     def __init__(
@@ -108,12 +119,17 @@ class DPEngine:
         loss_fn: PerSampleLoss = sensor_per_sample_loss,
         max_micro_batch_sequences: int = 128,
         report_every_steps: int = 50,
+        record: AdmissionRecord | None = None,
+        noise_bits: BitSource | None = None,
     ) -> None:
         self.randomness = randomness if randomness is not None else CryptoRandomness()
         self.norm = norm if norm is not None else public_norm(config, int(getattr(model, "channels", 1)))
         # Refuses seeded randomness, unsafe settings, unsafe models and a missed target ε.
         self.accountant: PerEventAccountant = check_dp_safety(
             config, self.randomness.mode, model, input_norm=self.norm
+        )
+        self.lifetime: SensorLifetimeAccountant | None = (
+            SensorLifetimeAccountant(self.accountant, config.target_epsilon) if config.unit == "sensor" else None
         )
         if report_every_steps < 1:
             raise ValueError(f"report_every_steps must be >= 1, got {report_every_steps}")
@@ -127,11 +143,18 @@ class DPEngine:
         )
         self.report_every_steps = int(report_every_steps)
         self.clock = DPClock(config.step_rate_hz)
-        self.window = DPWindow(config.eligible_steps, config.admit_per_step, self.randomness)
+        self.window = DPWindow(
+            config.eligible_steps, config.admit_per_step, self.randomness, unit=config.unit,
+            sensor_events=config.sensor_events, max_groups=None if self.lifetime is None else self.lifetime.max_groups,
+        )  # fmt: skip
         self.sampler = PoissonSampler(config.sampling_schedule(), self.randomness)
-        self.noise = SecureGaussianNoise(config.noise_source, self.randomness)  # type: ignore[arg-type]
+        self.noise = DiscreteGaussianNoise(noise_bits if noise_bits is not None else self.randomness)
+        self.noise_variance = (Fraction(config.noise_multiplier) * GRID) ** 2  # in grid units, exact
         self.gradients = PerSampleGradients(model, config.clip_norm, loss_fn)
         self.divisor = config.divisor
+        self.record = record
+        self.fault_injector: Any = None  # tests: called at the start of a step's training; may raise
+        self.last_failure: str | None = None
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self._device = next(iter(self._params.values())).device
         self._clock_lock = threading.Lock()
@@ -155,18 +178,40 @@ class DPEngine:
         with self._clock_lock:
             return max(0.0, self.clock.next_due_at(now) - now)
 
+    def due_at(self, step: int, now: float) -> float:
+        """The public time step ``step`` is due."""
+        with self._clock_lock:
+            return self.clock.due_at(step, now)
+
     def step(self, now: float) -> DPStepReport | None:
-        """Run the next clock step if it is due at ``now``; None if not yet due."""
+        """Run the next clock step if it is due at ``now``; None if not yet due.
+
+        A step whose training raises is released as a noise-only step (counted on the
+        operator plane); if even that fails, the step is still consumed and the error
+        raised, so the clock, the window and the record stay consistent.
+        """
         with self._step_lock:
             with self._clock_lock:
                 if self.clock.due_steps(now) == 0:
                     return None
                 step = self.clock.steps_done + 1
             started = time.perf_counter()
-            self.window.close_step(step)
-            period = self._train_one_step()
+            decision = self.window.close_step(step)
+            if self.record is not None:
+                self.record.append(decision, self.window.eligible_ranges())
+            failed = False
+            try:
+                try:
+                    period = self._train_one_step()
+                except Exception as error:  # noqa: BLE001 - any failure: noise only, and go on
+                    failed = True
+                    self.last_failure = f"step {step}: {type(error).__name__}: {error}"
+                    log.exception("DP step %d failed; releasing it as a noise-only step", step)
+                    period = replace(self._noise_only_step(), failed_steps=1)
+            finally:
+                with self._clock_lock:
+                    self.clock.steps_done = step
             with self._clock_lock:
-                self.clock.steps_done = step
                 behind = self.clock.due_steps(now)
             period = replace(period, step_seconds=time.perf_counter() - started)
             self._running = self._running + period
@@ -174,30 +219,64 @@ class DPEngine:
             if updated:
                 self._published = self._published + replace(self._running, periods=1)
                 self._running = DPAggregates()
-            return DPStepReport(step, self.epsilon_spent(), self._published, updated, behind)
+            return DPStepReport(step, self.epsilon_spent(), self._published, updated, behind, failed)
 
     def _train_one_step(self) -> DPAggregates:
         eligible = self.window.eligible()
-        chosen = self.sampler.sample(eligible.ages)
-        return self.noisy_step([eligible.values[i] for i in chosen], eligible.labels[chosen])
+        chosen = self.sampler.sample_records(eligible.ages, eligible.groups)
+        if self.fault_injector is not None:
+            self.fault_injector()
+        groups = eligible.groups[chosen] if self.config.unit == "sensor" else None
+        return self.noisy_step([eligible.values[i] for i in chosen], eligible.labels[chosen], groups)
 
-    def noisy_step(self, values: Sequence[np.ndarray], labels: np.ndarray) -> DPAggregates:
+    def _noise_only_step(self) -> DPAggregates:
+        for param in self._params.values():
+            param.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.noisy_step([], np.zeros(0, np.int64))
+
+    def _micro_batches(self, values: Sequence[np.ndarray], groups: np.ndarray | None) -> list[np.ndarray]:
+        """Index groups of token-budget micro-batches; a sensor group never straddles two."""
+        lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        if groups is None:
+            return list(plan_batches(lengths, self.budget, self.randomness, pool_size=len(values)).batches)
+        records = [np.flatnonzero(groups == g) for g in np.unique(groups)]
+        records.sort(key=lambda rows: int(lengths[rows].max()))
+        batches: list[np.ndarray] = []
+        current: list[np.ndarray] = []
+        longest = count = 0
+        limit = self.budget.max_sequences or 1 << 30
+        for rows in records:
+            new_longest, new_count = max(longest, int(lengths[rows].max())), count + rows.size
+            if current and (new_count * new_longest > self.budget.max_tokens or new_count > limit):
+                batches.append(np.concatenate(current))
+                current, new_longest, new_count = [], int(lengths[rows].max()), rows.size
+            current.append(rows)
+            longest, count = new_longest, new_count
+        if current:
+            batches.append(np.concatenate(current))
+        return batches
+
+    def noisy_step(self, values: Sequence[np.ndarray], labels: np.ndarray, groups: np.ndarray | None = None) -> DPAggregates:
         """One DP-SGD update on an already sampled logical batch (may be empty).
 
-        Token-budget micro-batches, clipped per-sample sums, noise once, public divisor,
-        optimizer step. :meth:`step` feeds it the Poisson sample; benchmarks feed it fixed
-        batches to compare with other implementations on the same data.
+        Token-budget micro-batches, clipped per-record vectors on the integer grid summed
+        exactly, discrete Gaussian noise once, public divisor, optimizer step. ``groups``
+        (sensor unit) gives each event's record. :meth:`step` feeds it the Poisson sample;
+        benchmarks and the audit feed it fixed batches.
         """
-        sums = {name: torch.zeros_like(p) for name, p in self._params.items()}
+        sums = {name: torch.zeros(p.shape, dtype=torch.int64, device=p.device) for name, p in self._params.items()}
         sequences = tokens = padded = micro_batches = nonfinite = 0
         if len(values):
-            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-            plan = plan_batches(lengths, self.budget, self.randomness, pool_size=len(values))
-            for group in plan.batches:
-                batch = collate([values[i] for i in group], labels=np.asarray(labels)[group],
+            for batch_rows in self._micro_batches(values, groups):
+                batch = collate([values[i] for i in batch_rows], labels=np.asarray(labels)[batch_rows],
                                 pad_to_multiple_of=self.budget.pad_to_multiple_of).to(self._device)  # fmt: skip
                 x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
-                part, norms = self.gradients.clipped_sum(x_norm, batch.mask, batch.labels)
+                local = None
+                if groups is not None:
+                    _, inverse = np.unique(np.asarray(groups)[batch_rows], return_inverse=True)
+                    local = torch.as_tensor(inverse, dtype=torch.int64, device=self._device)
+                part, norms = self.gradients.grid_sum(x_norm, batch.mask, batch.labels, groups=local)
                 for name, value in part.items():
                     sums[name].add_(value)
                 sequences += batch.batch_size
@@ -205,13 +284,21 @@ class DPEngine:
                 padded += batch.padded_tokens
                 micro_batches += 1
                 nonfinite += int((~torch.isfinite(norms)).sum())
-        self.noise.add_noise_(list(sums.values()), self.config.noise_std)
-        for name, param in self._params.items():
-            param.grad = sums[name].div_(self.divisor)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._add_noise_and_step(sums)
         return DPAggregates(steps=1, sampled_sequences=sequences, sampled_tokens=tokens, padded_tokens=padded,
                             micro_batches=micro_batches, nonfinite_examples=nonfinite)  # fmt: skip
+
+    def _add_noise_and_step(self, sums: dict[str, torch.Tensor]) -> None:
+        """Integer sum + N_Z(0, (σ·grid)²) per coordinate, exactly; then scale and step (post-processing)."""
+        sizes = [t.numel() for t in sums.values()]
+        noise = torch.from_numpy(self.noise.sample(self.noise_variance, sum(sizes)))
+        scale = self.config.clip_norm / GRID / self.divisor
+        for (name, total), chunk in zip(sums.items(), torch.split(noise, sizes), strict=True):
+            noisy = total.cpu() + chunk.reshape(total.shape)  # exact: int64
+            param = self._params[name]
+            param.grad = (noisy.to(torch.float64) * scale).to(dtype=param.dtype, device=param.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -220,21 +307,29 @@ class DPEngine:
         return self.clock.steps_done
 
     def epsilon_spent(self) -> float:
-        """The largest ε any single event has spent so far (capped at the K-step value)."""
+        """The largest ε any single privacy unit has spent so far (capped at its lifetime value)."""
+        if self.lifetime is not None:
+            return self.lifetime.epsilon_after(self.window.most_groups())
         return self.accountant.epsilon_after(self.window.steps_eligible_so_far())
 
+    @property
+    def epsilon_cap(self) -> float:
+        return self.lifetime.epsilon_cap if self.lifetime is not None else self.accountant.epsilon_cap
+
     def report(self) -> DPAggregates:
-        """Totals over completed reporting periods (never the current, partial one)."""
+        """Totals over completed reporting periods (never the current, partial one): operator plane."""
         return self._published
 
     def model_info(self) -> dict[str, Any]:
-        """The ``dp`` object of ``GET /v1/model`` (JSON-safe: an infinite half-life is null)."""
+        """The ``dp`` object of ``GET /v1/model``: public settings and ε only (JSON-safe)."""
         config = self.config
-        return {
+        info = {
             "epsilon": self.epsilon_spent(),
             "delta": config.delta,
             "target_epsilon": config.target_epsilon,
-            "epsilon_cap": self.accountant.epsilon_cap,
+            "epsilon_cap": self.epsilon_cap,
+            "unit": config.unit,
+            "horizon": "lifetime" if config.unit == "sensor" else "event",
             "sigma": config.noise_multiplier,
             "clip_norm": config.clip_norm,
             "q0": config.q0,
@@ -244,38 +339,71 @@ class DPEngine:
             "steps": self.steps,
             "step_rate_hz": config.step_rate_hz,
             "expected_batch_size": self.divisor,
+            "expected_units": config.expected_units,
             "accountant": ACCOUNTANT_NAME,
-            "mean_batch_size": self._published.mean_batch_size,
+            "noise": f"discrete Gaussian, grid 2^-{int(math.log2(GRID))} C",
+        }
+        if self.lifetime is not None:
+            info["sensor_events"] = config.sensor_events
+            info["max_groups_per_sensor"] = self.lifetime.max_groups
+        return info
+
+    def operator_info(self) -> dict[str, Any]:
+        """Data-dependent diagnostics, outside the guarantee: for the admin-only operator plane."""
+        totals = self._published
+        return {
+            **asdict(totals),
+            "mean_batch_size": totals.mean_batch_size,
+            "mean_step_seconds": totals.mean_step_seconds,
+            "window_records": len(self.window),
+            "arrived_total": self.window.arrived_total,
+            "admitted_total": self.window.admitted_total,
+            "expired_total": self.window.expired_total,
+            "pending_steps": self.window.pending_steps,
+            "sensors_in_ledger": len(self.window.ledger),
+            "watermarks": {str(p): o for p, o in sorted(self.window.watermarks.items())},
+            "last_failure": self.last_failure,
         }
 
-    # -- checkpoints ---------------------------------------------------------------------------
+    # -- checkpoints and restarts ---------------------------------------------------------------
+
+    def _schedule_key(self) -> np.ndarray:
+        return np.asarray(self.config.schedule_key()[:3], dtype=np.float64)
 
     def state_dict(self) -> dict[str, Any]:
         with self._step_lock:
             return {
-                "schedule": np.asarray(self.config.schedule_key()[:3], dtype=np.float64),
+                "schedule": self._schedule_key(),
                 "eligible_steps": self.config.eligible_steps,
+                "unit": self.config.unit,
                 "clock": self.clock.state_dict(),
                 "window": self.window.state_dict(),
                 "accountant": self.accountant.state_dict(),
                 "published": asdict(self._published),
                 "running": asdict(self._running),
+                "record_synced_step": 0 if self.record is None else self.record.synced_step,
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = np.asarray(state["schedule"], dtype=np.float64)
-        if not (np.array_equal(saved, np.asarray(self.config.schedule_key()[:3], dtype=np.float64))
-                and int(state["eligible_steps"]) == self.config.eligible_steps):  # fmt: skip
+        if not (np.array_equal(np.asarray(state["schedule"], dtype=np.float64), self._schedule_key())
+                and int(state["eligible_steps"]) == self.config.eligible_steps
+                and str(state.get("unit", "event")) == self.config.unit):  # fmt: skip
             raise DPConfigError(
-                "the checkpoint was written with another DP schedule (σ, q0, half-life, K); events in its window were "
-                "accounted under that schedule: restore those STREAMTRAIN_DP_* settings or use an empty checkpoint directory"
+                "the checkpoint was written with another DP schedule or unit (σ, q0, half-life, K, DP_UNIT); units in its "
+                "window were accounted under that schedule: restore those STREAMTRAIN_DP_* settings or use an empty "
+                "checkpoint directory"
             )
         with self._step_lock:
             try:
                 self.accountant.load_state_dict(state["accountant"])
+                self.window.load_state_dict(state["window"])
             except ValueError as error:
                 raise DPConfigError(str(error)) from error
-            self.window.load_state_dict(state["window"])
+            except KeyError as error:
+                raise DPConfigError(
+                    f"the checkpoint's DP state lacks {error} (written by an older streamtrain, before the admission "
+                    "record): its events cannot be proven admitted once; start DP from an empty CHECKPOINT_DIR"
+                ) from None
             with self._clock_lock:
                 self.clock.load_state_dict(state["clock"])
             if self.window.closed_step != self.clock.steps_done:
@@ -285,3 +413,17 @@ class DPEngine:
                 )
             self._published = DPAggregates(**dict(state["published"]))
             self._running = DPAggregates(**dict(state["running"]))
+
+    def resume(self, recorded: RecordState) -> int:
+        """Continue after the last step the admission record shows (see :meth:`DPWindow.resume`).
+
+        Call after :meth:`load_state_dict` (or on a fresh start with a record). Returns the
+        step the clock continues after.
+        """
+        with self._step_lock:
+            step = max(self.clock.steps_done, recorded.last_step)
+            self.window.resume(step, recorded.watermarks, recorded.candidates)
+            with self._clock_lock:
+                self.clock.steps_done = step
+                self.clock.origin = None
+            return step

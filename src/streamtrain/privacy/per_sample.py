@@ -8,6 +8,14 @@ and adding their sums gives the same result as one big batch (up to float roundi
 
 The per-example loss sees a batch of one, and the model masks padding, so an example's
 gradient does not depend on which micro-batch it landed in or how far it was padded.
+
+For the noisy sum, :meth:`PerSampleGradients.grid_sum` puts each clipped gradient on an
+integer grid (one clip norm = ``grid`` units), rounding every coordinate toward zero, and
+checks in exact integer arithmetic that its squared norm is at most ``grid²`` (shrinking
+the rare vector that float rounding pushed over): the sensitivity of the integer sum is
+then exactly ``grid``, whatever the float arithmetic before did. With ``groups`` (the
+sensor privacy unit) the gradients of one group's events are summed first and the sum is
+clipped as one vector.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from streamtrain.model import ModelOutput, total_loss
+from streamtrain.privacy.noise import GRID
 
 PerSampleLoss = Callable[[ModelOutput, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,3 +95,54 @@ class PerSampleGradients:
             grads = {name: torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g)) for name, g in grads.items()}
         summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in grads.items()}
         return summed, norms
+
+    def grid_sum(
+        self,
+        x_norm: torch.Tensor,
+        mask: torch.Tensor,
+        labels: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        n_groups: int | None = None,
+        grid: int = GRID,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(int64 sum over the micro-batch of clipped gradients on the grid, unclipped norms).
+
+        Each example's (or, with ``groups``, each group's summed) gradient is clipped to C,
+        scaled by ``grid / C`` and rounded toward zero; an exact integer check guarantees
+        ``||v||² <= grid²`` for every vector ``v`` summed. Non-finite gradients count as
+        zero, as in :meth:`clipped_sum`. ``groups`` ([B] int64, values < ``n_groups``)
+        assigns each example to its privacy unit.
+        """
+        grads = self.per_sample(x_norm, mask, labels)
+        shapes = {name: g.shape[1:] for name, g in grads.items()}
+        flat = torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
+        del grads
+        if groups is not None:
+            finite_rows = torch.isfinite(flat).all(dim=1)
+            flat = torch.where(finite_rows[:, None], flat, torch.zeros((), dtype=flat.dtype))
+            count = int(n_groups) if n_groups is not None else int(groups.max()) + 1
+            flat = torch.zeros(count, flat.shape[1], dtype=flat.dtype).index_add_(0, groups.to(torch.int64), flat)
+        norms = torch.linalg.vector_norm(flat, dim=1).double()  # float32: a norm past 1e38 counts as non-finite
+        finite = torch.isfinite(norms)
+        scale = torch.where(finite, clip_factors(norms, self.clip_norm), torch.zeros_like(norms)) * (grid / self.clip_norm)
+        if not bool(finite.all()):
+            flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype))
+        scaled = flat.mul_(scale.to(flat.dtype)[:, None]) if flat.is_contiguous() else flat * scale.to(flat.dtype)[:, None]
+        # Integers of magnitude <= 2^16 (1 + 2^-20): exact in float32 and, with their squares and
+        # every partial sum below 2^53, in float64 — so the checks and the sum below are exact.
+        wide = torch.trunc(scaled).double()
+        limit = grid * grid
+        squared = torch.einsum("bp,bp->b", wide, wide)
+        while bool((over := squared > limit).any()):  # float rounding pushed a few units over: shrink them
+            shrink = (torch.sqrt(limit / squared[over]) * (1 - 2.0**-20)).to(scaled.dtype)
+            scaled[over] = scaled[over] * shrink[:, None]
+            wide[over] = torch.trunc(scaled[over]).double()
+            squared = torch.einsum("bp,bp->b", wide, wide)
+        total = wide.sum(dim=0).to(torch.int64)
+        out: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, shape in shapes.items():
+            size = int(torch.Size(shape).numel())
+            out[name] = total[offset : offset + size].reshape(shape)
+            offset += size
+        return out, norms

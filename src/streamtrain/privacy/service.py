@@ -3,14 +3,23 @@
 Ingest hands every valid event straight to :meth:`DPTrainer.admit` (the DP window's
 admission rule); the recency window is never a training source in DP mode, since its
 evictions would carry an event's influence on for an unbounded time (docs/privacy.md).
-Steps run on the public clock whether or not anything was sampled; only period totals
-and the spent ε are exported.
+Steps run on the public clock whether or not anything was sampled.
+
+Exactly-once participation: every closed step's decisions go to the admission record,
+which is made durable (fsync) before any model is published; on start the record says the
+last step that ran and each partition's watermark, and the engine continues after them
+(:meth:`DPTrainer.resume_from_record`). A model whose record cannot be made durable is not
+published. Publication follows the public clock: the model after step t is published at
+the time step t + 1 is due, every ``PUBLISH_INTERVAL_S`` worth of steps, stamped with that
+public time.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,11 +28,12 @@ from pydantic import ValidationError
 from streamtrain.config import Settings
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import EventBatch
+from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, build_model
+from streamtrain.privacy.admissions import ADMISSION_DIR, CLOCK_LOG, AdmissionRecord, AdmissionRecordError
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
-from streamtrain.metrics import Metrics
-from streamtrain.train import ModelTrainer
+from streamtrain.train import ModelTrainer, PublishedModel
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -38,13 +48,19 @@ def dp_config(settings: Settings) -> DPConfig:
         raise DPConfigError(f"invalid DP setting {first.get('loc')}: {first.get('msg')}") from None
 
 
+def admission_record(settings: Settings) -> AdmissionRecord:
+    """The record's place: DP_ADMISSION_DIR (shareable by replicas) and this process's clock log."""
+    directory = settings.dp_admission_dir or Path(settings.checkpoint_dir) / ADMISSION_DIR
+    return AdmissionRecord(directory, Path(settings.checkpoint_dir) / CLOCK_LOG)
+
+
 class DPTrainer(ModelTrainer):
     """Trains with DP-SGD on the public clock; publishes frozen copies like :class:`Trainer`."""
 
     thread_name = "dp-trainer"
 
     def __init__(self, settings: Settings, window: RecencyWindow, metrics: Metrics) -> None:
-        super().__init__(settings, metrics)
+        super().__init__(settings, metrics, clock=self._public_time)
         torch.manual_seed(settings.seed)  # initial weights are public
         self.model = build_model(settings)
         self.model.train()
@@ -52,6 +68,7 @@ class DPTrainer(ModelTrainer):
             self.model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
         )
         self.config = dp_config(settings)
+        self.record = admission_record(settings)
         # SHUFFLE=seeded is refused inside (check_dp_safety), naming SHUFFLE and crypto.
         self.engine = DPEngine(
             self.model,
@@ -59,13 +76,18 @@ class DPTrainer(ModelTrainer):
             self.config,
             settings.dp_token_budget,
             randomness=make_randomness(settings.shuffle, settings.seed),
+            record=self.record,
         )
         self.norm: RunningNorm = self.engine.norm
+        self.publish_every_steps = max(1, round(settings.publish_interval_s * self.config.step_rate_hz))
         self.last_pass = None
         self.loss_ema = None  # not released in DP mode
         self.naive_loss_ema = None
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # operator plane only
         self.data_wait_seconds = 0.0
+        self.record_error: str | None = None
+        self._publish_after: int | None = None  # a step whose model is published when the next one is due
+        self._publish_at_step = 0
         self._exported = DPAggregates()
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
 
@@ -76,7 +98,7 @@ class DPTrainer(ModelTrainer):
 
     @property
     def tokens_trained(self) -> int:
-        return self.engine.report().sampled_tokens  # totals of completed periods only
+        return 0  # data-dependent: on the operator plane (operator_report), never in a published model
 
     def admit(self, batch: EventBatch, next_offsets: dict[int, int]) -> None:
         """Called by ingest for every poll batch of valid events."""
@@ -85,12 +107,60 @@ class DPTrainer(ModelTrainer):
     def dp_report(self) -> dict[str, Any]:
         return self.engine.model_info()
 
+    def operator_report(self) -> dict[str, Any]:
+        """Data-dependent DP diagnostics (outside the guarantee): admin token only."""
+        return {
+            **self.engine.operator_info(),
+            "record_synced_step": self.record.synced_step,
+            "record_error": self.record_error,
+            "record_directory": str(self.record.directory),
+        }
+
+    def _public_time(self) -> float:
+        """``published_at`` of a model: when the step after it was due (a public time)."""
+        return self.engine.due_at(self._publish_at_step + 1, time.time())
+
+    # ------------------------------------------------------------------ partitions
+    def on_partitions_assigned(self, partitions: list[int]) -> None:
+        """A partition arrives (maybe from another replica): admit only above its recorded watermark."""
+        self.engine.window.own(partitions, self.record.watermarks(partitions))
+
+    def on_partitions_revoked(self, partitions: list[int]) -> None:
+        """A partition leaves: stop admitting it, and make its decisions durable for the next owner."""
+        self.engine.window.drop_partitions(partitions)
+        try:
+            self.record.sync()
+        except OSError as err:
+            self._record_failed(err)
+
+    # ------------------------------------------------------------------ training and publishing
+    def publish(self) -> PublishedModel | None:  # type: ignore[override]
+        """Publish only once the admission record covers every step the model used."""
+        try:
+            self.record.sync()
+        except OSError as err:
+            self._record_failed(err)
+            return None
+        self.record_error = None
+        return super().publish()
+
+    def _record_failed(self, err: OSError) -> None:
+        self.record_error = f"admission record not durable ({err}); models are held back"
+        self.metrics.dp_record_failures.inc()
+        log.error("DP %s", self.record_error)
+
     def _work(self) -> None:
-        """Run the next public-clock step when it is due."""
+        """Publish the last step's model once the next step is due, then run that step."""
+        now = time.time()
+        if self._publish_after is not None and now >= self.engine.due_at(self._publish_after + 1, now):
+            self._publish_at_step = self._publish_after
+            if self.publish() is not None:
+                self._publish_after = None
         with self.lock:
-            report = self.engine.step(time.time())
+            report = self.engine.step(now)
         if report is None:
-            self._stop.wait(min(0.5, self.engine.seconds_until_next_step(time.time())))
+            wait = self.engine.seconds_until_next_step(time.time())
+            self._stop.wait(min(0.5, wait) if self._publish_after is None else min(0.05, wait))
             return
         self.metrics.dp_epsilon.set(report.epsilon)
         self.metrics.train_steps.inc()
@@ -98,10 +168,11 @@ class DPTrainer(ModelTrainer):
             self._export_period(report.aggregates)
         if report.behind_steps:
             log.debug("DP clock is %d steps ahead of training", report.behind_steps)
-        self._publish_if_due()
+        if report.step % self.publish_every_steps == 0 or self.published is None:
+            self._publish_after = report.step
 
     def _export_period(self, totals: DPAggregates) -> None:
-        """Metrics move by whole reporting periods: no per-step batch size is ever visible."""
+        """Operator-plane counters move by whole reporting periods: no per-step batch size anywhere."""
         new = DPAggregates(**{k: getattr(totals, k) - getattr(self._exported, k) for k in totals.__dataclass_fields__})
         self._exported = totals
         self.metrics.train_tokens.inc(new.sampled_tokens)
@@ -110,7 +181,10 @@ class DPTrainer(ModelTrainer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's trainer state; the admission record is synced first (OSError: no
+        checkpoint), so the record always covers whatever a checkpoint holds."""
         with self.lock:
+            self.record.sync()
             return {
                 "model": self.model.state_dict(),
                 "model_config": dict(self.model.config),
@@ -118,7 +192,7 @@ class DPTrainer(ModelTrainer):
                 "dp": self.engine.state_dict(),
                 "step": self.engine.steps,
                 "version": self._version,
-                "tokens_trained": self.tokens_trained,
+                "tokens_trained": 0,
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -135,5 +209,35 @@ class DPTrainer(ModelTrainer):
             self.engine.load_state_dict(state["dp"])
             self._version = int(state.get("version", 0))
             self._exported = self.engine.report()
+            self._checkpoint_synced_step = int(state["dp"].get("record_synced_step", 0))
+
+    def resume_from_record(self) -> None:
+        """On start, after any checkpoint is loaded: continue after what the admission record shows.
+
+        Refuses (AdmissionRecordError) a record that is damaged, or older than the checkpoint
+        it must complement (deleted or rolled back): restoring from it could admit events twice.
+        """
+        recorded = self.record.load()
+        synced = getattr(self, "_checkpoint_synced_step", 0)
+        if recorded.last_step < synced:
+            raise AdmissionRecordError(
+                f"the DP admission record in {self.record.directory} ends at step {recorded.last_step}, but the "
+                f"checkpoint was taken when it reached step {synced}: it was deleted or rolled back, and restoring "
+                "would admit events again; restore the record, or start a new DP deployment with empty "
+                "CHECKPOINT_DIR and DP_ADMISSION_DIR"
+            )
+        restored_step = self.engine.steps
+        step = self.engine.resume(recorded)
+        # What the checkpoint knows goes into the record before anything is published, so a
+        # later fallback to an older checkpoint still sees these watermarks.
+        watermarks = dict(self.engine.window.watermarks)
+        self.record.note_watermarks(step, watermarks)
+        log.info(
+            "DP admission record: life %d, checkpoint at step %d, record at step %d: continuing after step %d "
+            "(%d partitions with watermarks)",
+            self.record.life, restored_step, recorded.last_step, step, len(watermarks),
+        )  # fmt: skip
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
-        self.publish()
+        if restored_step:
+            self._publish_at_step = step
+            self.publish()  # the restored model (it used only steps the record and checkpoint cover)

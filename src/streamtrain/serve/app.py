@@ -78,9 +78,9 @@ def readyz(service: ServiceDep) -> Any:
 window_router = APIRouter(tags=["window"])
 
 
-@window_router.get("/v1/window", response_model=WindowReport)
 def window_report(service: ServiceDep) -> WindowReport:
-    """Window statistics and the ledger of the Kafka messages the window covers (kept across restarts)."""
+    """Window statistics and the ledger of the Kafka messages the window covers (kept across restarts);
+    in DP mode operator plane only (admin token)."""
     stats = service.window.stats()
     return WindowReport(
         size=stats.size,
@@ -103,6 +103,9 @@ def window_report(service: ServiceDep) -> WindowReport:
     )
 
 
+window_router.add_api_route("/v1/window", window_report, methods=["GET"], response_model=WindowReport)
+
+
 # ---------------------------------------------------------------------- model
 model_router = APIRouter(tags=["model"])
 
@@ -112,6 +115,19 @@ def model_report(service: ServiceDep) -> ModelReport:
     """The serving model's version, training progress and, in DP mode, the privacy spent."""
     published = service.published
     trainer = service.trainer
+    dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
+    if dp is not None:  # only the public clock, the published version and ε: nothing data-dependent
+        return ModelReport(
+            quality=None,
+            versions=trainer.registry.versions(),
+            version=None if published is None else published.version,
+            step=trainer.step if published is None else published.step,
+            tokens_trained=None,
+            loss=None,
+            published_at=None if published is None else published.published_at,
+            dp=dp,
+            training={"live_step": trainer.step},
+        )
     diagnostics = trainer.last_pass.as_metrics() if getattr(trainer, "last_pass", None) is not None else {}
     busy = trainer.step_seconds + trainer.data_wait_seconds
     training = {
@@ -121,7 +137,6 @@ def model_report(service: ServiceDep) -> ModelReport:
         "last_pass": diagnostics,
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }
-    dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
     quality = getattr(trainer, "quality", None)
     if quality is not None:
         training["publish_held"] = trainer.publish_held
@@ -134,7 +149,7 @@ def model_report(service: ServiceDep) -> ModelReport:
         tokens_trained=trainer.tokens_trained if published is None else published.tokens_trained,
         loss=None if published is None or published.loss is None else published.loss,
         published_at=None if published is None else published.published_at,
-        dp=dp,
+        dp=None,
         training=training,
         world_size=service.ctx.world_size,
         rank=service.ctx.rank,
@@ -192,10 +207,13 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
 metrics_router = APIRouter(tags=["metrics"])
 
 
+_EXPOSITION = "text/plain; version=0.0.4; charset=utf-8"
+
+
 @metrics_router.get("/metrics", response_class=Response)
 def metrics(service: ServiceDep) -> Response:
-    """Prometheus text exposition (a plain route: no redirect to /metrics/)."""
-    return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    """Prometheus text exposition (a plain route: no redirect to /metrics/); DP mode: the public plane only."""
+    return Response(service.metrics.exposition(public_only=service.settings.dp == "on"), media_type=_EXPOSITION)
 
 
 # ---------------------------------------------------------------------- admin
@@ -259,6 +277,23 @@ def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult
         kept = service.trainer.registry.versions()
         raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
     return RollbackResult(version=body.version, previous=None if before is None else before.version)
+
+
+@admin.get("/metrics", response_class=Response, dependencies=[Depends(require_admin)],
+           responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}})
+def admin_metrics(service: ServiceDep) -> Response:
+    """Every metric, the operator plane included (in DP mode: outside the guarantee)."""
+    return Response(service.metrics.exposition(), media_type=_EXPOSITION)
+
+
+@admin.get("/dp", dependencies=[Depends(require_admin)],
+           responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})
+def admin_dp(service: ServiceDep) -> dict[str, Any]:
+    """DP operator plane: batch sizes, tokens, step times, window and record state (outside the guarantee)."""
+    report = getattr(service.trainer, "operator_report", None)
+    if report is None:
+        raise HTTPException(status_code=404, detail="DP is off (STREAMTRAIN_DP=off)")
+    return report()
 
 
 # ---------------------------------------------------------------------- middleware
@@ -362,11 +397,17 @@ def create_app(service: Service) -> FastAPI:
         max_instances=settings.predict_merge_instances,
     )
     app.include_router(health)
-    app.include_router(window_router)
+    admin_on = settings.admin_token is not None and bool(settings.admin_token.get_secret_value())
+    if settings.dp != "on":
+        app.include_router(window_router)
+    elif admin_on:  # DP mode: window statistics are operator plane, behind the admin token
+        app.add_api_route("/v1/window", window_report, methods=["GET"], response_model=WindowReport, tags=["admin"],
+                          dependencies=[Depends(require_admin)],
+                          responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}})  # fmt: skip
     app.include_router(model_router)
     app.include_router(metrics_router)
     app.include_router(oip.router)
-    if settings.admin_token is not None and settings.admin_token.get_secret_value():
+    if admin_on:
         app.state.admin_token = settings.admin_token.get_secret_value()
         app.include_router(admin)
 

@@ -60,9 +60,10 @@ class WindowReport(BaseModel):
 
 class DPReport(BaseModel):
     model_config = ConfigDict(extra="allow")
-    epsilon: float = Field(description="Largest epsilon any single event has spent so far")
+    epsilon: float = Field(description="Largest epsilon any single privacy unit (event or sensor) has spent so far")
     delta: float
     target_epsilon: float
+    unit: str = Field("event", description="The privacy unit: event or sensor")
 
 
 class QualityReport(BaseModel):
@@ -77,7 +78,7 @@ class QualityReport(BaseModel):
 class ModelReport(BaseModel):
     version: int | None
     step: int
-    tokens_trained: int
+    tokens_trained: int | None = Field(description="Real tokens trained on (null in DP mode: data-dependent)")
     loss: float | None
     published_at: float | None
     dp: DPReport | None

@@ -10,6 +10,7 @@ from streamtrain.data.bucketing import TokenBudget, plan_batches
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import SeededRandomness
 from streamtrain.model import SensorModel, total_loss
+from streamtrain.privacy.noise import GRID
 from streamtrain.privacy.per_sample import NORM_EPS, PerSampleGradients, clip_factors
 
 
@@ -108,3 +109,59 @@ def test_non_finite_example_contributes_zero_not_nan() -> None:
     assert not bool(torch.isfinite(norms[3])) and bool(torch.isfinite(norms[:3]).all())
     for name in expected:
         torch.testing.assert_close(summed[name], expected[name], atol=2e-5, rtol=1e-4)
+
+
+def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors.values()])
+
+
+@pytest.mark.parametrize("clip", [0.05, 1000.0])
+def test_grid_vectors_have_norm_at_most_the_grid_exactly(clip: float) -> None:
+    """One example per call: the integer sum is that example's vector; its squared norm,
+    computed in integers, is at most GRID², and it is the clipped gradient rounded toward 0."""
+    model = make_model()
+    items, labels = ragged(5, 6)
+    gradients = PerSampleGradients(model, clip)
+    for item, label in zip(items, labels, strict=True):
+        batch = collate([item], labels=[label])
+        ints, _ = gradients.grid_sum(batch.values, batch.mask, batch.labels)
+        vector = flat(ints)
+        assert vector.dtype == torch.int64
+        assert int((vector * vector).sum()) <= GRID * GRID
+        reference, _ = gradients.clipped_sum(batch.values, batch.mask, batch.labels)
+        scaled = flat(reference).double() * (GRID / clip)
+        assert bool((vector.double().abs() <= scaled.abs() + 1e-3).all())  # toward zero
+        assert bool(((scaled - vector.double()).abs() <= 1 + 1e-3).all())  # within one grid unit
+        if clip < 1 and len(item) > 1:
+            assert int((vector * vector).sum()) >= (0.99 * GRID) ** 2  # clipped vectors fill the ball
+
+
+def test_grid_sum_matches_the_float_clipped_sum_within_one_unit_per_example() -> None:
+    model = make_model()
+    items, labels = ragged(6, 12)
+    gradients = PerSampleGradients(model, clip_norm=0.5)
+    batch = collate(items, labels=labels)
+    ints, norms = gradients.grid_sum(batch.values, batch.mask, batch.labels)
+    floats, float_norms = gradients.clipped_sum(batch.values, batch.mask, batch.labels)
+    torch.testing.assert_close(norms.float(), float_norms, rtol=1e-4, atol=1e-6)
+    difference = flat(floats).double() * (GRID / 0.5) - flat(ints).double()
+    assert float(difference.abs().max()) <= len(items) + 1e-3
+
+
+def test_a_sensor_group_is_clipped_as_one_summed_gradient() -> None:
+    model = make_model()
+    items, labels = ragged(7, 5)
+    gradients = PerSampleGradients(model, clip_norm=0.05)
+    batch = collate(items, labels=labels)
+    groups = torch.tensor([0, 1, 0, 2, 1])
+    ints, norms = gradients.grid_sum(batch.values, batch.mask, batch.labels, groups=groups, n_groups=3)
+    assert norms.shape == (3,)
+    per_sample = gradients.per_sample(batch.values, batch.mask, batch.labels)
+    matrix = torch.cat([g.reshape(5, -1) for g in per_sample.values()], dim=1).double()
+    expected = torch.zeros(matrix.shape[1], dtype=torch.float64)
+    for g in range(3):
+        summed = matrix[groups == g].sum(dim=0)
+        expected += summed * min(1.0, 0.05 / float(summed.norm())) * (GRID / 0.05)
+    assert float((flat(ints).double() - expected).abs().max()) <= 3 + 1e-3  # one unit per group
+    # the group's sum is clipped once: three groups give at most three clip norms of mass
+    assert float(flat(ints).double().norm()) <= 3 * GRID

@@ -12,7 +12,8 @@ from streamtrain.data.randomness import SeededRandomness
 from streamtrain.model import ModelOutput, RunningNorm, SensorModel
 from streamtrain.privacy import DPConfig, DPConfigError, DPEngine, check_dp_safety
 
-SAFE = dict(noise_multiplier=1.0, q0=0.05, eligible_steps=20, admit_per_step=16, delta=1e-6, target_epsilon=20.0)
+SAFE = dict(noise_multiplier=1.0, q0=0.05, eligible_steps=20, admit_per_step=16, delta=1e-6, target_epsilon=20.0,
+            expected_units=1e3)  # fmt: skip
 
 
 def model() -> SensorModel:
@@ -50,13 +51,22 @@ def test_running_input_norm_from_private_data_is_refused() -> None:
         ("clip_norm", 0.0), ("clip_norm", -1.0), ("clip_norm", math.inf),
         ("half_life_steps", 0.0), ("eligible_steps", 0), ("admit_per_step", 0), ("admit_per_step", 1_000_000),
         ("step_rate_hz", 0.0), ("delta", 0.0), ("delta", 0.01), ("target_epsilon", 0.0),
-        ("expected_batch_size", 0.0), ("noise_source", "mt19937"), ("norm_std", (0.0,)),
+        ("expected_batch_size", 0.0), ("norm_std", (0.0,)), ("unit", "user"), ("sensor_events", 0),
+        ("expected_units", 0.5), ("expected_units", math.inf),
     ],
 )  # fmt: skip
 def test_out_of_range_settings_are_refused(field: str, value: object) -> None:
     config = DPConfig(**{**SAFE, field: value})
     error = refused(f"STREAMTRAIN_DP_{field.upper()}", config=config, shuffle_mode="crypto")
     assert "; " in str(error)  # the rule, then the fix
+
+
+def test_delta_too_large_for_the_streams_lifetime_is_refused() -> None:
+    """δ against the units the deployment admits over its life, not against the window."""
+    config = DPConfig(**{**SAFE, "expected_units": 1e5})  # δ·N = 0.1 expected exposures
+    error = refused("too large for the stream's lifetime", config=config, shuffle_mode="crypto")
+    assert "STREAMTRAIN_DP_DELTA" in str(error) and "EXPECTED_UNITS" in str(error) and "1e-07" in str(error)
+    check_dp_safety(DPConfig(**{**SAFE, "expected_units": 1e4}), "crypto")  # δ·N = 0.01: allowed
 
 
 def test_unreachable_target_epsilon_is_refused() -> None:

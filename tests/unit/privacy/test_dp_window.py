@@ -148,3 +148,139 @@ def test_poisson_sampler_uses_the_os_csprng_by_default_and_checks_ages() -> None
     assert sampler.sample(np.array([0, 1, 0, 1])).tolist() == [0, 2]
     with pytest.raises(ValueError, match="ages"):
         sampler.sample(np.array([2]))
+
+
+def kafka_batch(offsets: list[int], partition: int = 0, sensors: list[str] | None = None) -> EventBatch:
+    """Events at (partition, offset); each carries its offset as its value."""
+    sensors = sensors or ["s"] * len(offsets)
+    items = [SensorEvent(sensor, 0.0, np.full((2, 1), float(o), np.float32)) for o, sensor in zip(offsets, sensors, strict=True)]
+    return EventBatch.from_events(items, partitions=[partition] * len(offsets), offsets=offsets)
+
+
+def test_closing_a_step_decides_every_arrival_and_reports_it() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=2, randomness=SeededRandomness(7))
+    window.admit(kafka_batch([10, 11, 12]), step=1)
+    window.admit(kafka_batch([5, 6], partition=1), step=1)
+    decision = window.close_step(1)
+    admitted = [(p, o) for p, offsets in decision.admitted.items() for o in offsets]
+    assert len(admitted) == 2 and decision.admitted_records == 2
+    assert decision.watermarks == {0: 13, 1: 7}  # every arrival is decided, admitted or not
+    assert window.watermarks == {0: 13, 1: 7}
+    assert sorted(ids(window.eligible().values)) == sorted(o for _, o in admitted)
+
+
+def test_an_offset_below_the_watermark_is_never_offered_again() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(8))
+    window.admit(kafka_batch([0, 1, 2]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([1, 2, 3, 4]), step=2)  # a replay of 1 and 2 (a restart re-read them)
+    decision = window.close_step(2)
+    assert decision.admitted == {0: [3, 4]}
+    assert sorted(ids(window.eligible().values)) == [0, 1, 2, 3, 4]  # each once
+    window.own([0], {0: 100})  # a recorded watermark from another process
+    window.admit(kafka_batch([50, 150]), step=3)
+    assert window.close_step(3).admitted == {0: [150]}
+
+
+def test_a_revoked_partition_is_no_longer_admitted() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(9))
+    window.own([0, 1], {})
+    window.admit(kafka_batch([0, 1]), step=1)
+    window.admit(kafka_batch([0, 1], partition=1), step=1)
+    window.drop_partitions([1])  # undecided arrivals of 1 are dropped, not decided
+    window.admit(kafka_batch([2], partition=1), step=1)  # an in-flight batch applied after the revocation
+    decision = window.close_step(1)
+    assert decision.admitted == {0: [0, 1]} and 1 not in decision.watermarks
+
+
+def test_resume_continues_after_the_recorded_step_and_never_reuses_a_step() -> None:
+    k = 4
+    window = DPWindow(eligible_steps=k, admit_per_step=10, randomness=SeededRandomness(10))
+    for step in (1, 2):
+        window.admit(kafka_batch([10 * step, 10 * step + 1]), step=step)
+        window.close_step(step)
+    window.admit(kafka_batch([30]), step=3)  # pending at the checkpoint
+    window.admit(kafka_batch([40]), step=6)  # pending, for a step after the record's last
+    saved = window.state_dict()
+    restored = DPWindow(eligible_steps=k, admit_per_step=10, randomness=SeededRandomness(11))
+    restored.load_state_dict(saved)
+    # the record shows steps up to 4 ran (admitting 30 at step 3) before the crash
+    restored.resume(4, {0: 31}, {})
+    assert restored.closed_step == 4
+    assert restored.eligible_ranges() == [(1, 2)]  # slots 3-4 are a gap: never eligible again
+    assert restored.pending_steps == 1  # step 3's arrivals were decided before the crash
+    restored.close_step(5)
+    assert restored.eligible_ranges() == [(2, 2), (5, 5)]
+    decision = restored.close_step(6)
+    assert decision.admitted == {0: [40]}
+    assert sorted(ids(restored.eligible().values)) == [40]  # slot 2 expired after step 5
+    for step in range(7, 12):
+        restored.close_step(step)
+    assert restored.eligible_ranges() == [(8, 11)] and restored.gaps == []
+
+
+def sensor_window(b: int = 2, k: int = 3, r: int = 10, max_groups: int | None = None, seed: int = 12) -> DPWindow:
+    return DPWindow(eligible_steps=k, admit_per_step=r, randomness=SeededRandomness(seed), unit="sensor",
+                    sensor_events=b, max_groups=max_groups)  # fmt: skip
+
+
+def test_sensor_unit_keeps_at_most_b_events_per_sensor_as_one_record() -> None:
+    window = sensor_window(b=2)
+    window.admit(kafka_batch([0, 1, 2, 3, 4], sensors=["a", "a", "a", "b", "a"]), step=1)
+    decision = window.close_step(1)
+    eligible = window.eligible()
+    assert decision.admitted_records == 2 and len(eligible) == 3  # a: 2 of its 4, b: 1
+    by_record = {}
+    for value, record in zip(ids(eligible.values), eligible.groups.tolist(), strict=True):
+        by_record.setdefault(record, []).append(value)
+    assert sorted(len(v) for v in by_record.values()) == [1, 2]
+    assert sorted(sum(decision.candidates.values(), [])) == ["a", "b"]
+
+
+def test_a_sensor_is_a_candidate_at_most_once_every_k_steps_and_max_groups_times() -> None:
+    window = sensor_window(b=1, k=3, max_groups=2)
+    admitted_at = []
+    for step in range(1, 12):
+        window.admit(kafka_batch([step], sensors=["a"]), step=step)
+        if window.close_step(step).admitted:
+            admitted_at.append(step)
+    assert admitted_at == [1, 4]  # never two groups in the window, two groups in its life
+    assert window.ledger["a"] == (2, 4) and window.most_groups() == 2
+
+
+def test_a_sensors_candidacy_does_not_depend_on_other_sensors() -> None:
+    """The ledger sees only the sensor's own arrivals: crowding by others (R = 1) changes
+    whether its group is admitted, never when it may next be a candidate."""
+    crowded, alone = sensor_window(b=1, k=2, r=1, seed=13), sensor_window(b=1, k=2, r=1, seed=14)
+    for step in range(1, 9):
+        crowded.admit(kafka_batch([3 * step, 3 * step + 1, 3 * step + 2], sensors=["a", "x", "y"]), step=step)
+        alone.admit(kafka_batch([step], sensors=["a"]), step=step)
+        crowded.close_step(step)
+        alone.close_step(step)
+    assert crowded.ledger["a"] == alone.ledger["a"] == (4, 7)
+
+
+def test_sensor_window_state_round_trip_keeps_ledger_and_groups() -> None:
+    window = sensor_window(b=2)
+    window.admit(kafka_batch([0, 1, 2], sensors=["a", "a", "b"]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([3, 4], sensors=["c", "c"]), step=2)
+    clone = sensor_window(b=2, seed=15)
+    clone.load_state_dict(window.state_dict())
+    assert clone.ledger == window.ledger
+    assert clone.eligible().groups.tolist() == window.eligible().groups.tolist()
+    assert clone.close_step(2).admitted == window.close_step(2).admitted
+    with pytest.raises(ValueError, match="DP_UNIT"):
+        DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(window.state_dict())
+
+
+def test_record_sampling_takes_a_group_whole() -> None:
+    sampler = PoissonSampler(np.array([0.5]), SeededRandomness(16))
+    records = np.array([0, 0, 1, 1, 1, 2])
+    seen = set()
+    for _ in range(50):
+        chosen = sampler.sample_records(np.zeros(6, np.int64), records)
+        groups = set(records[chosen].tolist())
+        assert chosen.tolist() == np.flatnonzero(np.isin(records, list(groups))).tolist()
+        seen |= {frozenset(groups)}
+    assert len(seen) > 4
