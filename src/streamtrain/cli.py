@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
-    from streamtrain.distributed import CollectiveFailure, exit_after_collective_failure
+    from streamtrain.distributed import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
     from streamtrain.service import IncompatibleCheckpoint
 
     server: uvicorn.Server | None = None
@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     service.on_agreed_stop = stop_http
     try:
         service.start()  # restores the newest checkpoint before any thread starts
-    except IncompatibleCheckpoint as err:
+    except (IncompatibleCheckpoint, SettingsMismatch) as err:  # SettingsMismatch: ranks started with other settings
         print(f"streamtrain: {err}", file=sys.stderr)
         return 2
     except CollectiveFailure as err:  # a peer died or hung while the ranks restored together
