@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
-    from streamtrain.distributed import CollectiveFailure, exit_after_collective_failure
+    from streamtrain.distributed import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
     from streamtrain.service import IncompatibleCheckpoint
 
     server: uvicorn.Server | None = None
@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     service.on_agreed_stop = stop_http
     try:
         service.start()  # restores the newest checkpoint (and the DP admission record) before any thread starts
-    except (IncompatibleCheckpoint, ValueError) as err:  # incl. a DP admission record it must not resume from
+    except (IncompatibleCheckpoint, SettingsMismatch, ValueError) as err:  # incl. a DP record it must not resume from
         print(f"streamtrain: {err}", file=sys.stderr)
         service.stop(final_checkpoint=False)
         return 2

@@ -17,9 +17,10 @@ that changes the rule can still read old checkpoints (or refuse them by name).
 
 Lockstep: every rank takes the same decisions at the same step because it takes them
 from one small collective per step (:meth:`Collectives.agree`), which carries the step
-number, the control flags (stop, checkpoint due, publish due, has data), the counts that
-normalize the loss, and any per-rank statistics the caller adds. The gradients then
-travel in one bucketed all-reduce (:meth:`Collectives.allreduce_gradients`).
+number, the control flags (stop, checkpoint due, publish due, has data, reset the
+optimizer), a rollback request, the counts that normalize the loss, and any per-rank
+statistics the caller adds. The gradients then travel in one bucketed all-reduce
+(:meth:`Collectives.allreduce_gradients`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import socket
 import sys
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Final, Literal, NoReturn
@@ -68,6 +69,10 @@ class CollectiveFailure(RuntimeError):
 
 class LockstepError(RuntimeError):
     """Ranks disagree on something they must agree on (the step, the counts they report)."""
+
+
+class SettingsMismatch(DistConfigError):
+    """Ranks of one group were started with different values of a setting they must share (one line)."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -268,14 +273,49 @@ def capacity_share(capacity: int, rank: int, world_size: int) -> int:
 # lockstep
 
 
+#: Who may ask for a rollback, in order of precedence when ranks ask at the same step.
+ROLLBACK_TRIGGERS: Final = ("admin", "automatic")
+
+
+@dataclass(frozen=True)
+class RollbackRequest:
+    """One rank asks every rank to make kept ``version`` serve again.
+
+    ``from_version`` (automatic rollbacks): the version judged worse; the request applies
+    only while that version still serves, so a request overtaken by a publication or by
+    another rollback lapses instead of undoing it. An admin's request applies as asked.
+    """
+
+    version: int
+    trigger: str = "admin"
+    from_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.trigger not in ROLLBACK_TRIGGERS:
+            raise ValueError(f"rollback trigger must be one of {ROLLBACK_TRIGGERS}, got {self.trigger!r}")
+        versions = [self.version] if self.from_version is None else [self.version, self.from_version]
+        if not all(1 <= int(v) < _EXACT_FLOAT_INT for v in versions):
+            raise ValueError(f"rollback versions count from 1, got {self.version} (from {self.from_version})")
+
+
+@dataclass(frozen=True)
+class AgreedRollback:
+    """The rollback every rank applies at this step: ``rank``'s request."""
+
+    rank: int
+    request: RollbackRequest
+
+
 @dataclass(frozen=True)
 class StepSignals:
-    """What one rank wants at this step; the agreement ORs them over the ranks."""
+    """What one rank wants at this step; the agreement ORs the flags over the ranks."""
 
     stop: bool = False
     checkpoint_due: bool = False
     publish_due: bool = False
     has_data: bool = False
+    reset_optimizer: bool = False  # a drift reaction: clear AdamW's moments on every rank
+    rollback: RollbackRequest | None = None  # at most one per rank and step; one wins (StepAgreement.rollback)
 
 
 @dataclass(frozen=True)
@@ -289,13 +329,18 @@ class StepAgreement:
     ranks_with_data: int
     totals: dict[str, int]  # counts summed over the ranks
     per_rank: np.ndarray  # float64 [world_size, len(payload)]: each rank's payload, in rank order
+    reset_optimizer: bool = False  # some rank's drift reaction fired: all clear AdamW's moments
+    # The rollback all ranks apply at this step: an admin's request before an automatic
+    # one, then the lowest rank's. Requests that lost are asked again at the next step.
+    rollback: AgreedRollback | None = None
 
     @property
     def has_data(self) -> bool:
         return self.ranks_with_data > 0
 
 
-_SIGNAL_FIELDS: Final = ("stop", "checkpoint_due", "publish_due", "has_data")
+_SIGNAL_FIELDS: Final = ("stop", "checkpoint_due", "publish_due", "has_data", "reset_optimizer")
+_ROLLBACK_FIELDS: Final = 3  # trigger code (0: none, 1 + index in ROLLBACK_TRIGGERS), version, from version (0: none)
 _EXACT_FLOAT_INT: Final = 2**53
 
 
@@ -303,18 +348,48 @@ _EXACT_FLOAT_INT: Final = 2**53
 # the process group
 
 
-def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
-    """``auto``: NCCL when training on CUDA (and NCCL is built in), gloo otherwise."""
+def resolve_backend(backend: str, device: torch.device | str | None = None, *, gpus_shared: bool = False) -> str:
+    """``auto``: NCCL when training on CUDA (and NCCL is built in), gloo otherwise.
+
+    ``gpus_shared``: ranks on this host share a GPU (more local ranks than GPUs). NCCL
+    refuses two ranks of one communicator on one GPU, so ``auto`` takes gloo then (the
+    collectives go through host memory) and an explicit ``nccl`` is refused.
+    """
     if backend not in BACKENDS:
         raise DistConfigError(f"DIST_BACKEND={backend!r} is not one of {', '.join(BACKENDS)}")
     device_type = torch.device(device).type if device is not None else "cpu"
     if backend == "auto":
-        return "nccl" if device_type == "cuda" and dist.is_nccl_available() else "gloo"
+        return "nccl" if device_type == "cuda" and dist.is_nccl_available() and not gpus_shared else "gloo"
     if backend == "nccl" and device_type != "cuda":
-        raise DistConfigError("DIST_BACKEND=nccl needs training on CUDA; use gloo (or auto) on CPU")
+        raise DistConfigError("DIST_BACKEND=nccl needs training on CUDA (DEVICE=cuda); use gloo (or auto) on CPU")
     if backend == "nccl" and not dist.is_nccl_available():
         raise DistConfigError("DIST_BACKEND=nccl: this torch build has no NCCL; use gloo")
+    if backend == "nccl" and gpus_shared:
+        raise DistConfigError(
+            "DIST_BACKEND=nccl with more ranks on this host than GPUs: NCCL needs a GPU of its own per rank; "
+            "start at most one rank per GPU, or set DIST_BACKEND=gloo (or auto)"
+        )
     return backend
+
+
+def rank_device(
+    device: torch.device | str,
+    ctx: DistContext,
+    *,
+    cuda_count: Callable[[], int] = torch.cuda.device_count,
+) -> tuple[torch.device, bool]:
+    """(the device this rank trains on, whether ranks on this host share a GPU).
+
+    On CUDA with several ranks on one host (``LOCAL_WORLD_SIZE > 1``), rank ``LOCAL_RANK``
+    takes GPU ``LOCAL_RANK mod (GPUs visible)``: torchrun's convention (pick the GPUs with
+    ``CUDA_VISIBLE_DEVICES``). The configured index applies with one rank per host only.
+    Off CUDA the device is returned as configured.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or ctx.local_world_size <= 1:
+        return device, False
+    count = max(1, int(cuda_count()))
+    return torch.device("cuda", ctx.local_rank % count), ctx.local_world_size > count
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -347,13 +422,14 @@ class Collectives:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+        gpus_shared: bool = False,
     ) -> None:
         for name, value in (("DIST_TIMEOUT_S", timeout_s), ("rendezvous timeout", rendezvous_timeout_s)):
             if not (value > 0 and math.isfinite(value)):
                 raise DistConfigError(f"{name}={value!r} must be a positive number of seconds")
         self.ctx = ctx
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.backend = resolve_backend(backend, self.device)
+        self.backend = resolve_backend(backend, self.device, gpus_shared=gpus_shared)
         self.timeout_s = float(timeout_s)
         self.rendezvous_timeout_s = max(float(rendezvous_timeout_s), self.timeout_s)
         self._owns_group = False
@@ -506,7 +582,7 @@ class Collectives:
         counts: Mapping[str, int] | None = None,
         payload: torch.Tensor | np.ndarray | Sequence[float] | None = None,
     ) -> StepAgreement:
-        """The one collective of a step: flags ORed, counts summed, payloads gathered.
+        """The one collective of a step: flags ORed, counts summed, payloads gathered, one rollback chosen.
 
         An all-gather rather than an all-reduce: merging normalization moments exactly
         (Chan's formula, in rank order) needs every rank's own numbers, and gathering a
@@ -523,9 +599,10 @@ class Collectives:
         extra = torch.as_tensor(np.asarray(payload if payload is not None else [], dtype=np.float64)).reshape(-1)
         names = sorted(counts)
         # a fingerprint of the row layout, so ranks that disagree on it are caught, not misread
-        layout = float(zlib.crc32(f"{','.join(names)}|{extra.numel()}".encode()))
+        layout = float(zlib.crc32(f"{','.join(names)}|{extra.numel()}|{','.join(_SIGNAL_FIELDS)}".encode()))
         head = [float(step), layout, float(len(names))]
         head += [1.0 if getattr(signals, name) else 0.0 for name in _SIGNAL_FIELDS]
+        head += _rollback_fields(signals.rollback)
         head += [float(int(counts[name])) for name in names]
         row = torch.cat([torch.tensor(head, dtype=torch.float64), extra.to(torch.float64)])
         rows = self.all_gather_rows(row)
@@ -537,7 +614,8 @@ class Collectives:
                 "every rank must run the same steps with the same row layout"
             )
         flags = rows[:, 3 : 3 + len(_SIGNAL_FIELDS)] > 0.5
-        start = 3 + len(_SIGNAL_FIELDS)
+        requests = rows[:, 3 + len(_SIGNAL_FIELDS) : 3 + len(_SIGNAL_FIELDS) + _ROLLBACK_FIELDS]
+        start = 3 + len(_SIGNAL_FIELDS) + _ROLLBACK_FIELDS
         summed = rows[:, start : start + len(names)].sum(dim=0).tolist()
         return StepAgreement(
             step=int(step),
@@ -547,7 +625,47 @@ class Collectives:
             ranks_with_data=int(flags[:, 3].sum()),
             totals={name: int(round(total)) for name, total in zip(names, summed)},
             per_rank=rows[:, start + len(names) :].numpy().copy(),
+            reset_optimizer=bool(flags[:, 4].any()),
+            rollback=_winning_rollback(requests.numpy()),
         )
+
+    def sum_rows(self, values: np.ndarray | Sequence[float]) -> np.ndarray:
+        """The sum over the ranks of a small float64 vector, bit for bit the same on every rank.
+
+        Gathered and added up in rank order (an all-reduce may add in another order on
+        each rank): for sums a decision is taken from, such as the publish gate's holdout
+        errors. Every rank must call it with a vector of the same length.
+        """
+        row = torch.as_tensor(np.asarray(values, dtype=np.float64)).reshape(-1)
+        rows = self.all_gather_rows(row).numpy()
+        total = rows[0].copy()
+        for other in rows[1:]:
+            total = total + other
+        return total
+
+    def agree_settings(self, values: Mapping[str, Any]) -> None:
+        """Check that every rank was started with the same ``values`` (setting name → value).
+
+        One all-gather of a checksum per setting. Raises :class:`SettingsMismatch` on every
+        rank alike (they all see every rank's checksums), naming the first setting that
+        differs, the ranks that differ from rank 0, and this rank's own value.
+        """
+        names = sorted(values)
+        checksums = [float(zlib.crc32(f"{name}={values[name]!r}".encode())) for name in names]
+        layout = float(zlib.crc32(",".join(names).encode()))
+        rows = self.all_gather_rows(torch.tensor([layout, *checksums], dtype=torch.float64))
+        if bool((rows[:, 0] != rows[0, 0]).any()):
+            raise SettingsMismatch(
+                "the ranks check different lists of settings: every rank must run the same streamtrain release"
+            )
+        for index, name in enumerate(names, start=1):
+            differ = [rank for rank in range(rows.shape[0]) if rows[rank, index] != rows[0, index]]
+            if differ:
+                ranks = ", ".join(map(str, differ))
+                raise SettingsMismatch(
+                    f"{name.upper()} differs between the ranks of one group (rank {ranks} vs rank 0; here, rank "
+                    f"{self.rank}: {values[name]!r}); every rank must run with the same {name.upper()}: give them one config"
+                )
 
     # -- gradients and parameters -----------------------------------------------------------
 
@@ -618,6 +736,36 @@ class Collectives:
                 self.broadcast_(reference, 0)
                 worst = max(worst, float((reference - p.detach()).abs().max()) if p.numel() else 0.0)
         return float(self.all_reduce_(torch.tensor([worst], dtype=torch.float64), "max").item())
+
+
+def _rollback_fields(request: RollbackRequest | None) -> list[float]:
+    if request is None:
+        return [0.0] * _ROLLBACK_FIELDS
+    return [
+        float(1 + ROLLBACK_TRIGGERS.index(request.trigger)),
+        float(int(request.version)),
+        float(int(request.from_version or 0)),
+    ]
+
+
+def _winning_rollback(requests: np.ndarray) -> AgreedRollback | None:
+    """The request every rank applies: the highest-precedence trigger, then the lowest rank."""
+    best: tuple[int, int] | None = None
+    for rank, (code, _, _) in enumerate(requests.tolist()):
+        if code > 0 and (best is None or (int(code), rank) < best):
+            best = (int(code), rank)
+    if best is None:
+        return None
+    code, rank = best
+    _, version, from_version = requests[rank].tolist()
+    return AgreedRollback(
+        rank=rank,
+        request=RollbackRequest(
+            version=int(version),
+            trigger=ROLLBACK_TRIGGERS[code - 1],
+            from_version=int(from_version) or None,
+        ),
+    )
 
 
 def exit_after_collective_failure(err: BaseException, code: int = EXIT_COLLECTIVE_FAILURE) -> NoReturn:

@@ -27,7 +27,16 @@ step the optimizer, publish, checkpoint, stop) is taken from those identical res
 so ranks never diverge.
 
 With one rank both collectives are local and the step is the single-process step of
-:meth:`streamtrain.train.Trainer.train_step` (tested to agree).
+:meth:`streamtrain.train.Trainer.train_step` (tested to agree, also under bf16 autocast).
+
+Devices: the model may live on a GPU. A batch arrives as the lockstep loop stages it (a
+:class:`~streamtrain.data.prefetch.StagedBatch`: pinned host tensors plus their copy on
+the device, made one tick ahead on a side stream), or as a plain host batch, which is
+copied here. The counts and the normalization moments are always taken from the host
+tensors in float64; the forward, the loss and the backward run on the device, the
+forward under ``AMP``'s autocast as in ``Trainer.train_step``; the loss sums stay on the
+device until they ride in the gradient all-reduce, so a step reads the device back once
+for its decision (and once more for the clipped norm).
 """
 
 from __future__ import annotations
@@ -42,8 +51,17 @@ import numpy as np
 import torch
 
 from streamtrain.data.collate import Batch
+from streamtrain.data.prefetch import stage_batch
+from streamtrain.device import Precision, autocast
 from streamtrain.distributed import DEFAULT_BUCKET_BYTES, Collectives, StepAgreement, StepSignals
-from streamtrain.model import RunningNorm, SensorModel, classification_loss, forecast_loss, naive_last_value_loss
+from streamtrain.model import (
+    ModelOutput,
+    RunningNorm,
+    SensorModel,
+    classification_loss,
+    forecast_loss,
+    naive_last_value_loss,
+)
 
 # ----------------------------------------------------------------------------------------
 # normalization statistics
@@ -220,6 +238,30 @@ def globally_normalized_loss(
 # the step
 
 
+def place_batch(batch: Batch, device: torch.device) -> tuple[Batch, Batch]:
+    """(host batch, its ``values``/``mask``/``labels`` on ``device``), as ``Trainer.train_step`` places one.
+
+    A :class:`~streamtrain.data.prefetch.StagedBatch` brings its device copy along; a host
+    batch is copied now (pinned, non-blocking); a batch already on ``device`` is used as is,
+    with a host copy for the counts and the float64 statistics.
+    """
+    on_device = getattr(batch, "on_device", None)
+    if on_device is None and batch.values.device == device:
+        on_device = batch
+    if batch.values.device.type != "cpu":
+        batch = batch.to("cpu")
+    if on_device is None:
+        on_device = stage_batch(batch, device).ready().on_device
+    assert on_device is not None
+    return batch, on_device
+
+
+def _in_dtype(output: ModelOutput, dtype: torch.dtype) -> ModelOutput:
+    """``output`` in the parameters' dtype (the same tensors when it already is: AMP off)."""
+    logits = output.logits
+    return ModelOutput(forecast=output.forecast.to(dtype), logits=None if logits is None else logits.to(dtype))
+
+
 @dataclass(frozen=True)
 class ParallelStepReport:
     """What one data-parallel step did; every field but ``local_*`` and the timings is global."""
@@ -246,7 +288,9 @@ class DataParallelStep:
     Holds no state of its own: the model, norm, optimizer and scheduler are the
     trainer's (rank 0 checkpoints them once; they are identical on every rank). Every
     rank must call it once per step, with or without a batch; the returned agreement
-    tells all of them alike whether to publish, checkpoint or stop.
+    tells all of them alike whether to publish, checkpoint, roll back or stop. An agreed
+    optimizer reset (a drift reaction on some rank) clears AdamW's moments on every rank
+    before this step's update.
     """
 
     def __init__(
@@ -261,6 +305,7 @@ class DataParallelStep:
         class_weight: float = 1.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        amp: Precision = "off",
     ) -> None:
         self.collectives = collectives
         self.model = model
@@ -271,22 +316,33 @@ class DataParallelStep:
         self.class_weight = float(class_weight)
         self.bucket_bytes = int(bucket_bytes)
         self.fault_injector = fault_injector  # tests make one rank's loss non-finite here
+        self.amp: Precision = amp
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def step(self, batch: Batch | None, *, step: int, signals: StepSignals | None = None) -> ParallelStepReport:
         started = time.perf_counter()
         if batch is not None and batch.batch_size == 0:
             batch = None
+        device = self.device
+        on_device: Batch | None = None
+        if batch is not None:
+            batch, on_device = place_batch(batch, device)
         signals = replace(signals or StepSignals(), has_data=batch is not None)
         local = LossCounts.of(batch)
         channels = self.norm.channels
         moments = Moments.empty(channels)
         if batch is not None and not self.norm.frozen:
-            moments = batch_moments(self.norm, batch.values, batch.mask)
+            moments = batch_moments(self.norm, batch.values, batch.mask)  # host, float64
 
         agreed_at = time.perf_counter()
         agreement = self.collectives.agree(step, signals, local.as_dict(), moments.as_payload())
         agree_seconds = time.perf_counter() - agreed_at
         totals = agreement.totals
+        if agreement.reset_optimizer:
+            self.optimizer.state.clear()  # every rank at this step: the moments stay identical
 
         def report(applied: bool, reason: str | None, **values: float) -> ParallelStepReport:
             return ParallelStepReport(
@@ -317,23 +373,27 @@ class DataParallelStep:
             apply_moments(self.norm, merge_all(parts))
 
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(4, dtype=torch.float64)  # non-finite flag, loss, forecast sum, naive sum
+        # non-finite flag, loss, forecast sum, naive sum: on the device, read back once after the all-reduce
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
         if batch is not None:
-            mask = batch.mask
+            assert on_device is not None
+            mask = on_device.mask
             dtype = next(self.model.parameters()).dtype  # float32 in the service, as Trainer.train_step
-            x_norm = self.norm.normalize(batch.values).to(dtype) * mask[..., None]
-            output = self.model(x_norm, mask)
-            loss = globally_normalized_loss(output, x_norm, mask, batch.labels, local, totals, self.class_weight)
+            x_norm = self.norm.normalize(on_device.values).to(dtype) * mask[..., None]
+            with autocast(device, self.amp):
+                output = self.model(x_norm, mask)
+            output = _in_dtype(output, dtype)  # the loss, its gradient seed and the sums in the weights' dtype
+            loss = globally_normalized_loss(output, x_norm, mask, on_device.labels, local, totals, self.class_weight)
             if self.fault_injector is not None:
                 loss = self.fault_injector(loss)
-            if torch.isfinite(loss):
-                loss.backward()
-            else:
-                sums[0] = 1.0
+            # A non-finite loss's gradient is summed with the others and then thrown away with
+            # the step (every rank skips it): no host read is needed to decide on backward.
+            loss.backward()
             with torch.no_grad():
-                sums[1] = float(loss.detach())
-                sums[2] = float(forecast_loss(output, x_norm, mask)) * local.forecast_targets
-                sums[3] = float(naive_last_value_loss(x_norm, mask)) * local.forecast_targets
+                sums[0] = (~torch.isfinite(loss)).to(torch.float64)
+                sums[1] = loss.detach().to(torch.float64)
+                sums[2] = forecast_loss(output, x_norm, mask).detach().to(torch.float64) * local.forecast_targets
+                sums[3] = naive_last_value_loss(x_norm, mask).detach().to(torch.float64) * local.forecast_targets
 
         reduced_at = time.perf_counter()
         reduced = self.collectives.allreduce_gradients(self.model.parameters(), sums, bucket_bytes=self.bucket_bytes)

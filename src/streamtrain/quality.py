@@ -372,6 +372,60 @@ def gate_decision(
     )
 
 
+@dataclass(frozen=True)
+class HoldoutSums:
+    """What the gate's verdict needs from one holdout, as sums that add up over holdouts.
+
+    Scaled out (``WORLD_SIZE`` > 1), each rank scores its own holdout and the ranks add
+    their sums (:attr:`QualityMonitor.combine`), so every rank takes the verdict of the
+    union of the holdouts, identically (:func:`gate_verdict`). For one holdout it is the
+    verdict of :func:`gate_decision`.
+    """
+
+    events: float = 0.0
+    steps: float = 0.0
+    serving_sse: float = 0.0
+    candidate_sse: float = 0.0
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.events, self.steps, self.serving_sse, self.candidate_sse], dtype=np.float64)
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> HoldoutSums:
+        events, steps, serving_sse, candidate_sse = (float(v) for v in np.asarray(values, dtype=np.float64).reshape(4))
+        return cls(events, steps, serving_sse, candidate_sse)
+
+
+def holdout_sums(candidate: Scorable, serving: Scorable, holdout: HoldoutBuffer, token_budget: int) -> HoldoutSums:
+    """Both models' summed squared errors on ``holdout`` (in the serving model's units), with its counts."""
+    n = len(holdout)
+    if n == 0:
+        return HoldoutSums()
+    values, labels = list(holdout.values), np.array(holdout.labels)
+    units = serving.norm
+    served = score_events(serving.model, serving.norm, values, labels, token_budget, units)
+    tried = score_events(candidate.model, candidate.norm, values, labels, token_budget, units)
+    return HoldoutSums(float(n), float(served.steps.sum()), float(served.sse.sum()), float(tried.sse.sum()))
+
+
+def gate_verdict(sums: HoldoutSums, tolerance: float, min_events: int) -> GateDecision:
+    """:func:`gate_decision`'s rule on summed holdout errors (a model serves already)."""
+    n = int(round(sums.events))
+    if n < min_events:
+        return GateDecision(True, f"holdout has {n} of the {min_events} events the gate needs", n)
+    if sums.steps == 0:
+        return GateDecision(True, "holdout events have no steps to forecast", n)
+    serving_mse = sums.serving_sse / sums.steps
+    candidate_mse = sums.candidate_sse / sums.steps
+    if not math.isfinite(candidate_mse):
+        return GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, serving_mse)
+    if candidate_mse <= serving_mse * (1.0 + tolerance):
+        return GateDecision(True, "not worse than the serving model", n, candidate_mse, serving_mse)
+    return GateDecision(
+        False, f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x serving {serving_mse:.4g}", n, candidate_mse, serving_mse
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # The monitor the service runs
 # --------------------------------------------------------------------------------------------
@@ -465,6 +519,9 @@ class QualityMonitor:
         self._budget = config.max_events_per_s  # token bucket, one second of burst
         self._budget_at: float | None = None
         self.score_seconds = 0.0
+        # Scaled out: adds a float64 vector over the ranks, the same result on every rank
+        # (the service sets it). The gate then judges the union of the ranks' holdouts.
+        self.combine: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def gate_enabled(self) -> bool:
@@ -627,6 +684,10 @@ class QualityMonitor:
         snapshot.values.extend(values)
         snapshot.labels.extend(labels)
         cfg = self.config
+        if self.combine is not None and serving is not None:  # every rank comes here at the same step
+            local = holdout_sums(candidate, serving, snapshot, cfg.token_budget)
+            union = HoldoutSums.from_array(self.combine(local.as_array()))
+            return gate_verdict(union, cfg.publish_gate_tolerance, cfg.holdout_min_events)
         return gate_decision(candidate, serving, snapshot, cfg.publish_gate_tolerance, cfg.holdout_min_events, cfg.token_budget)
 
     # ------------------------------------------------------------------ reporting and state

@@ -47,11 +47,12 @@ import torch
 from streamtrain.checkpoint import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
 from streamtrain.config import Settings
 from streamtrain.data.randomness import derive_seed
-from streamtrain.distributed import Collectives, DistContext, capacity_share
+from streamtrain.distributed import Collectives, DistContext, capacity_share, rank_device, resolve_backend
 from streamtrain.ingest import Ingestor
 from streamtrain.metrics import Metrics
-from streamtrain.scale_out import LockstepLoop, join_trainer_state, split_trainer_state
+from streamtrain.scale_out import LockstepLoop, check_settings_agree, join_trainer_state, split_trainer_state
 from streamtrain.sharded_checkpoint import CheckpointMismatch, DistributedCheckpointer, RestoredShare, ShardedCheckpointStore
+from streamtrain.registry import UnknownVersion
 from streamtrain.train import PublishedModel, Trainer
 from streamtrain.window import RecencyWindow
 
@@ -63,6 +64,10 @@ _DEAD_LETTERS_LATE_S = 30.0  # unacknowledged this long: /readyz lists them (che
 
 class IncompatibleCheckpoint(ValueError):
     """The newest checkpoint was written under settings it cannot be loaded with (one line)."""
+
+
+class RollbackNotTaken(RuntimeError):
+    """Scaled out: the ranks did not take an admin's rollback (they stopped, or it timed out)."""
 
 
 def _detached_copy(tree: Any) -> Any:
@@ -97,6 +102,13 @@ class Service:
                 "only (its noise and accounting are not yet split across ranks); unset WORLD_SIZE, or set "
                 "STREAMTRAIN_DP=off to scale out"
             )
+        gpus_shared = False
+        if self.scaled_out:  # several ranks on one host: each its own GPU (LOCAL_RANK), where there are enough
+            device, gpus_shared = rank_device(settings.device, self.ctx)
+            if str(device) != settings.device:
+                log.info("rank %d (local rank %d) trains on %s (DEVICE=%s)", self.ctx.rank, self.ctx.local_rank, device, settings.device)
+                settings = self.settings = settings.model_copy(update={"device": str(device)})
+            resolve_backend(settings.dist_backend, settings.device, gpus_shared=gpus_shared)  # refused before any work
         # Process-wide on purpose: torch keeps one intra-op default that every thread
         # (trainer, prefetch, predict workers) takes on its first parallel op.
         torch.set_num_threads(settings.torch_threads)
@@ -122,7 +134,11 @@ class Service:
         )
         self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
         self.collectives = Collectives(
-            self.ctx, backend=settings.dist_backend if self.scaled_out else "auto", timeout_s=settings.dist_timeout_s
+            self.ctx,
+            backend=settings.dist_backend if self.scaled_out else "auto",
+            device=settings.device,  # auto: NCCL when training on CUDA with a GPU per rank, else gloo
+            timeout_s=settings.dist_timeout_s,
+            gpus_shared=gpus_shared,
         )
         self.sharded_store = ShardedCheckpointStore(
             settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
@@ -172,6 +188,7 @@ class Service:
     def start(self) -> None:
         if self.scaled_out:
             self.collectives.start()  # waits for every rank (up to 15 minutes)
+            check_settings_agree(self.collectives, self.settings)  # SettingsMismatch: one line, every rank
         self.restore()
         if self.scaled_out:
             self.collectives.broadcast_module(self.trainer.model)  # one model, whatever each rank built
@@ -395,6 +412,28 @@ class Service:
                     return self._checkpoint_failed("the ranks did not cut the checkpoint in time")
                 self._cuts.wait(min(left, 1.0))
             return self._last_cut if self._cuts_finished == target else self.last_checkpoint
+
+    def rollback(self, version: int, reason: str = "asked by an admin") -> tuple[int, int | None]:
+        """Make kept ``version`` serve again: (the version that serves now, the one that served before).
+
+        :class:`UnknownVersion` when it is not kept. Scaled out, every rank rolls back at
+        the same tick: the request travels in the next agreement and this returns once
+        every rank took it (:class:`RollbackNotTaken` when it lapsed or the ranks stopped).
+        """
+        if self.loop is None:
+            before = self.published
+            target = self.trainer.rollback(version, trigger="admin", reason=reason)
+            return target.version, None if before is None else before.version
+        self.trainer.registry.get(version)  # UnknownVersion now, before asking every rank
+        ticket = self.loop.request_rollback(version, "admin", reason)
+        outcome = ticket.wait(3 * self.settings.dist_timeout_s + 60)
+        if outcome is None:
+            raise RollbackNotTaken(f"the ranks did not take the rollback to version {version} in time")
+        if outcome.unknown_version:
+            raise UnknownVersion(version)  # pruned between the request and the agreed tick
+        if not outcome.applied:
+            raise RollbackNotTaken(f"rollback to version {version} not taken: {outcome.why_not}")
+        return outcome.version, outcome.from_version
 
     def _agreed_stop(self) -> None:
         hook = self.on_agreed_stop

@@ -378,6 +378,9 @@ class Trainer(ModelTrainer):
         # A scaled-out service sets this: the thread's work is then the lockstep loop of
         # streamtrain.scale_out, which trains with every rank and returns at the agreed stop.
         self.loop: Callable[[], None] | None = None
+        # Scaled out, an automatic rollback is asked of every rank (version, reason) instead
+        # of applied here: the lockstep loop applies it on all ranks at one step.
+        self.request_rollback: Callable[[int, str], bool] | None = None
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
@@ -532,7 +535,17 @@ class Trainer(ModelTrainer):
             self.drift_reactions += 1
             log.info("drift reaction: AdamW moments are cleared before the next step")
 
+    def take_optimizer_reset(self) -> bool:
+        """True once after a drift reaction asked to clear AdamW's moments (the lockstep loop
+        asks every rank to, at one step, instead of this rank's next ``train_step``)."""
+        if not self._reset_optimizer_due:
+            return False
+        self._reset_optimizer_due = False
+        return True
+
     def _auto_rollback(self, version: int, reason: str) -> bool:
+        if self.request_rollback is not None:
+            return self.request_rollback(version, reason)
         try:
             self.rollback(version, trigger="automatic", reason=reason)
         except UnknownVersion:

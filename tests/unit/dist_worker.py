@@ -8,24 +8,39 @@ OUT_DIR/rank{RANK}.* for the parent to check. Not a test module (no ``test_`` pr
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
 
 from streamtrain.config import load_settings
 from streamtrain.data import collate
-from streamtrain.distributed import Collectives, DistContext, LockstepError, StepSignals, exit_after_collective_failure
+from streamtrain.distributed import (
+    Collectives,
+    DistContext,
+    LockstepError,
+    RollbackRequest,
+    SettingsMismatch,
+    StepSignals,
+    exit_after_collective_failure,
+)
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
+from streamtrain.model import RunningNorm, build_model, predict
 from streamtrain.parallel import DataParallelStep
+from streamtrain.quality import QualityConfig, QualityMonitor, gate_decision
+from streamtrain.scale_out import LockstepLoop, check_settings_agree
 from streamtrain.sharded_checkpoint import DistributedCheckpointer, ShardedCheckpointStore
 from streamtrain.train import Trainer
 from streamtrain.window import RecencyWindow
@@ -220,17 +235,173 @@ def failure(rank: int, out: Path, mode: str, timeout_s: float) -> None:
     sys.exit(0)
 
 
+# ----------------------------------------------------------------------------------------
+# scenario "quality": the publish gate, rollbacks and drift reactions, agreed by the ranks
+
+GATE = QualityConfig(holdout_share=0.1, holdout_min_events=32, publish_gate_tolerance=0.05)
+GATE_EVENTS_PER_RANK = 20  # below HOLDOUT_MIN_EVENTS alone, above it together
+LOOP_SETTINGS = {
+    "d_model": 16, "n_heads": 2, "n_layers": 1, "max_len": 32, "token_budget": 512, "min_window_items": 8,
+    "warmup_steps": 1, "learning_rate": 0.01, "publish_interval_s": 0.1, "model_versions_keep": 50, "seed": 7,
+    "holdout_share": 0.05, "holdout_min_events": 8, "drift_reaction": "reset_optimizer",
+}  # fmt: skip
+
+
+def walks(seed: int, count: int, low: int = 4, high: int = 32) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32) for n in rng.integers(low, high, count)]
+
+
+def gate_models() -> tuple[Any, Any, Any]:
+    """(serving, a candidate much worse on random walks, a candidate as good): the same in every process."""
+    settings = load_settings(**{k: v for k, v in LOOP_SETTINGS.items() if k in ("d_model", "n_heads", "n_layers", "max_len")})
+    torch.manual_seed(11)
+    model = build_model(settings).eval()
+    norm = RunningNorm(1)
+    data = torch.from_numpy(np.concatenate(walks(5, 50)))[None]
+    norm.update(data, torch.ones(data.shape[:2], dtype=torch.bool))
+    worse = copy.deepcopy(model)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(12)
+        for parameter in worse.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    make = lambda m, v: SimpleNamespace(model=m, norm=norm, version=v)  # noqa: E731
+    return make(model, 1), make(worse, 2), make(copy.deepcopy(model), 3)
+
+
+def holdout_events(rank: int) -> list[np.ndarray]:
+    return walks(500 + rank, GATE_EVENTS_PER_RANK)
+
+
+def collective_gate(collectives: Collectives, rank: int) -> dict[str, Any]:
+    serving, worse, same = gate_models()
+    monitor = QualityMonitor(GATE, Metrics(), lambda: serving)
+    monitor.combine = collectives.sum_rows
+    events = holdout_events(rank)
+    monitor.holdout.values.extend(events)
+    monitor.holdout.labels.extend([-1] * len(events))
+    out = {}
+    for name, candidate in (("worse", worse), ("same", same)):
+        out[name] = dataclass_dict(monitor.gate(candidate, serving))
+        alone = gate_decision(candidate, serving, monitor.holdout, GATE.publish_gate_tolerance, GATE.holdout_min_events, GATE.token_budget)
+        out[f"{name}_alone"] = dataclass_dict(alone)
+    return out
+
+
+def dataclass_dict(value: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(value)
+
+
+def loop_trainer(rank: int, out: Path) -> Trainer:
+    settings = load_settings(**LOOP_SETTINGS, checkpoint_dir=out / "unused")
+    window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(rank))
+    now = time.time()
+    window.insert_batch(EventBatch.from_events([SensorEvent(f"s{rank}-{i}", now - i, v) for i, v in enumerate(walks(900 + rank, 96))]))
+    trainer = Trainer(settings, window, Metrics(), data_seed=100 + rank, min_items=8)
+    holdout = walks(700 + rank, 10)
+    trainer.quality.holdout.values.extend(holdout)
+    trainer.quality.holdout.labels.extend([-1] * len(holdout))
+    return trainer
+
+
+def wait(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def quality(collectives: Collectives, rank: int, out: Path) -> None:
+    """Rank 1 was started with another D_MODEL for the first check; then every agreement in turn."""
+    mismatch = None
+    try:
+        check_settings_agree(collectives, load_settings(d_model=32 if rank == 1 else 64, n_heads=2))
+    except SettingsMismatch as err:
+        mismatch = str(err)
+    check_settings_agree(collectives, load_settings(**LOOP_SETTINGS))  # the same: no error
+    # one rollback wins per step: an admin's before an automatic one, then the lowest rank's
+    asks = [
+        {0: RollbackRequest(3, "automatic", 5), 1: RollbackRequest(2, "admin")},
+        {0: RollbackRequest(3, "automatic", 5), 1: RollbackRequest(4, "automatic", 5)},
+        {1: RollbackRequest(4, "automatic", 5)},
+        {},
+    ]
+    agreed = []
+    for step, ask in enumerate(asks):
+        a = collectives.agree(300 + step, StepSignals(rollback=ask.get(rank), reset_optimizer=(step, rank) == (3, 1)))
+        agreed.append({"rollback": None if a.rollback is None else [a.rollback.rank, dataclass_dict(a.rollback.request)], "reset": a.reset_optimizer})
+    gate = collective_gate(collectives, rank)
+
+    trainer = loop_trainer(rank, out)
+    collectives.broadcast_module(trainer.model)
+    loop = LockstepLoop(trainer, collectives, checkpoint=lambda final: None, stage_ahead=True)
+    resets: list[int] = []
+    original = loop.step.step
+
+    def recording(batch: Any, *, step: int, signals: StepSignals | None = None) -> Any:
+        report = original(batch, step=step, signals=signals)
+        if report.agreement.reset_optimizer:
+            resets.append(step)
+        return report
+
+    loop.step.step = recording  # type: ignore[method-assign]
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    wait(lambda: len(trainer.registry.versions()) >= 3, 120, "three published versions")
+    ticket = None
+    if rank == 1:  # an admin's rollback, asked of this rank only
+        ticket = loop.request_rollback(trainer.registry.versions()[0], "admin", "asked by the test")
+    else:  # this rank's automatic rule fires (what QualityMonitor calls), at about the same time
+        versions = trainer.registry.versions()
+        trainer._auto_rollback(versions[-2], "the test's rule")
+    wait(lambda: len(loop.rollbacks) >= 2, 120, "both rollbacks taken")
+    if rank == 0:
+        trainer._on_drift(None)  # type: ignore[arg-type]  # a drift reaction on this rank only
+    top = max(trainer.registry.versions())
+    wait(lambda: max(trainer.registry.versions()) >= top + 2, 120, "two more publications")
+    if rank == 0:
+        loop.stop_requested.set()
+    thread.join(120)
+    assert not thread.is_alive(), "the loop did not stop"
+    in_sync = collectives.check_in_sync(trainer.model)
+    serving = trainer.published
+    assert serving is not None
+    answers = predict(serving.model, serving.norm, walks(42, 8), 512)
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "mismatch": mismatch,
+                "agreed": agreed,
+                "gate": gate,
+                "rollbacks": [dataclass_dict(r) for r in loop.rollbacks],
+                "ticket": None if ticket is None or ticket.outcome is None else dataclass_dict(ticket.outcome),
+                "resets": resets,
+                "registry": [[v, trainer.registry.get(v).step] for v in trainer.registry.versions()],
+                "serving": serving.version,
+                "last_gate": None if trainer.last_gate is None else dataclass_dict(trainer.last_gate),
+                "in_sync": in_sync,
+                "steps": trainer.step,
+                "staged_ahead": loop.stager.staged_ahead if loop.stager is not None else 0,
+                "answers": [[float(v) for v in np.ravel(a.next)] for a in answers],
+            }
+        )
+    )
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     ctx = DistContext.from_env()
     timeout_s = float(os.environ.get("TEST_DIST_TIMEOUT_S", "30"))
-    if scenario != "train":
+    if scenario in ("kill", "hang"):
         failure(ctx.rank, out, scenario, timeout_s)
         return
     collectives = Collectives(ctx, backend="gloo", timeout_s=timeout_s).start()
-    train(collectives, ctx.rank, out)
+    {"train": train, "quality": quality}[scenario](collectives, ctx.rank, out)
     collectives.close()
 
 

@@ -112,6 +112,18 @@ def test_http_port_rule() -> None:
         http_port(65535, two_local, explicit=False)
 
 
+def test_rank_device_gives_each_local_rank_its_own_gpu() -> None:
+    from streamtrain.distributed import rank_device
+
+    two_local = [DistContext(r, 4, r % 2, 2, "h", 1) for r in range(4)]
+    assert [rank_device("cuda:0", ctx, cuda_count=lambda: 2) for ctx in two_local] == [
+        (torch.device("cuda", 0), False), (torch.device("cuda", 1), False),
+    ] * 2  # fmt: skip
+    assert rank_device("cuda:0", two_local[1], cuda_count=lambda: 1) == (torch.device("cuda", 0), True)
+    assert rank_device("cuda:1", DistContext(1, 2, 0, 1, "h", 1), cuda_count=lambda: 2) == (torch.device("cuda", 1), False)
+    assert rank_device("cpu", two_local[1], cuda_count=lambda: 2) == (torch.device("cpu"), False)
+
+
 def test_backend_choice() -> None:
     assert resolve_backend("auto", "cpu") == "gloo"
     assert resolve_backend("gloo", "cpu") == "gloo"
@@ -121,6 +133,10 @@ def test_backend_choice() -> None:
         resolve_backend("mpi", "cpu")
     if torch.distributed.is_nccl_available():
         assert resolve_backend("auto", "cuda") == "nccl"
+        # ranks that share a GPU: NCCL refuses two ranks of one communicator on one GPU
+        assert resolve_backend("auto", "cuda", gpus_shared=True) == "gloo"
+        with pytest.raises(DistConfigError, match="^DIST_BACKEND=nccl with more ranks on this host than GPUs.*DIST_BACKEND=gloo"):
+            resolve_backend("nccl", "cuda", gpus_shared=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -263,6 +279,71 @@ def test_one_rank_step_is_trainer_train_step_bit_for_bit() -> None:
     assert torch.equal(reference.norm.mean, ours.norm.mean) and reference.norm.count == ours.norm.count
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["host-batch", "staged-batch"])
+def test_one_rank_step_under_bf16_autocast_is_trainer_train_step_bit_for_bit(staged: bool) -> None:
+    """AMP=bf16 (CPU autocast runs bf16): the step's forward runs under the same autocast as
+    Trainer.train_step's, with the batch as the lockstep loop stages it or as a host batch."""
+    from streamtrain.data.prefetch import stage_batch
+
+    torch.set_num_threads(1)
+    reference, ours = _trainer(amp="bf16"), _trainer(amp="bf16")
+    dp = DataParallelStep(
+        Collectives(DistContext()), ours.model, ours.norm, ours.optimizer,
+        grad_clip_norm=ours.settings.grad_clip_norm, scheduler=ours.scheduler, amp="bf16",
+    )  # fmt: skip
+    rng = np.random.default_rng(4)
+    for step in range(4):
+        batch = collate([rng.normal(1, 2, (int(rng.integers(2, 50)), 1)).astype(np.float32) for _ in range(10)])
+        expected = reference.train_step(batch)
+        report = dp.step(stage_batch(batch, torch.device("cpu")).ready() if staged else batch, step=step)
+        assert report.applied and report.loss == pytest.approx(expected.loss, rel=1e-6)
+    for (name, a), b in zip(reference.model.named_parameters(), ours.model.parameters()):
+        assert torch.equal(a, b), name
+        assert b.dtype == torch.float32  # master weights stay float32
+    plain = _trainer()
+    DataParallelStep(Collectives(DistContext()), plain.model, plain.norm, plain.optimizer, grad_clip_norm=1.0).step(batch, step=0)
+    assert not torch.equal(next(plain.model.parameters()), next(_trainer().model.parameters()))
+
+
+def test_an_agreed_optimizer_reset_clears_adamw_at_that_step() -> None:
+    trainer = _trainer()
+    dp = DataParallelStep(Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0)
+    batch = collate([np.arange(12, dtype=np.float32)[:, None]])
+    dp.step(batch, step=0)
+    assert trainer.optimizer.state
+    report = dp.step(None, step=1, signals=StepSignals(reset_optimizer=True))
+    assert report.agreement.reset_optimizer and report.skipped_reason == "no_data" and not trainer.optimizer.state
+    dp.step(batch, step=2)
+    assert trainer.optimizer.state and not dp.step(batch, step=3).agreement.reset_optimizer
+
+
+def test_rollback_requests_one_wins_per_step() -> None:
+    from streamtrain.distributed import AgreedRollback, RollbackRequest, _winning_rollback
+
+    def row(request: RollbackRequest | None) -> list[float]:
+        from streamtrain.distributed import _rollback_fields
+
+        return _rollback_fields(request)
+
+    auto = RollbackRequest(3, "automatic", 5)
+    admin = RollbackRequest(2, "admin")
+    assert _winning_rollback(np.array([row(None), row(None)])) is None
+    assert _winning_rollback(np.array([row(auto), row(admin)])) == AgreedRollback(1, admin)  # admin first
+    assert _winning_rollback(np.array([row(None), row(auto), row(RollbackRequest(4, "automatic", 6))])) == AgreedRollback(1, auto)
+    assert _winning_rollback(np.array([row(RollbackRequest(7)), row(admin)])) == AgreedRollback(0, RollbackRequest(7))
+    one = Collectives(DistContext()).agree(0, StepSignals(rollback=auto))
+    assert one.rollback == AgreedRollback(0, auto)
+    for bad in ({"version": 0}, {"version": 2, "trigger": "cron"}, {"version": 2, "trigger": "automatic", "from_version": 0}):
+        with pytest.raises(ValueError):
+            RollbackRequest(**bad)  # type: ignore[arg-type]
+
+
+def test_one_rank_sums_and_settings_checks_are_local() -> None:
+    c = Collectives(DistContext())
+    np.testing.assert_array_equal(c.sum_rows([1.5, 2.0, math.inf]), [1.5, 2.0, math.inf])
+    c.agree_settings({"d_model": 64, "amp": "off"})  # one rank agrees with itself
+
+
 def test_one_rank_collectives_are_local() -> None:
     c = Collectives(DistContext())
     agreement = c.agree(7, StepSignals(stop=True, has_data=True), {"real_tokens": 12}, [1.0, 2.0])
@@ -367,6 +448,7 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple
         # rank 1 joins later than DIST_TIMEOUT_S: a slow start is not a failure
         "kill": (root / "kill", _launch("kill", root / "kill", timeout_s=FAILURE_TIMEOUT_S, late_s=FAILURE_TIMEOUT_S + 2)),
         "hang": (root / "hang", _launch("hang", root / "hang", timeout_s=FAILURE_TIMEOUT_S)),
+        "quality": (root / "quality", _launch("quality", root / "quality", timeout_s=60)),
     }
     try:
         yield started
@@ -448,3 +530,61 @@ def test_a_dead_or_hung_rank_makes_the_others_fail_within_the_timeout(
     assert killed == -9
     hang = json.loads((worlds["hang"][0] / "rank0.json").read_text())
     assert hang["seconds_after_last_step"] >= FAILURE_TIMEOUT_S * 0.9  # a hang is noticed by the timeout, not sooner
+
+
+def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
+    worlds: dict[str, tuple[Path, list[subprocess.Popen[bytes]]]],
+) -> None:
+    """Quality decisions that one rank could take alone are taken by all ranks at one step."""
+    from streamtrain.quality import HoldoutBuffer, gate_decision
+
+    tmp_path, processes = worlds["quality"]
+    codes = [p.wait(240) for p in processes]
+    assert codes == [0, 0], _logs(tmp_path)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # ranks started with different settings stop with one line naming the setting, on every rank
+    for rank, s in enumerate(seen):
+        assert s["mismatch"].startswith("D_MODEL differs between the ranks of one group (rank 1 vs rank 0; here, rank ")
+        assert f"rank {rank}: {32 if rank == 1 else 64}" in s["mismatch"] and "\n" not in s["mismatch"]
+
+    # one rollback per step: admin before automatic, then the lowest rank; reset ORed
+    assert seen[0]["agreed"] == seen[1]["agreed"] == [
+        {"rollback": [1, {"version": 2, "trigger": "admin", "from_version": None}], "reset": False},
+        {"rollback": [0, {"version": 3, "trigger": "automatic", "from_version": 5}], "reset": False},
+        {"rollback": [1, {"version": 4, "trigger": "automatic", "from_version": 5}], "reset": False},
+        {"rollback": None, "reset": True},
+    ]
+
+    # the gate judges the union of the holdouts: what one process holding both would decide
+    serving, worse, same = dist_worker.gate_models()
+    union = HoldoutBuffer(1000)
+    for rank in range(2):
+        union.values.extend(dist_worker.holdout_events(rank))
+        union.labels.extend([-1] * dist_worker.GATE_EVENTS_PER_RANK)
+    cfg = dist_worker.GATE
+    for name, candidate in (("worse", worse), ("same", same)):
+        expected = gate_decision(candidate, serving, union, cfg.publish_gate_tolerance, cfg.holdout_min_events, cfg.token_budget)
+        for s in seen:
+            got = s["gate"][name]
+            assert (got["publish"], got["reason"], got["holdout_events"]) == (expected.publish, expected.reason, expected.holdout_events)
+            assert got["candidate_mse"] == pytest.approx(expected.candidate_mse, rel=1e-6)  # float32 forwards, batched otherwise
+            assert got["serving_mse"] == pytest.approx(expected.serving_mse, rel=1e-6)
+        assert seen[0]["gate"][name] == seen[1]["gate"][name]
+    assert seen[0]["gate"]["worse"]["publish"] is False and seen[0]["gate"]["same"]["publish"] is True
+    # alone, neither rank's holdout is large enough to judge: each would have let the worse one serve
+    assert all(s["gate"]["worse_alone"]["publish"] is True and "of the 32 events" in s["gate"]["worse_alone"]["reason"] for s in seen)
+
+    # the lockstep loop: rank 1's admin rollback and rank 0's automatic one, taken by both at the same ticks
+    rollbacks = [s["rollbacks"] for s in seen]
+    assert rollbacks[0] == rollbacks[1] and len(rollbacks[0]) == 2, rollbacks
+    assert {r["trigger"]: r["rank"] for r in rollbacks[0]} == {"admin": 1, "automatic": 0}
+    admin = next(r for r in rollbacks[0] if r["trigger"] == "admin")
+    assert admin["applied"] and seen[1]["ticket"] == admin and seen[0]["ticket"] is None
+    assert seen[0]["registry"] == seen[1]["registry"] and seen[0]["serving"] == seen[1]["serving"]
+    assert seen[0]["last_gate"] == seen[1]["last_gate"] and seen[0]["last_gate"]["holdout_events"] == 20
+    # rank 0's drift reaction cleared AdamW's moments on both ranks at one tick: still one model
+    assert seen[0]["resets"] == seen[1]["resets"] and len(seen[0]["resets"]) == 1
+    assert seen[0]["in_sync"] == 0.0 and seen[0]["steps"] == seen[1]["steps"] > 0
+    assert seen[0]["answers"] == seen[1]["answers"]  # the serving version answers alike on every rank
+    assert all(s["staged_ahead"] > 0 for s in seen)  # batches were staged one tick ahead (CPU: the same path)

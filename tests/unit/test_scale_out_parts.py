@@ -32,10 +32,11 @@ from streamtrain.window import RecencyWindow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make_trainer(events: int = 96, seed: int = 0) -> Trainer:
+def make_trainer(events: int = 96, seed: int = 0, **overrides: Any) -> Trainer:
     settings = load_settings(
-        d_model=16, n_heads=2, n_layers=1, max_len=32, token_budget=512, min_window_items=8,
-        warmup_steps=1, learning_rate=0.01, publish_interval_s=0.05, seed=seed, checkpoint_dir="unused",
+        **{"d_model": 16, "n_heads": 2, "n_layers": 1, "max_len": 32, "token_budget": 512, "min_window_items": 8,
+           "warmup_steps": 1, "learning_rate": 0.01, "publish_interval_s": 0.05, "seed": seed, "checkpoint_dir": "unused",
+           "amp": "off", "max_batch_sequences": 1024, **overrides},
     )  # fmt: skip
     window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(seed))
     rng = np.random.default_rng(seed)
@@ -78,11 +79,13 @@ def wait(condition: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed() -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["as-ready", "staged-ahead"])
+def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed(ahead: bool) -> None:
+    """``ahead``: the GPU path's one-tick-ahead staging, run on the CPU (the same code path)."""
     trainer = make_trainer()
     cuts = Cuts(trainer)
     stopped = threading.Event()
-    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=cuts, on_stopped=stopped.set)
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=cuts, on_stopped=stopped.set, stage_ahead=ahead)
     thread = run_loop(loop)
     wait(lambda: trainer.step >= 5 and trainer.published is not None, 60, "training and a first version")
     loop.checkpoint_due.set()
@@ -99,6 +102,7 @@ def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed() -> None:
     assert trainer.loss_ema is not None and math.isfinite(trainer.loss_ema)
     assert trainer.published is not None and trainer.published.step <= trainer.step
     assert loop.tick >= trainer.step
+    assert loop.stager is not None and (loop.stager.staged_ahead > 0) == ahead
 
 
 def test_the_loop_does_not_wait_for_a_window_that_is_still_filling() -> None:
@@ -137,12 +141,16 @@ def test_trainer_state_splits_into_shared_and_rank_local() -> None:
     trainer = make_trainer()
     state = trainer.state_dict()
     shared, local = split_trainer_state(state)
-    assert set(local) == {"dataset", "rng"} and not set(local) & set(shared)
+    assert set(local) == {"dataset", "rng", "quality"} and not set(local) & set(shared)
     assert set(shared) | set(local) == set(state)
     again = make_trainer(seed=1)
     assert join_trainer_state(again, shared, local) == {**shared, **local}
-    fresh = join_trainer_state(again, {**shared, "dataset": {"next_pass": 9, "seed": 0}}, None)
+    fresh = join_trainer_state(again, {**shared, "dataset": {"next_pass": 9, "seed": 0}, "quality": {}}, None)
     assert fresh["dataset"] == again.dataset.state_dict() and fresh["dataset"]["next_pass"] == 0
+    assert "quality" not in fresh, "another ownership: each rank's quality monitor starts afresh"
+    # a shard written before the quality monitor was rank-local: its stream, a fresh monitor
+    older = join_trainer_state(again, shared, {"dataset": local["dataset"], "rng": local["rng"]})
+    assert older["dataset"] == local["dataset"] and "quality" not in older
     again.load_state_dict(fresh)  # a rank without its own state: the shared part, a fresh data stream
     assert again.step == trainer.step
     for name, tensor in trainer.model.state_dict().items():
@@ -162,12 +170,16 @@ def test_a_rank_of_a_scaled_out_service_is_wired_for_its_share(tmp_path: Path) -
     assert service.trainer.dataset.min_items == capacity_share(10, 1, 3) == 3
     assert service.trainer.dataset.coordinates == (0, 1)  # passes over its own window, never a share of a plan
     assert service.ingest.owned_partitions is not None and service.ingest.owned_partitions(7) == [1, 4]
+    # rollbacks and the gate go through the ranks' agreement; gloo on the CPU
+    assert service.trainer.request_rollback is not None and service.trainer.quality.combine is not None
+    assert service.collectives.backend == "gloo" and service.settings.device == "cpu"
     other = Service(settings, DistContext(rank=2, world_size=3, master_addr="127.0.0.1", master_port=1))
     assert other.trainer.dataset.seed != service.trainer.dataset.seed, "each rank draws its own passes"
     assert b'streamtrain_rank_info{rank="1",world_size="3"} 1.0' in service.metrics.exposition()
     one = Service(settings)
     assert not one.scaled_out and one.loop is None and one.window.capacity == 1001 and one.ingest.owned_partitions is None
     assert one.trainer.dataset.seed == settings.seed
+    assert one.trainer.request_rollback is None and one.trainer.quality.combine is None
     assert b'streamtrain_rank_info{rank="0",world_size="1"} 1.0' in one.metrics.exposition()
 
 
@@ -193,10 +205,194 @@ def serve(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
              "STREAMTRAIN_HTTP_PORT": "8123"},
             "2 ranks share this host",
         ),
+        (
+            {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+             "STREAMTRAIN_DIST_BACKEND": "nccl", "STREAMTRAIN_DEVICE": "cpu"},
+            "DIST_BACKEND=nccl needs training on CUDA (DEVICE=cuda)",
+        ),
     ],
-    ids=["no-master", "dp", "one-port-two-ranks"],
+    ids=["no-master", "dp", "one-port-two-ranks", "nccl-on-cpu"],
 )  # fmt: skip
 def test_a_launch_that_cannot_work_stops_in_one_line(env: dict[str, str], says: str, tmp_path: Path) -> None:
     done = serve({**env, "STREAMTRAIN_CHECKPOINT_DIR": str(tmp_path)})
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("streamtrain: ") and says in lines[0], done.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# batches on the training device (the CPU runs the same path)
+
+
+def test_the_stager_hands_out_every_batch_once_in_order_staged_one_ahead() -> None:
+    from streamtrain.data import collate
+    from streamtrain.data.prefetch import Prefetcher, StagedBatch
+
+    rng = np.random.default_rng(5)
+    batches = [collate([rng.normal(size=(int(rng.integers(2, 9)), 1)).astype(np.float32) for _ in range(3)]) for _ in range(12)]
+    stager = scale_out.DeviceStager(Prefetcher(iter(batches), depth=4), torch.device("cpu"), ahead=True)
+    got: list[Any] = []
+    deadline = time.monotonic() + 30
+    with pytest.raises(StopIteration):  # the source's end, after its last batch
+        while time.monotonic() < deadline:
+            batch = stager.poll(0.05)
+            if batch is not None:
+                got.append(batch)
+    stager.close()
+    assert len(got) == len(batches) and all(isinstance(b, StagedBatch) and b.on_device is not None for b in got)
+    for staged, original in zip(got, batches, strict=True):
+        assert torch.equal(staged.values, original.values) and torch.equal(staged.on_device.values, original.values)
+    assert stager.staged_ahead > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (torch.cuda.is_available() is False); runs on a GPU: scripts/gpu-check.sh")
+def test_on_a_gpu_the_loop_stages_pinned_batches_ahead_and_trains_as_the_cpu() -> None:
+    from streamtrain.data import collate
+    from streamtrain.parallel import DataParallelStep
+
+    trainer = make_trainer(device="cuda")
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    thread = run_loop(loop)
+    wait(lambda: trainer.step >= 10 and trainer.published is not None, 120, "training on the GPU")
+    loop.stop_requested.set()
+    thread.join(60)
+    assert loop.stager is not None and loop.stager.ahead and loop.stager.staged_ahead > 0
+    assert next(trainer.model.parameters()).device.type == "cuda" and trainer.loss_ema is not None
+    # one step on the GPU equals the CPU's within float32 kernel differences, bf16 within its precision
+    rng = np.random.default_rng(1)
+    batch = collate([rng.normal(size=(20, 1)).astype(np.float32) for _ in range(8)])
+    results = {}
+    for device, amp in (("cpu", "off"), ("cuda:0", "off"), ("cuda:0", "bf16")):
+        t = make_trainer(device=device, amp=amp)
+        dp = DataParallelStep(Collectives(DistContext()), t.model, t.norm, t.optimizer, grad_clip_norm=1.0, amp=amp)  # type: ignore[arg-type]
+        results[(device, amp)] = dp.step(batch, step=0).loss
+    assert results[("cuda:0", "off")] == pytest.approx(results[("cpu", "off")], rel=1e-4)
+    assert results[("cuda:0", "bf16")] == pytest.approx(results[("cpu", "off")], rel=5e-2)
+
+
+# ----------------------------------------------------------------------------------------
+# agreed rollbacks and the collective gate, in one process (two: test_distributed.py)
+
+
+def test_the_loop_rolls_back_at_one_tick_and_publishes_nothing_then() -> None:
+    from streamtrain.distributed import RollbackRequest
+
+    trainer = make_trainer()
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    assert trainer.request_rollback is not None and trainer.quality.combine is not None
+    published_at: list[int] = []  # the ticks that published
+    publish = trainer.publish
+    trainer.publish = lambda: (published_at.append(loop.tick - 1), publish())[1]  # type: ignore[method-assign]
+    thread = run_loop(loop)
+    try:
+        wait(lambda: len(trainer.registry.versions()) >= 3, 60, "three versions")
+        target = trainer.registry.versions()[0]
+        outcome = loop.request_rollback(target, "admin", "asked by the test").wait(30)
+        assert outcome is not None and outcome.applied and outcome.version == target and outcome.rank == 0
+        assert outcome.from_version is not None and outcome.from_version > target
+        assert loop.rollbacks == [outcome] and outcome.tick not in published_at
+        assert [r["to_version"] for r in trainer.quality.rollbacks] == [target]
+        assert trainer.metrics.model_rollbacks.labels("admin")._value.get() == 1
+
+        missing = loop.request_rollback(10_000).wait(30)
+        assert missing is not None and not missing.applied and missing.unknown_version
+        # an automatic request lapses once the version it judged no longer serves
+        stale = scale_out.RollbackTicket(RollbackRequest(target, "automatic", 9_999), "judged long ago")
+        with loop._rollback_lock:
+            loop._rollback_queue.append(stale)
+        lapsed = stale.wait(30)
+        assert lapsed is not None and not lapsed.applied and "version 9999 no longer serves" in (lapsed.why_not or "")
+        # the quality monitor's rule asks, with the version that serves, instead of rolling back here
+        serving = trainer.published
+        assert serving is not None and trainer._auto_rollback(target, "the test's rule") is True
+        wait(lambda: len(loop.rollbacks) >= 4, 30, "the automatic request taken")
+        asked = loop.rollbacks[3]
+        assert asked.trigger == "automatic" and asked.version == target
+        assert asked.applied == (asked.from_version == serving.version)  # applied unless a publication came first
+    finally:
+        loop.stop_requested.set()
+        thread.join(30)
+
+
+def test_a_stopped_loop_answers_waiting_rollbacks() -> None:
+    trainer = make_trainer(events=3)
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    loop.stop_requested.set()
+    first, second = loop.request_rollback(1), loop.request_rollback(2)
+    loop()  # one tick, the agreed stop: it takes one request (nothing is kept), the other waits in vain
+    taken, left = first.wait(1), second.wait(1)
+    assert taken is not None and taken.unknown_version and taken.tick == 0
+    assert left is not None and not left.applied and left.why_not == "the ranks stopped before taking it"
+
+
+def _gate_models() -> tuple[Any, Any, Any]:
+    import dist_worker
+
+    return dist_worker.gate_models()
+
+
+@pytest.mark.parametrize("events", [0, 5, 40])
+def test_the_gate_on_summed_holdouts_is_the_gate_of_one_holdout(events: int) -> None:
+    """The collective verdict (sums added over ranks) is gate_decision for one rank's holdout."""
+    import dist_worker
+
+    from streamtrain.quality import HoldoutBuffer, HoldoutSums, gate_decision, gate_verdict, holdout_sums
+
+    serving, worse, same = _gate_models()
+    broken = type(serving)(model=copy_with_nan(serving.model), norm=serving.norm, version=4)
+    holdout = HoldoutBuffer(100)
+    holdout.values.extend(dist_worker.walks(31, events))
+    holdout.labels.extend([-1] * events)
+    for candidate in (worse, same, broken):
+        expected = gate_decision(candidate, serving, holdout, 0.05, 16, 512)
+        sums = holdout_sums(candidate, serving, holdout, 512)
+        np.testing.assert_array_equal(HoldoutSums.from_array(sums.as_array()).as_array(), sums.as_array())  # NaN == NaN here
+        verdict = gate_verdict(sums, 0.05, 16)
+        assert (verdict.publish, verdict.reason, verdict.holdout_events) == (
+            expected.publish, expected.reason, expected.holdout_events
+        )
+        mses = [[math.nan if v is None else v for v in (d.candidate_mse, d.serving_mse)] for d in (verdict, expected)]
+        np.testing.assert_allclose(mses[0], mses[1], rtol=1e-12)
+    if events >= 16:
+        assert not gate_verdict(holdout_sums(broken, serving, holdout, 512), 0.05, 16).publish
+
+
+def copy_with_nan(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        next(broken.parameters()).fill_(math.nan)
+    return broken
+
+
+def test_the_monitor_gates_on_what_the_ranks_add_up() -> None:
+    """With ``combine`` set, the gate counts every rank's holdout (here: two ranks holding the same)."""
+    import dist_worker
+
+    from streamtrain.quality import QualityConfig, QualityMonitor
+
+    serving, worse, _ = _gate_models()
+    monitor = QualityMonitor(QualityConfig(holdout_share=0.1, holdout_min_events=32), Metrics(), lambda: serving)
+    monitor.holdout.values.extend(dist_worker.walks(9, 20))
+    monitor.holdout.labels.extend([-1] * 20)
+    alone = monitor.gate(worse, serving)
+    assert alone.publish and alone.holdout_events == 20
+    monitor.combine = lambda row: row * 2
+    together = monitor.gate(worse, serving)
+    assert not together.publish and together.holdout_events == 40
+    assert monitor.gate(worse, None).publish  # nothing serves: no collective, on every rank alike
+
+
+def test_a_drift_reaction_is_taken_once_by_the_loop() -> None:
+    trainer = Trainer(load_settings(drift_reaction="reset_optimizer", checkpoint_dir="unused"), RecencyWindow(10, math.inf), Metrics())
+    assert trainer.take_optimizer_reset() is False
+    trainer._on_drift(None)  # type: ignore[arg-type]
+    assert trainer.take_optimizer_reset() is True and trainer.take_optimizer_reset() is False
+
+
+def test_settings_every_rank_must_share() -> None:
+    fingerprint = scale_out.settings_fingerprint(load_settings(checkpoint_dir="unused"))
+    assert set(fingerprint) == set(scale_out.AGREED_SETTINGS)
+    assert {"d_model", "amp", "holdout_share", "model_versions_keep", "window_capacity"} <= set(fingerprint)
+    assert "http_port" not in fingerprint and "device" not in fingerprint  # may differ per rank

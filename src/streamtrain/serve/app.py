@@ -45,7 +45,7 @@ from streamtrain.serve.schemas import (
     WindowReport,
 )
 from streamtrain.registry import UnknownVersion
-from streamtrain.service import Service
+from streamtrain.service import RollbackNotTaken, Service
 
 
 def get_service(request: Request) -> Service:
@@ -267,16 +267,21 @@ def admin_model(version: str, service: ServiceDep) -> Response:
 
 
 @admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
-            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}})
+            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut},
+                       503: {"model": ErrorOut}})
 def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
-    """Make a kept earlier version serve again; training continues from its weights."""
-    before = service.published
+    """Make a kept earlier version serve again; training continues from its weights.
+
+    Scaled out, every rank rolls back at the same step; the answer comes once they have.
+    """
     try:
-        service.trainer.rollback(body.version, trigger="admin", reason="asked by an admin")
+        version, previous = service.rollback(body.version, reason="asked by an admin")
     except UnknownVersion:
         kept = service.trainer.registry.versions()
         raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
-    return RollbackResult(version=body.version, previous=None if before is None else before.version)
+    except RollbackNotTaken as err:
+        raise HTTPException(status_code=503, detail=str(err)) from None
+    return RollbackResult(version=version, previous=previous)
 
 
 @admin.get("/metrics", response_class=Response, dependencies=[Depends(require_admin)],
