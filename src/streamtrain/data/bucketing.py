@@ -13,12 +13,18 @@ One pass over a window snapshot is planned in a handful of vectorized numpy call
 5. the batch order is shuffled, so short batches do not all come first.
 
 Stratified plans (``stratify=True``, for the ``stratified`` sampling policy) keep every
-batch's label mix close to the pass's: each class is dealt evenly over the pools, and a
-pool is ordered by each item's length *quantile within its class* instead of by length,
-so any run of consecutive items holds every class at its share (within three items)
-and items of similar within-class length. Batches are then cut greedily along that order
+batch's label mix close to the pass's. The pass's slots get classes by a low-discrepancy
+sequence (:func:`label_sequence`: every prefix holds each of ``C`` classes within
+``1 - 1/(2C - 2)`` items of its share, Tijdeman's bound), consecutive runs of slots are
+the pools, a class's items (in the random order) take its slots in turn, and inside a
+pool a class's items go on its slots from the shortest to the longest. Any run of
+consecutive items, hence every batch, then holds every class within ``2 - 1/(C - 1)``
+items (less than two) of its share of the pass, for any lengths and budget, and items
+of similar within-class length quantiles. Batches are then cut greedily along that order
 by the same token budget (a running maximum of the padded length, one numpy call per
 batch); padding grows where the classes' lengths differ, which is the price of the mix.
+Splitting a batch for equal rank counts keeps the bound (a half is still a run); items
+withheld for equal counts shift the emitted mix, not the batches.
 
 The greedy cut needs no Python loop per item. Within a sorted pool the capacity
 ``cap[j] = budget // cost(len[j])`` is non-increasing, so ``g[j] = j + 1 - cap[j]`` is
@@ -34,6 +40,7 @@ every ``world_size``-th batch; the batch count is first made a multiple of
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -383,28 +390,85 @@ def _describe_flat(
     )
 
 
+def label_sequence(counts: ArrayLike) -> np.ndarray:
+    """A class for every slot, each class ``counts[c]`` times, every prefix close to the mix.
+
+    With ``C`` classes of shares ``p_c = counts[c] / N``, every prefix of ``m`` slots holds
+    class ``c`` within ``1 - 1/(2C - 2)`` of ``p_c * m`` (exactly for ``C = 1``), so every
+    run of consecutive slots holds it within twice that, less than two. This is
+    Tijdeman's bound for the chairman assignment problem (1980), met by earliest-deadline
+    scheduling: the ``j``-th slot of class ``c`` may come no earlier than
+    ``ceil((j - B) / p_c)`` and no later than ``floor((j - 1 + B) / p_c) + 1`` (slots from
+    1, ``B`` the bound), and each slot goes to the released class with the earliest deadline.
+    The windows are computed in integers (exact); the walk is one heap step per slot over
+    at most ``C`` entries (about 1 us per slot), the one per-item Python loop of the planner.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    present = np.flatnonzero(counts)
+    n = int(counts.sum())
+    if present.size <= 1:
+        return np.full(n, present[0] if present.size else 0, dtype=np.int64)
+    sizes = counts[present]
+    den, num = 2 * present.size - 2, 2 * present.size - 3  # B = num / den
+    first = np.cumsum(sizes) - sizes
+    cls = np.repeat(np.arange(present.size), sizes)
+    j = np.arange(n, dtype=np.int64) - first[cls] + 1  # 1-based rank within the class
+    size = sizes[cls]
+    # (j * den) * n stays below 2**63 while n * n * den does; else exact Python integers.
+    ints: Any = np.int64 if n * n * den < 2**62 else object
+    j, size = j.astype(ints), size.astype(ints)
+    release = np.maximum(-((num - j * den) * n // (den * size)), 1).tolist()
+    deadline = (((j - 1) * den + num) * n // (den * size) + 1).tolist()
+    following = release[1:] + [0]  # the release of the class's next job; 0 after its last
+    for last in (first + sizes - 1).tolist():
+        following[last] = 0
+    pending = [(release[k], k) for k in first.tolist()]  # (release, job): the next job of each class
+    heapq.heapify(pending)
+    ready: list[tuple[int, int]] = []
+    jobs = [0] * n
+    push, pop = heapq.heappush, heapq.heappop
+    for slot in range(1, n + 1):
+        while pending and pending[0][0] <= slot:
+            k = pop(pending)[1]
+            push(ready, (deadline[k], k))
+        k = pop(ready)[1]
+        jobs[slot - 1] = k
+        if following[k]:
+            push(pending, (following[k], k + 1))
+    return present[cls[np.asarray(jobs, dtype=np.int64)]]
+
+
 def _stratified_pool_order(
     codes: np.ndarray, padded: np.ndarray, n_pools: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (of the permuted items) in stratified pool order, and the pools' sizes.
+    """Positions (of the permuted items) in stratified order, and the pools' sizes.
 
-    Every class is dealt evenly over the pools (an item's pool follows its rank within its
-    class in the random order); inside a pool, items are ordered by their length quantile
-    within (pool, class), ``(rank + 1/2) / count``, ties in the random order. A run of
-    consecutive items then covers the same quantile range of every class.
+    The pass's slots get classes by :func:`label_sequence`; consecutive runs of slots
+    form ``n_pools`` equal pools. A class's items, in the random order, take that class's
+    slots in turn (so each pool gets a random share of every class, in proportion);
+    inside a pool, a class's items are put on its slots from the shortest to the longest.
+    A run of consecutive items then holds every class within two items of its share and
+    items of similar length quantiles within their classes.
     """
     n = codes.size
-    class_size = np.bincount(codes)[codes]
-    pool = rank_within_groups(codes) * n_pools // class_size
     classes = int(codes.max()) + 1
-    by_group = np.lexsort((padded, pool * classes + codes))  # stable: equal lengths keep the random order
-    group_sorted = (pool * classes + codes)[by_group]
-    first = np.searchsorted(group_sorted, group_sorted, side="left")
-    last = np.searchsorted(group_sorted, group_sorted, side="right")
-    quantile = np.empty(n)
-    quantile[by_group] = (np.arange(n) - first + 0.5) / (last - first)
-    order = np.lexsort((np.arange(n), quantile, pool))
-    return order, np.bincount(pool, minlength=n_pools)
+    slot_class = label_sequence(np.bincount(codes, minlength=classes))
+    pool_starts = -(-np.arange(n_pools) * n // n_pools)
+    pool_sizes = np.diff(np.append(pool_starts, n))
+    slot_pool = np.repeat(np.arange(n_pools), pool_sizes)
+    # slots by (class, position); the r-th item of a class (random order) gets its r-th slot
+    slots_by_class = np.argsort(slot_class, kind="stable")
+    items_by_class = np.argsort(codes, kind="stable")
+    item_pool = np.empty(n, dtype=np.int64)
+    item_pool[items_by_class] = slot_pool[slots_by_class]
+    # inside each (pool, class): slots in position order, items from the shortest (ties: random order)
+    slot_group = slot_pool * classes + slot_class
+    item_group = item_pool * classes + codes
+    slots = np.argsort(slot_group, kind="stable")
+    items = np.lexsort((padded, item_group))
+    order = np.empty(n, dtype=np.int64)
+    order[slots] = items
+    return order, pool_sizes
 
 
 def _cut_in_order(

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from streamtrain.data.bucketing import TokenBudget, label_codes, label_deviation, plan_batches
+from streamtrain.data.bucketing import TokenBudget, label_codes, label_deviation, label_sequence, plan_batches
 from streamtrain.data.passes import PassSampler
 from streamtrain.data.policies import (
     CurriculumPolicy,
@@ -186,12 +186,38 @@ def assert_plan_is_stratified(plan, lengths: np.ndarray, labels: np.ndarray, bud
     assert np.unique(emitted).size == emitted.size
     assert emitted.size + plan.diagnostics.withheld_items == lengths.size
     codes, classes = label_codes(labels)
-    mix = np.bincount(codes[emitted], minlength=classes) / max(emitted.size, 1)
+    mix = np.bincount(codes, minlength=classes) / max(codes.size, 1)  # the pass's mix (all items planned)
+    bound = 2.0 - 1.0 / (classes - 1) if classes > 1 else 0.0  # twice Tijdeman's prefix bound
     for batch in plan.batches:
         width = max(int(budget.padded_length(lengths[batch].max())), 1)
         assert batch.size <= max(1, int(budget.capacity(width))), "a batch over the token budget"
         deviation = np.abs(np.bincount(codes[batch], minlength=classes) - mix * batch.size)
-        assert deviation.max() <= 3.0, f"batch of {batch.size} is {deviation.max():.2f} items off its label share"
+        assert deviation.max() <= bound + 1e-9, f"batch of {batch.size} is {deviation.max():.2f} items off its label share"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 60) | st.integers(0, 3), min_size=1, max_size=12).map(np.array),
+)
+def test_label_sequence_keeps_every_prefix_within_tijdemans_bound(counts: np.ndarray) -> None:
+    sequence = label_sequence(counts)
+    assert np.array_equal(np.bincount(sequence, minlength=counts.size), counts)
+    present = np.count_nonzero(counts)
+    if present < 2:
+        return
+    n = int(counts.sum())
+    held = np.cumsum(np.eye(counts.size, dtype=np.int64)[sequence], axis=0)
+    deviation = np.abs(held - np.outer(np.arange(1, n + 1), counts / n))
+    assert deviation.max() <= 1.0 - 1.0 / (2 * present - 2) + 1e-9
+
+
+def test_label_sequence_by_hand() -> None:
+    # shares 1/2, 1/4, 1/4 (bound 3/4): class 0 every other slot, the others alternate
+    assert label_sequence(np.array([2, 1, 1])).tolist() == [0, 1, 0, 2]
+    assert label_sequence(np.array([0, 3, 0])).tolist() == [1, 1, 1]
+    assert label_sequence(np.zeros(3, np.int64)).size == 0
+    big = label_sequence(np.array([60_000, 30_000, 10_000]))  # fast enough for whole-window passes
+    assert np.bincount(big).tolist() == [60_000, 30_000, 10_000]
 
 
 @settings(max_examples=200, deadline=None)
@@ -211,7 +237,9 @@ def assert_plan_is_stratified(plan, lengths: np.ndarray, labels: np.ndarray, bud
     seed=st.integers(0, 2**32 - 1),
     crypto=st.booleans(),
 )
-def test_stratified_batches_keep_the_budget_and_every_class_within_three_items_of_its_share(
+# the per-pool quantile order this planner used before put a batch of 6 at 3.03 items off its share here
+@example(n=61, classes=6, max_length=1, budget=TokenBudget(6), pool_size=1, world_size=1, seed=55, crypto=False)
+def test_stratified_batches_keep_the_budget_and_every_class_within_two_items_of_its_share(
     n: int,
     classes: int,
     max_length: int,
