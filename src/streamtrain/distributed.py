@@ -433,6 +433,7 @@ class Collectives:
         self.timeout_s = float(timeout_s)
         self.rendezvous_timeout_s = max(float(rendezvous_timeout_s), self.timeout_s)
         self._owns_group = False
+        self._failed = False  # a collective failed: the group is broken, no barrier on close
 
     @property
     def rank(self) -> int:
@@ -493,8 +494,18 @@ class Collectives:
         return self
 
     def close(self) -> None:
-        """Leave the group (only one this object created). Safe after a failed collective."""
+        """Leave the group (only one this object created). Safe after a failed collective.
+
+        After a healthy run the ranks meet at a barrier first, so none tears its gloo
+        pairs down while a peer still uses them (a rank doing so could abort in C++,
+        "terminate called without an active exception", instead of exiting 0).
+        """
         if self._owns_group and dist.is_initialized():
+            if not self._failed:
+                try:
+                    dist.barrier()
+                except Exception as err:  # noqa: BLE001 - a peer that left already: nothing to wait for
+                    log.info("no barrier before leaving the group: %s", err)
             try:
                 dist.destroy_process_group()
             except Exception as err:  # noqa: BLE001 - shutting down after a peer died
@@ -511,6 +522,7 @@ class Collectives:
         try:
             return function(*args, **kwargs)
         except RuntimeError as err:  # gloo and NCCL report dead and hung peers as RuntimeError
+            self._failed = True
             raise CollectiveFailure(
                 f"rank {self.rank} of {self.world_size}: {name} failed, a peer died or hung "
                 f"(DIST_TIMEOUT_S={self.timeout_s:g}): {str(err).splitlines()[0] if str(err) else type(err).__name__}"
