@@ -349,27 +349,11 @@ def gate_decision(
     Both are scored on the same held-out events in the serving model's units. A
     non-finite candidate error never passes.
     """
-    n = len(holdout)
     if serving is None:
-        return GateDecision(True, "nothing serves yet", n)
-    if n < min_events:
-        return GateDecision(True, f"holdout has {n} of the {min_events} events the gate needs", n)
-    values, labels = list(holdout.values), np.array(holdout.labels)
-    units = serving.norm
-    served = score_events(serving.model, serving.norm, values, labels, token_budget, units)
-    tried = score_events(candidate.model, candidate.norm, values, labels, token_budget, units)
-    steps = served.steps.sum()
-    if steps == 0:
-        return GateDecision(True, "holdout events have no steps to forecast", n)
-    serving_mse = float(served.sse.sum() / steps)
-    candidate_mse = float(tried.sse.sum() / steps)
-    if not math.isfinite(candidate_mse):
-        return GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, serving_mse)
-    if candidate_mse <= serving_mse * (1.0 + tolerance):
-        return GateDecision(True, "not worse than the serving model", n, candidate_mse, serving_mse)
-    return GateDecision(
-        False, f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x serving {serving_mse:.4g}", n, candidate_mse, serving_mse
-    )
+        return GateDecision(True, "nothing serves yet", len(holdout))
+    if len(holdout) < min_events:  # not scored at all
+        return gate_verdict(HoldoutSums(events=float(len(holdout))), tolerance, min_events)
+    return gate_verdict(holdout_sums(candidate, serving, holdout, token_budget), tolerance, min_events)
 
 
 @dataclass(frozen=True)
@@ -409,7 +393,8 @@ def holdout_sums(candidate: Scorable, serving: Scorable, holdout: HoldoutBuffer,
 
 
 def gate_verdict(sums: HoldoutSums, tolerance: float, min_events: int) -> GateDecision:
-    """:func:`gate_decision`'s rule on summed holdout errors (a model serves already)."""
+    """The gate's rule on summed holdout errors (a model serves already): one holdout's
+    (:func:`gate_decision`) or the union of the ranks' (scaled out)."""
     n = int(round(sums.events))
     if n < min_events:
         return GateDecision(True, f"holdout has {n} of the {min_events} events the gate needs", n)

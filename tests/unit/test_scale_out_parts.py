@@ -23,33 +23,18 @@ import torch
 from streamtrain import scale_out
 from streamtrain.config import load_settings
 from streamtrain.distributed import EXIT_COLLECTIVE_FAILURE, CollectiveFailure, Collectives, DistContext, capacity_share
-from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
 from streamtrain.scale_out import EXIT_LOOP_FAILURE, LockstepLoop, join_trainer_state, split_trainer_state
 from streamtrain.train import Trainer
 from streamtrain.window import RecencyWindow
 
+from small_trainer import make_small_trainer
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def make_trainer(events: int = 96, seed: int = 0, **overrides: Any) -> Trainer:
-    settings = load_settings(
-        **{"d_model": 16, "n_heads": 2, "n_layers": 1, "max_len": 32, "token_budget": 512, "min_window_items": 8,
-           "warmup_steps": 1, "learning_rate": 0.01, "publish_interval_s": 0.05, "seed": seed, "checkpoint_dir": "unused",
-           "amp": "off", "max_batch_sequences": 1024, **overrides},
-    )  # fmt: skip
-    window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(seed))
-    rng = np.random.default_rng(seed)
-    now = time.time()
-    window.insert_batch(
-        EventBatch.from_events(
-            [
-                SensorEvent(f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32))
-                for i, n in enumerate(rng.integers(4, 32, events))
-            ]
-        )
-    )
-    return Trainer(settings, window, Metrics())
+    return make_small_trainer(events, seed, **{"amp": "off", "max_batch_sequences": 1024, **overrides})
 
 
 class Cuts:

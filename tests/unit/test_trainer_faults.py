@@ -14,16 +14,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from streamtrain.config import load_settings
 from streamtrain.data.collate import Batch, collate
-from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.metrics import Metrics
 from streamtrain.train import Trainer
-from streamtrain.window import RecencyWindow
+
+from small_trainer import make_small_trainer
 
 torch.set_num_threads(1)
 
@@ -55,22 +52,7 @@ SKIP_REASONS = ("non_finite_loss", "non_finite_grad")
 
 
 def make_trainer(events: int = 96, seed: int = 0) -> Trainer:
-    settings = load_settings(
-        d_model=16, n_heads=2, n_layers=1, max_len=32, token_budget=512, min_window_items=8,
-        warmup_steps=1, learning_rate=0.01, publish_interval_s=0.05, seed=seed, checkpoint_dir="unused",
-    )  # fmt: skip
-    window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(seed))
-    rng = np.random.default_rng(seed)
-    now = time.time()
-    window.insert_batch(
-        EventBatch.from_events(
-            [
-                SensorEvent(f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32))
-                for i, n in enumerate(rng.integers(4, 32, events))
-            ]
-        )
-    )
-    return Trainer(settings, window, Metrics())
+    return make_small_trainer(events, seed)
 
 
 def a_batch(trainer: Trainer, size: int = 16) -> Batch:

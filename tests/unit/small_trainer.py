@@ -1,0 +1,36 @@
+"""A small trainer over a window of random walks, for tests of the training step's machinery."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from streamtrain.config import load_settings
+from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.metrics import Metrics
+from streamtrain.train import Trainer
+from streamtrain.window import RecencyWindow
+
+
+def make_small_trainer(events: int = 96, seed: int = 0, **overrides: Any) -> Trainer:
+    """A one-layer model (d_model 16) over ``events`` walks of 4-31 readings from 4 sensors."""
+    settings = load_settings(
+        **{"d_model": 16, "n_heads": 2, "n_layers": 1, "max_len": 32, "token_budget": 512, "min_window_items": 8,
+           "warmup_steps": 1, "learning_rate": 0.01, "publish_interval_s": 0.05, "seed": seed, "checkpoint_dir": "unused",
+           **overrides},
+    )  # fmt: skip
+    window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    now = time.time()
+    window.insert_batch(
+        EventBatch.from_events(
+            [
+                SensorEvent(f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32))
+                for i, n in enumerate(rng.integers(4, 32, events))
+            ]
+        )
+    )
+    return Trainer(settings, window, Metrics())
