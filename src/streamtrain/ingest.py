@@ -64,6 +64,7 @@ __all__ = [
     "assigned_consumer",
     "ensure_topics",
     "keep_rejoin_pending",
+    "rejoin_on_partition_changes",
     "open_consumer",
     "subscribed_consumer",
 ]
@@ -122,6 +123,57 @@ def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
     coordinator.need_rejoin = need_rejoin
 
 
+#: Prefix of the subscription user data this service's members send (range and round-robin
+#: assignors send none and read none).
+PARTITION_COUNTS_USER_DATA = b"streamtrain-partition-counts:"
+
+
+def rejoin_on_partition_changes(consumer: KafkaConsumer) -> None:
+    """Every member rejoins when a subscribed topic's partitions change, and says so in its join.
+
+    kafka-python 3.0.12 watches the topic's metadata for a rebalance only in the member
+    that computed the last assignment. With static membership (KIP-345) a member that
+    restarts takes its old member's place without a rebalance, so after a restart nobody
+    has computed the current assignment and partitions added to the topic stay unassigned
+    until the next membership change (found by bench/chaos.py: added partitions waited up
+    to two minutes for a second member to come and go). Here every member compares the
+    metadata with the metadata of its last join, and puts the partition counts in its
+    subscription's user data: a rejoin with changed metadata makes the broker rebalance
+    even a Stable group of static members, and the assignor then sees every partition.
+    Assignors that send user data of their own (sticky) are left as they are.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    snapshot = getattr(coordinator, "_metadata_snapshot", None)
+    if coordinator is None or not isinstance(snapshot, dict) or not callable(getattr(coordinator, "group_protocols", None)):
+        raise RuntimeError("kafka-python's coordinator changed: re-check streamtrain.ingest.rejoin_on_partition_changes")
+    protocols, decide = coordinator.group_protocols, coordinator.need_rejoin
+    joined: dict[str, Any] = {"snapshot": None}
+
+    def group_protocols() -> list[tuple[str, Any]]:
+        current = {topic: set(partitions) for topic, partitions in coordinator._metadata_snapshot.items()}
+        joined["snapshot"] = current
+        counts = ",".join(f"{topic}={len(partitions)}" for topic, partitions in sorted(current.items())).encode()
+        chosen = []
+        for name, metadata in protocols():
+            if not metadata.user_data:
+                metadata = type(metadata)(metadata.version, metadata.topics, PARTITION_COUNTS_USER_DATA + counts)
+            chosen.append((name, metadata))
+        return chosen
+
+    def need_rejoin() -> bool:
+        if decide():
+            return True
+        last = joined["snapshot"]
+        return (
+            last is not None
+            and coordinator._subscription.partitions_auto_assigned()
+            and coordinator._metadata_snapshot != last
+        )
+
+    coordinator.group_protocols = group_protocols
+    coordinator.need_rejoin = need_rejoin
+
+
 def open_consumer(settings: Settings, *, static_membership: bool = True) -> KafkaConsumer:
     """A consumer configured for the service (not yet subscribed or assigned)."""
     consumer = KafkaConsumer(
@@ -142,7 +194,8 @@ def open_consumer(settings: Settings, *, static_membership: bool = True) -> Kafk
         metadata_max_age_ms=10000,  # added partitions show up within 10 s, not 5 min
     )
     forbid_topic_auto_creation(consumer)  # the service creates its topic, with its settings
-    keep_rejoin_pending(consumer)
+    rejoin_on_partition_changes(consumer)
+    keep_rejoin_pending(consumer)  # wraps the check above too: a rejoin it asks for stays pending
     return consumer
 
 

@@ -197,6 +197,44 @@ def test_partitions_added_right_after_the_first_assignment_are_all_ingested(
             stream.close()
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["kafka-python as is", "with rejoin_on_partition_changes"])
+def test_partitions_added_after_a_static_member_restarted_are_assigned(
+    kafka_bootstrap: str, fresh_topics: Any, admin: KafkaAdminClient, monkeypatch: pytest.MonkeyPatch, fixed: bool
+) -> None:
+    """A static member (GROUP_INSTANCE_ID) that restarts takes its old place without a
+    rebalance, so it did not compute the assignment, and kafka-python lets only the
+    member that did watch the topic for new partitions. Found by bench/chaos.py: after a
+    SIGKILL, partitions added to the topic waited for the next membership change."""
+    if not fixed:
+        monkeypatch.setattr("streamtrain.ingest.rejoin_on_partition_changes", lambda consumer: None)
+    topic = fresh_topics("static")
+    settings = ingest_settings(kafka_bootstrap, topic, topic_partitions=1, group_instance_id=f"static-{topic}")
+    first, _ = start_ingestor(settings)
+    try:
+        wait_for(lambda: first.assigned == {0}, 60, "the first assignment")
+    finally:
+        first.stop()  # a static member sends no LeaveGroup: the group stays Stable
+    ingestor, window = start_ingestor(settings)  # the restart: same instance id, no rebalance
+    stream = None
+    try:
+        wait_for(lambda: ingestor.assigned == {0}, 60, "the restarted member's old partition")
+        admin.create_partitions({topic: NewPartitions(3)})
+        stream = Placements(kafka_bootstrap, topic)
+        for partition in (0, 1, 2):
+            stream.events(40, partition=partition)
+        if not fixed:  # metadata is refreshed every 10 s; twice that and still nothing
+            time.sleep(25)
+            assert ingestor.assigned == {0}, "kafka-python assigns added partitions now: drop rejoin_on_partition_changes"
+            return
+        wait_for(lambda: window.next_offsets == stream.end_offsets(), 60, "every partition ingested")
+        assert ingestor.assigned == {0, 1, 2}
+        assert_window_holds_exactly(window, stream.placed)
+    finally:
+        ingestor.stop()
+        if stream is not None:
+            stream.close()
+
+
 # ---------------------------------------------------------------------------------------
 # the watchdog heals what it sees
 
