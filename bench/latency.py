@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,26 @@ def encoded_templates(count: int, median: float, seed: int) -> list[tuple[bytes,
     return out
 
 
+def paced_ticks(
+    per_tick: float, start_at: float, duration_s: float, stop: threading.Event | None = None
+) -> Iterator[tuple[int, float]]:
+    """(events due, millisecond timestamp base) every ``TICK_S`` from ``start_at`` for ``duration_s``
+    (wall clock), carrying the fractional remainder from tick to tick; ends early on ``stop``."""
+    owed, tick = 0.0, 0
+    time.sleep(max(0.0, start_at - time.time()))
+    while stop is None or not stop.is_set():
+        due = start_at + tick * TICK_S
+        if due >= start_at + duration_s:
+            break
+        delay = due - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        owed += per_tick
+        n, owed = int(owed), owed - int(owed)
+        yield n, math.floor(time.time() * 1000.0) / 1000.0
+        tick += 1
+
+
 def produce(
     bootstrap: str, topic: str, rate: float, start_at: float, duration_s: float, index: int, producers: int,
     median: float, results: Any,
@@ -96,24 +117,13 @@ def produce(
     per_tick = rate * TICK_S
     if per_tick * producers > TS_SLOTS:
         raise ValueError(f"rate {rate}/s per producer needs more than {TS_SLOTS} ts slots per tick; add producers")
-    sent, owed, tick = 0, 0.0, 0
-    time.sleep(max(0.0, start_at - time.time()))
-    while True:
-        due = start_at + tick * TICK_S
-        if due >= start_at + duration_s:
-            break
-        delay = due - time.time()
-        if delay > 0:
-            time.sleep(delay)
-        owed += per_tick
-        n, owed = int(owed), owed - int(owed)
-        base = math.floor(time.time() * 1000.0) / 1000.0
+    sent = 0
+    for n, base in paced_ticks(per_tick, start_at, duration_s):
         for j in range(n):
             key, head, tail = templates[(sent + j) % len(templates)]
             ts = b"%.6f" % (base + (j * producers + index) * 1e-6)
             producer.send(topic, key=key, value=head + ts + tail)
         sent += n
-        tick += 1
     elapsed = time.time() - start_at
     producer.flush(30)
     producer.close(10)
@@ -134,18 +144,8 @@ def feed(window: Any, rate: float, start_at: float, duration_s: float, median: f
     per_tick = rate * TICK_S
     if per_tick > TS_SLOTS:
         raise ValueError(f"rate {rate}/s needs more than {TS_SLOTS} ts slots per tick")
-    sent, owed, tick = 0, 0.0, 0
-    time.sleep(max(0.0, start_at - time.time()))
-    while not stop.is_set():
-        due = start_at + tick * TICK_S
-        if due >= start_at + duration_s:
-            break
-        delay = due - time.time()
-        if delay > 0:
-            time.sleep(delay)
-        owed += per_tick
-        n, owed = int(owed), owed - int(owed)
-        base = math.floor(time.time() * 1000.0) / 1000.0
+    sent = 0
+    for n, base in paced_ticks(per_tick, start_at, duration_s, stop):
         events = []
         for j in range(n):
             sensor, values = templates[(sent + j) % len(templates)]
@@ -153,7 +153,6 @@ def feed(window: Any, rate: float, start_at: float, duration_s: float, median: f
         if events:
             window.insert_batch(EventBatch.from_events(events))
         sent += n
-        tick += 1
     results.append((0, sent, time.time() - start_at))
 
 
