@@ -16,6 +16,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /opt/streamtrain
 
+# jemalloc: under glibc's malloc the service's RSS settles far above what it uses
+# (docs/operations.md, "Memory"). One fixed path for LD_PRELOAD whatever the architecture.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libjemalloc2 \
+ && rm -rf /var/lib/apt/lists/* \
+ && ln -s "$(find /usr/lib -name libjemalloc.so.2 | head -n1)" /usr/local/lib/libjemalloc.so.2
+ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2
+
 # Package metadata and source only (see .dockerignore); the install is the image's one heavy layer.
 COPY pyproject.toml README.md ./
 COPY src ./src

@@ -26,7 +26,8 @@ service has read everything, writes a checkpoint through the admin route and aud
 - dead letters: every rejected message in ``<topic>.dlq``, whole or as its stand-in
   (duplicates are counted: a SIGKILL before a checkpoint re-reads, and re-forwards, them);
 - RSS of the last service process (with its decode worker): growth from just after its
-  warm-up to the end, under 5%.
+  warm-up to the end, under 5%. The service runs on jemalloc when it can be had, as the
+  image runs it (``--malloc glibc``: glibc's, whose RSS settles far higher; docs/operations.md).
 
     python bench/chaos.py --duration-s 240            # a short look (about 6 minutes with the audit)
     python bench/chaos.py --duration-s 1800           # the 30-minute soak
@@ -64,6 +65,7 @@ from kafka.admin import KafkaAdminClient, NewPartitions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _kafka import Broker, free_port  # noqa: E402
+from _malloc import CHOICES, malloc_env  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.checkpoint import read_checkpoint  # noqa: E402
@@ -92,6 +94,7 @@ class ChaosConfig:
     checkpoint_interval_s: float = 30.0
     feed_processes: int = 2
     seed: int = 0
+    malloc: str = "auto"  # jemalloc as the image runs it when it can be had (bench/_malloc.py); "glibc" to compare
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,6 +391,7 @@ class ChaosRun:
     final_checkpoint: dict[str, Any] = field(default_factory=dict)
     dead_letters: list[Any] = field(default_factory=list)
     rate: float = 0.0  # valid events/s produced
+    malloc: str = "glibc"  # what the service ran on
 
 
 def schedule(config: ChaosConfig, rng: random.Random) -> list[tuple[float, str]]:
@@ -418,6 +422,8 @@ def run(config: ChaosConfig, workdir: Path) -> ChaosRun:
         "WINDOW_CAPACITY": config.window_capacity, "HALF_LIFE_S": config.half_life_s,
         "TOPIC_PARTITIONS": config.partitions, "CHECKPOINT_INTERVAL_S": config.checkpoint_interval_s,
     }.items()})  # fmt: skip
+    chaos.malloc, preload = malloc_env(config.malloc)
+    env.update(preload)
     placement = chaos.placement
     feed: Feed | None = None
     stop_monitor = threading.Event()
@@ -682,6 +688,7 @@ def report(chaos: ChaosRun) -> tuple[list[Row], bool]:
     faults = Counter(f.kind for f in chaos.faults)
     rows = [
         Row("chaos", "duration_s", config.duration_s),
+        Row("chaos", f"malloc: {chaos.malloc}", 1),
         Row("chaos", "events/s produced", chaos.rate, target=f"{config.rate:g}"),
         *[Row("chaos", f"faults: {kind}", float(faults[kind])) for kind in KINDS],
         Row("chaos", "window items audited" + (" (all events)" if window["complete"] else " (uniform sample)"), window["items"]),
@@ -727,11 +734,14 @@ def main() -> int:
     parser.add_argument("--fault-gap-s", type=float, default=defaults.fault_gap_s, help="mean time between faults")
     parser.add_argument("--feed-processes", type=int, default=defaults.feed_processes, help="producer processes sharing --rate")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--malloc", choices=CHOICES, default=defaults.malloc,
+                        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto")  # fmt: skip
     parser.add_argument("--keep", type=Path, default=None, help="work directory to keep (logs, checkpoints, broker data)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     config = ChaosConfig(duration_s=args.duration_s, rate=args.rate, window_capacity=args.window_capacity,
-                         fault_gap_s=args.fault_gap_s, feed_processes=args.feed_processes, seed=args.seed)  # fmt: skip
+                         fault_gap_s=args.fault_gap_s, feed_processes=args.feed_processes, seed=args.seed,
+                         malloc=args.malloc)  # fmt: skip
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos: work directory {workdir}", file=sys.stderr)

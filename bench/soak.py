@@ -47,6 +47,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _malloc import CHOICES, malloc_env  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.ingest import ensure_topics  # noqa: E402
@@ -80,6 +81,7 @@ class SoakConfig:
     seed: int = 0
     out_dir: Path = Path("var/soak")
     service_env: dict[str, str] = field(default_factory=dict)  # extra STREAMTRAIN_* settings
+    malloc: str = "auto"  # jemalloc as the image runs it when it can be had (bench/_malloc.py); "glibc" to compare
 
 
 @dataclass
@@ -115,6 +117,7 @@ class SoakReport:
     train_steps: float
     plot: Path
     data: Path
+    malloc: str = "glibc"  # what the service ran on
 
     @property
     def error_total(self) -> int:
@@ -139,6 +142,8 @@ class _Service:
         }  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}
         env.update({f"STREAMTRAIN_{k}": v for k, v in settings.items()})
+        self.malloc, preload = malloc_env(config.malloc)
+        env.update(preload)
         self.log_path = workdir / "serve.log"
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -348,7 +353,7 @@ def run_soak(config: SoakConfig) -> SoakReport:
     if exit_code not in (0, -signal.SIGTERM):  # uvicorn re-raises SIGTERM after its graceful shutdown
         errors["service_exit_code"] = 1
     sent = (report_sim.sent if report_sim else 0) + helper_sent
-    return _summarize(config, samples, dict(errors), all_latencies, sent, out_dir, stamp)
+    return _summarize(config, samples, dict(errors), all_latencies, sent, out_dir, stamp, service.malloc)
 
 
 def _produce_in_process(sim_config: SimulationConfig, limit_s: float, sent: Any) -> None:
@@ -398,6 +403,7 @@ def _summarize(
     sent: int,
     out_dir: Path,
     stamp: str,
+    malloc: str,
 ) -> SoakReport:
     steady = [s for s in samples if s.t_s >= config.warmup_s]
     edge = max(1, min(3, len(steady) // 4))  # medians of a few samples: one GC blip is not growth
@@ -414,6 +420,7 @@ def _summarize(
         config={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         samples=samples,
         errors={k: v for k, v in sorted(errors.items())},
+        malloc=malloc,
         rss_warm_mb=rss_warm,
         rss_end_mb=rss_end,
         rss_growth=(rss_end - rss_warm) / rss_warm if rss_warm > 0 else math.nan,
@@ -468,6 +475,7 @@ def _plot(report: SoakReport, config: SoakConfig, path: Path) -> None:
 
 def report_rows(report: SoakReport, max_rss_growth: float, max_p99_drift: float) -> list[Row]:
     return [
+        Row("soak", f"malloc: {report.malloc}", 1),
         Row("soak", "errors", report.error_total, 0, "== 0"),
         Row("soak", "rss_growth_after_warmup", report.rss_growth, max_rss_growth, f"< {max_rss_growth:.0%}"),
         Row("soak", "rss_end_mb", report.rss_end_mb, report.rss_warm_mb),
@@ -518,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=defaults.out_dir, help="where the PNG and JSON go")
     parser.add_argument("--max-rss-growth", type=float, default=0.05, help="budget: relative RSS growth after warm-up")
     parser.add_argument("--max-p99-drift", type=float, default=1.5, help="budget: second-half p99 / first-half p99")
+    parser.add_argument("--malloc", choices=CHOICES, default=defaults.malloc,
+                        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)
@@ -537,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         predict_rps=args.predict_rps, predict_batch=args.predict_batch, sample_s=sample,
         window_capacity=args.window_capacity, out_dir=args.out, producers=producers,
         length_median=48.0 if args.realistic else defaults.length_median, small_model=not args.realistic,
-        max_len=512 if args.realistic else defaults.max_len,
+        max_len=512 if args.realistic else defaults.max_len, malloc=args.malloc,
     )  # fmt: skip
     report = run_soak(config)
     emit(report_rows(report, args.max_rss_growth, args.max_p99_drift), args.json)

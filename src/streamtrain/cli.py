@@ -40,6 +40,15 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **overrides)
         _setup_logging(settings.log_level)
+        from streamtrain.allocator import malloc_in_use
+
+        if (allocator := malloc_in_use()) == "glibc":
+            log.warning(
+                "malloc: glibc; RSS will settle well above what the service uses "
+                "(run with LD_PRELOAD=\"$(deploy/jemalloc.sh)\", as the image does; docs/operations.md, Memory)"
+            )
+        else:
+            log.info("malloc: %s", allocator)
         # heavy imports (torch) after the settings check
         from streamtrain.distributed import DistContext
         from streamtrain.service import Service

@@ -12,8 +12,9 @@ Batch inserts are vectorized and amortized: the store may overshoot W by a slack
 extra items; one ``argpartition`` over W + S items then cuts it back to the top W. Keys
 below the last cut's threshold can never enter again, so most of a uniform stream is
 dropped by one comparison. Readers always see the cut state (a cut runs first), so the
-window they observe is exactly the top W. Readings are kept as the poll batches' own
-arrays (no copy on insert) and compacted at cuts once garbage dominates.
+window they observe is exactly the top W. The admitted events' readings are copied into
+chunks of the window's own, off the malloc heap when large (``chunk_array``), and
+compacted at cuts once garbage dominates.
 
 Counters: the window keeps the ledger of the Kafka messages its offsets cover, and a
 checkpoint saves it with them, so after a restart it counts every covered message once
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -184,9 +186,28 @@ def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.cumsum(steps, out=steps)
 
 
-def gather_tokens(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Readings of items ``(starts, lengths)`` of ``flat`` back to back."""
-    return np.take(flat, token_positions(starts, lengths), axis=0)
+def gather_tokens(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Readings of items ``(starts, lengths)`` of ``flat`` back to back (into ``out`` if given)."""
+    return np.take(flat, token_positions(starts, lengths), axis=0, out=out)
+
+
+# Chunks this large (~340 events of median length 48 in one channel) get an anonymous
+# mapping of their own; for smaller ones the page rounding would waste more and the
+# mappings would count against vm.max_map_count.
+OFF_HEAP_MIN_BYTES = 64 * 1024
+
+
+def chunk_array(tokens: int, channels: int) -> np.ndarray:
+    """Storage for a chunk of readings, off the malloc heap when it is large.
+
+    Window chunks live for minutes; on the heap each would sit between blocks that live
+    for milliseconds (poll batches, training tensors) and keep their free space from going
+    back to the OS. In their own mapping their pages are returned when they die.
+    """
+    nbytes = tokens * channels * 4
+    if nbytes < OFF_HEAP_MIN_BYTES:
+        return np.empty((tokens, channels), dtype=np.float32)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.float32).reshape(tokens, channels)
 
 
 @dataclass(frozen=True)
@@ -396,7 +417,10 @@ class RecencyWindow:
     def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
         k = rows.shape[0]
         lengths = batch.lengths[rows]
-        chunk, starts = batch.values, batch.starts[rows]  # share the batch's array: no copy; cuts compact
+        # the rows' readings, copied into storage of the window's own (chunk_array)
+        chunk = gather_tokens(batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels))
+        starts = np.zeros(k, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
         self._chunk_arrays.append(chunk)
         self._grow_locked(self._n + k)
         at = slice(self._n, self._n + k)
@@ -474,7 +498,7 @@ class RecencyWindow:
             new_starts = np.zeros(rows.size, dtype=np.int64)
             np.cumsum(row_lengths[:-1], out=new_starts[1:])
             cols["starts"][rows] = new_starts
-            arrays.append(np.concatenate(pieces))
+            arrays.append(np.concatenate(pieces, out=chunk_array(int(row_lengths.sum()), self.channels)))
             new_index[sparse] = len(arrays) - 1
         cols["chunks"][:n] = new_index[chunk_ids]
         self._chunk_arrays = arrays

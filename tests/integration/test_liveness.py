@@ -368,6 +368,8 @@ def test_serve_creates_its_topics_and_ingests(kafka_bootstrap: str, fresh_topics
         assert 'streamtrain_ingest_restarts_total{reason="unassigned"} 0.0' in metrics
         assert 'streamtrain_dead_letters_written_total{form="raw"} 1.0' in metrics
         stream.close()
+    # it says which malloc it runs on (streamtrain.allocator)
+    assert "malloc: " in (tmp_path / "serve.log").read_text()
     # the topics it created: the broker's replication default, a .dlq that takes what the topic takes
     described = admin.describe_topics([topic, f"{topic}.dlq"])
     assert [len(t["partitions"]) for t in described] == [3, 3]

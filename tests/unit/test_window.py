@@ -341,3 +341,31 @@ def test_a_pass_subset_gathers_only_its_own_readings() -> None:
     assert sub.subset(np.arange(10)).flat_values is sub.flat_values  # a subset of a subset shares them
     flat, lengths = snap.gather_values(pick)
     assert np.array_equal(flat, sub.flat_values) and np.array_equal(lengths, sub.lengths)
+
+
+def test_large_chunks_live_off_the_heap_and_hold_only_admitted_readings() -> None:
+    import mmap
+
+    from streamtrain.window import OFF_HEAP_MIN_BYTES, chunk_array
+
+    def backing(array: np.ndarray) -> object:
+        while isinstance(array, np.ndarray):
+            array = array.base
+        return array.obj if isinstance(array, memoryview) else array
+
+    big, small = chunk_array(OFF_HEAP_MIN_BYTES // 4, 1), chunk_array(OFF_HEAP_MIN_BYTES // 4 - 1, 1)
+    assert isinstance(backing(big), mmap.mmap) and big.flags.writeable and big.shape == (OFF_HEAP_MIN_BYTES // 4, 1)
+    assert backing(small) is None
+    # batches of 20,000 events (~60,000 readings of 2 channels, ~480 kB) into a window of 5,000:
+    # the window keeps copies of the readings of the events it stores, not the batches' arrays
+    window = RecencyWindow(5000, channels=2, rng=np.random.default_rng(4), slack=1000)
+    first, second = (make_batch(start, 20_000, rng=np.random.default_rng(start), channels=2) for start in (0, 20_000))
+    window.insert_batch(first, {0: 20_000})
+    report = window.insert_batch(second, {0: 40_000})
+    assert 0 < report.stored < report.offered  # below the first cut's threshold: dropped, never copied
+    chunks = window.snapshot().flat_values
+    assert all(not np.shares_memory(chunk, batch.values) for chunk in chunks for batch in (first, second))
+    snap = window.snapshot()
+    for values, offset in zip(snap.values, snap.offsets):
+        assert np.all(values == offset)
+    assert any(isinstance(backing(chunk), mmap.mmap) for chunk in snap.flat_values)
