@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from streamtrain import __version__
+from streamtrain.allocator import malloc_in_use
 from streamtrain.config import ENV_PREFIX, SettingsError, load_settings
 
 log = logging.getLogger("streamtrain")
@@ -40,15 +41,6 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, **overrides)
         _setup_logging(settings.log_level)
-        from streamtrain.allocator import malloc_in_use
-
-        if (allocator := malloc_in_use()) == "glibc":
-            log.warning(
-                "malloc: glibc; RSS will settle well above what the service uses "
-                "(run with LD_PRELOAD=\"$(deploy/jemalloc.sh)\", as the image does; docs/operations.md, Memory)"
-            )
-        else:
-            log.info("malloc: %s", allocator)
         # heavy imports (torch) after the settings check
         from streamtrain.distributed import DistContext
         from streamtrain.service import Service
@@ -69,6 +61,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     public = settings.public_dict()
     log.info("settings: %s", {k: public[k] for k in sorted(public)})
+    if (allocator := malloc_in_use()) == "glibc":  # after the refusals above: those stay one line
+        log.warning(
+            "malloc: glibc; RSS will settle well above what the service uses "
+            "(run with LD_PRELOAD=\"$(deploy/jemalloc.sh)\", as the image does; docs/operations.md, Memory)"
+        )
+    else:
+        log.info("malloc: %s", allocator)
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
     from streamtrain.distributed import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
