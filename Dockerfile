@@ -22,7 +22,6 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libjemalloc2 \
  && rm -rf /var/lib/apt/lists/* \
  && ln -s "$(find /usr/lib -name libjemalloc.so.2 | head -n1)" /usr/local/lib/libjemalloc.so.2
-ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2
 
 # Package metadata and source only (see .dockerignore); the install is the image's one heavy layer.
 COPY pyproject.toml README.md ./
@@ -38,7 +37,9 @@ RUN groupadd --system --gid 10001 streamtrain \
  && mkdir -p /var/lib/streamtrain \
  && chown streamtrain:streamtrain /var/lib/streamtrain
 
-ENV STREAMTRAIN_HTTP_HOST=0.0.0.0 \
+# preloaded for what the container runs, not for the build steps above
+ENV LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
+    STREAMTRAIN_HTTP_HOST=0.0.0.0 \
     STREAMTRAIN_HTTP_PORT=8000 \
     STREAMTRAIN_CHECKPOINT_DIR=/var/lib/streamtrain
 

@@ -22,7 +22,7 @@ if ! deploy/kafka.sh status >/dev/null 2>&1; then
   deploy/kafka.sh up
 fi
 # on jemalloc as the image runs it, when it can be had (deploy/jemalloc.sh); else glibc's malloc
-LD_PRELOAD="$(deploy/jemalloc.sh 2>/dev/null || true)" .venv/bin/streamtrain serve --config services/trainer/trainer.toml &
+LD_PRELOAD="$(deploy/jemalloc.sh 2>/dev/null || echo "${LD_PRELOAD:-}")" .venv/bin/streamtrain serve --config services/trainer/trainer.toml &
 pids+=($!)
 healthy() { .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:$STREAMTRAIN_HTTP_PORT/healthz', timeout=2)" 2>/dev/null; }
 until healthy; do
