@@ -46,6 +46,7 @@ from kafka.errors import (
 )
 
 from streamtrain.config import Settings
+from streamtrain.kafka_security import authorization_reason, client_options
 from streamtrain.metrics import Metrics
 from streamtrain.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic, forbid_topic_auto_creation
 
@@ -160,6 +161,8 @@ class DeadLetterOutbox:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_error: str | None = None
+        #: ``kafka_authorization_failed: WRITE on topic <topic>.dlq`` while the .dlq refuses this principal
+        self.security_failure: str | None = None
         metrics.dead_letters_pending.set_function(lambda: len(self._pending))
 
     # ------------------------------------------------------------------ lifecycle
@@ -311,6 +314,7 @@ class DeadLetterOutbox:
             delivery_timeout_ms=30000,
             request_timeout_ms=15000,
             reconnect_backoff_max_ms=2000,
+            **client_options(self.settings),
         )
         return forbid_topic_auto_creation(producer)  # a deleted .dlq comes back with its size limit, not broker defaults
 
@@ -338,6 +342,9 @@ class DeadLetterOutbox:
         for letter, error in completions:
             letter.in_flight = False
             if error is None:
+                if self.security_failure is not None:
+                    log.info("dead-letter topic accepts writes again (was: %s)", self.security_failure)
+                    self.security_failure = None
                 self._pending.pop(letter.seq, None)
                 if letter.cause is None:
                     self._raw_bytes -= letter.size
@@ -354,6 +361,9 @@ class DeadLetterOutbox:
 
     def _failed_locked(self, letter: DeadLetter, error: BaseException) -> None:
         text = f"{type(error).__name__}: {error}"
+        if isinstance(error, AuthorizationError):
+            self.security_failure = authorization_reason(error, "WRITE", topic=self.settings.dlq_topic)
+            text = self.security_failure or text
         letter.last_error = text
         self._note_failure(text)
         self.metrics.dead_letters_failed.inc()

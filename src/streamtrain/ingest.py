@@ -50,6 +50,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from streamtrain import kafka_security
 from streamtrain.config import Settings
 from streamtrain.dead_letters import DeadLetterOutbox
 from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
@@ -192,6 +193,7 @@ def open_consumer(settings: Settings, *, static_membership: bool = True) -> Kafk
         reconnect_backoff_max_ms=2000,
         request_timeout_ms=30000,
         metadata_max_age_ms=10000,  # added partitions show up within 10 s, not 5 min
+        **kafka_security.client_options(settings),
     )
     forbid_topic_auto_creation(consumer)  # the service creates its topic, with its settings
     rejoin_on_partition_changes(consumer)
@@ -458,6 +460,7 @@ class Ingestor:
         self._last_restart: tuple[str, float] | None = None  # reason, monotonic time
         self.last_error: str | None = None
         metrics.ingest_last_record_age.set_function(self._record_age_or_uptime)
+        kafka_security.watch(settings)  # before any client: it learns what kafka-python's loggers say
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -541,16 +544,45 @@ class Ingestor:
             except Exception as err:  # noqa: BLE001 - the ingest thread must survive anything
                 self._connected = False
                 self.metrics.kafka_connected.set(0)
-                self.last_error = f"{type(err).__name__}: {err}"
+                error = self._security_reason(err) or f"{type(err).__name__}: {err}"
+                changed = error != self.last_error
+                self.last_error = error
+                self._set_security_gauges()
                 delay = _RETRY_BACKOFF_S[min(attempt, len(_RETRY_BACKOFF_S) - 1)]
                 attempt += 1
                 if self._consumer is not None:  # it had a consumer: this is a restart
                     self._restarted("error")
-                log.warning("kafka ingest error (%s); retrying in %.1fs", self.last_error, delay)
+                if changed:  # one line per state change, not one per retry
+                    log.warning("kafka ingest error (%s); retrying (every %.0f s at most)", error, _RETRY_BACKOFF_S[-1])
                 self._close_consumer()
                 self._stop.wait(delay)
         self._close_consumer()
         self._decoder.close()
+
+    def _security_reason(self, err: Exception) -> str | None:
+        """A ``kafka_auth_failed:`` / ``kafka_authorization_failed:`` reason for ``err``, if it is one."""
+        s = self.settings
+        reason = kafka_security.authorization_reason(err, "READ", topic=s.topic, group=s.group_id)
+        return reason or kafka_security.watch(s).current()
+
+    @property
+    def security_failure(self) -> str | None:
+        """What ``/readyz`` says while Kafka refuses this service's credentials or its ACLs do not suffice."""
+        error = self.last_error
+        if not self._connected and error is not None and error.startswith(kafka_security.FAILURE_PREFIXES):
+            return error
+        return self.dead_letters.security_failure
+
+    def _security_resolved(self) -> None:
+        log.info("kafka security failure resolved (%s); ingest goes on", self.last_error)
+        kafka_security.watch(self.settings).clear()
+        self.last_error = None
+        self._set_security_gauges()
+
+    def _set_security_gauges(self) -> None:
+        failure = self.security_failure or ""
+        for kind in kafka_security.FAILURE_KINDS:
+            self.metrics.kafka_security_failing.labels(kind).set(1 if failure.startswith(kind + ":") else 0)
 
     def _restarted(self, reason: str) -> None:
         self.restarts[reason] += 1
@@ -565,7 +597,9 @@ class Ingestor:
         self._consumer = self._consumer_factory(s, _SeekOnAssign(self))
         self.watchdog.reset()
         self._last_end_probe = 0.0
-        log.info("ingest connected to %s, topic %s, group %s", s.kafka_bootstrap, s.topic, s.group_id)
+        if self.security_failure is None:  # while one lasts, the retries stay quiet
+            log.info("ingest connected to %s (%s), topic %s, group %s", s.kafka_bootstrap,
+                     kafka_security.describe(s), s.topic, s.group_id)  # fmt: skip
 
     def _consume(self) -> None:
         """Poll, and decode the previous batch meanwhile (in the decode process if there is one)."""
@@ -577,6 +611,8 @@ class Ingestor:
                 # Never poll(0): a zero timeout can leave a group rejoin unfinished (kafka-python 3).
                 records = consumer.poll(timeout_ms=250)
                 self._connected = self._broker_connected(consumer)
+                if self._connected and (self.last_error or "").startswith(kafka_security.FAILURE_PREFIXES):
+                    self._security_resolved()
                 self.metrics.kafka_connected.set(1 if self._connected else 0)
                 if records:
                     self._last_record_at = time.monotonic()
@@ -744,6 +780,7 @@ class Ingestor:
             return
         self._last_gauges = now
         self.metrics.window_tokens.set(self.window.tokens)
+        self._set_security_gauges()
         positions = self.window.next_offsets
         lag = 0
         for tp in consumer.assignment():

@@ -521,6 +521,10 @@ def kafka_producer(config: SimulationConfig) -> Producer:
     """
     from kafka import KafkaProducer
 
+    from streamtrain.kafka_security import KafkaSecurity, client_options, watch
+
+    security = KafkaSecurity.from_environment()
+    watch(security)  # a refused login is said once (run_cli), not logged on every retry
     return KafkaProducer(
         bootstrap_servers=[s.strip() for s in config.bootstrap.split(",")],
         client_id="streamtrain-simulate",
@@ -529,6 +533,8 @@ def kafka_producer(config: SimulationConfig) -> Producer:
         batch_size=256 * 1024,
         max_request_size=max(1 << 20, config.max_message_bytes + (64 << 10)),
         max_block_ms=15_000,
+        # the service's STREAMTRAIN_KAFKA_SECURITY_PROTOCOL, _SASL_*, _SSL_* (docs/contract.md, section 8)
+        **client_options(security),
     )
 
 
@@ -699,7 +705,10 @@ def run_cli(args: argparse.Namespace) -> int:
     overrides = {name: value for name, value in vars(args).items() if name in SimulationConfig.model_fields}
     try:
         config = load_simulation_config(getattr(args, "config_path", None), os.environ, overrides)
-    except SimulationConfigError as exc:
+        from streamtrain.kafka_security import KafkaSecurity
+
+        KafkaSecurity.from_environment()  # refused here in one line, not by the producer
+    except (SimulationConfigError, ValueError) as exc:
         print(f"streamtrain simulate: {exc}", file=sys.stderr)
         return 2
     if not logging.getLogger().handlers:
@@ -709,6 +718,12 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         report = run_simulation(config, stop=stop)
     except KafkaError as exc:  # e.g. NoBrokersAvailable: one line, not a traceback
+        from streamtrain.kafka_security import current_failure
+
+        cause = current_failure()
+        if cause is not None:
+            print(f"streamtrain simulate: cannot produce to {config.bootstrap}: {cause}", file=sys.stderr)
+            return 1
         print(f"streamtrain simulate: cannot produce to {config.bootstrap} ({type(exc).__name__}: {exc}); "
               "check --bootstrap / STREAMTRAIN_KAFKA_BOOTSTRAP and that the broker runs", file=sys.stderr)
         return 1

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import AuthorizationError, TopicAlreadyExistsError
 
 from streamtrain.config import Settings
+from streamtrain.kafka_security import authorization_failed, client_options
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +53,12 @@ def forbid_topic_auto_creation(client: Any) -> Any:
     return client
 
 
-def _admin(bootstrap: str, timeout_s: float) -> KafkaAdminClient:
+def _admin(bootstrap: str, timeout_s: float, security: Settings | None = None) -> KafkaAdminClient:
     # A short reconnect backoff: after a broker outage the default grows to 30 s, and ingest
     # (which prepares its topics on every reconnect) would wait that long after the broker is back.
     return KafkaAdminClient(
         bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), reconnect_backoff_max_ms=1000,
-        bootstrap_timeout_ms=int(timeout_s * 1000),
+        bootstrap_timeout_ms=int(timeout_s * 1000), **(client_options(security) if security is not None else {}),
     )
 
 
@@ -84,6 +85,15 @@ def _create(
     except TopicAlreadyExistsError:  # another replica was first
         log.info("topics %s: created meanwhile by someone else", sorted(wanted))
         return
+    except AuthorizationError:  # the principal may not create topics: say which to create, and how
+        how = "; ".join(
+            f"{name}: {w['num_partitions']} partitions, replication {replication_factor or 'default'}"
+            + "".join(f", {k}={v}" for k, v in w["configs"].items())
+            for name, w in wanted.items()
+        )
+        raise authorization_failed(
+            "CREATE", "topic", ", ".join(wanted), f"or DESCRIBE if it exists; else an operator creates it: {how}"
+        ) from None
     for name in wanted:
         log.info("created topic %s (%d partitions, replication %s, %s)", name, wanted[name]["num_partitions"],
                  replication_factor or "broker default", wanted[name]["configs"] or "broker default configs")  # fmt: skip
@@ -113,7 +123,10 @@ def ensure_topics(
 
 def max_message_bytes(admin: KafkaAdminClient, topic: str) -> int:
     """The topic's effective ``max.message.bytes`` (its own setting, else the broker's)."""
-    described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {MAX_MESSAGE_BYTES: None})], config_filter="all")
+    try:
+        described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {MAX_MESSAGE_BYTES: None})], config_filter="all")
+    except AuthorizationError:
+        raise authorization_failed("DESCRIBE_CONFIGS", "topic", topic) from None
     return int(described["topic"][topic][MAX_MESSAGE_BYTES]["value"])
 
 
@@ -124,7 +137,7 @@ def dlq_configs(source_max_message_bytes: int) -> dict[str, str]:
 
 def prepare_topics(settings: Settings, timeout_s: float = 10.0) -> TopicLimits:
     """Create the event topic and ``<topic>.dlq`` if missing; report both size limits."""
-    admin = _admin(settings.kafka_bootstrap, timeout_s)
+    admin = _admin(settings.kafka_bootstrap, timeout_s, settings)
     try:
         existing = set(admin.list_topics())
         if settings.topic not in existing:
@@ -147,7 +160,7 @@ def prepare_topics(settings: Settings, timeout_s: float = 10.0) -> TopicLimits:
 
 def ensure_dead_letter_topic(settings: Settings, source_max_message_bytes: int, timeout_s: float = 10.0) -> bool:
     """Create ``<topic>.dlq`` again if it went missing (deleted); True if it had to be created."""
-    admin = _admin(settings.kafka_bootstrap, timeout_s)
+    admin = _admin(settings.kafka_bootstrap, timeout_s, settings)
     try:
         if settings.dlq_topic in set(admin.list_topics()):
             return False
