@@ -113,8 +113,8 @@ class CheckpointWriteError(Exception):
     def __init__(self, directory: Path, step: int, cause: OSError) -> None:
         super().__init__(
             f"could not write the step-{step} checkpoint to {directory}: {cause}. "
-            "Training goes on and the next save retries; free space on that volume or make "
-            "the directory writable by the service user (STREAMTRAIN_CHECKPOINT_DIR)."
+            "Free space on that volume or make the directory writable by the service user "
+            "(STREAMTRAIN_CHECKPOINT_DIR)."
         )
         self.directory = directory
         self.step = step

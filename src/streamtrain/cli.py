@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,33 @@ def _setup_logging(level: str) -> None:
 def _port_given_to_the_process(args: argparse.Namespace) -> bool:
     """``--port`` or ``STREAMTRAIN_HTTP_PORT``: a port for this process alone, not one per host."""
     return args.port is not None or any(name.upper() == f"{ENV_PREFIX}HTTP_PORT" for name in os.environ)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _http_server(config: Any) -> Any:
+    """A ``uvicorn.Server`` that stops on SIGINT/SIGTERM like uvicorn's own, but does not
+    re-raise the signal once it has shut down.
+
+    uvicorn >= 0.29 re-raises the signal it caught after its graceful shutdown, so a process
+    with the default handler ends *by* SIGTERM (status -15, 143 to Kubernetes) although it
+    stopped cleanly. The service's exit status says how the stop went instead: 0 once the
+    final checkpoint is written, 1 when it is not (``_serve``).
+    """
+    import uvicorn
+
+    class ServiceServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return ServiceServer(config)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -98,20 +126,25 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
-    if ctx.distributed:
-        if service.loop is not None and service.loop.finished.is_set():
-            server.should_exit = True  # the stop was agreed before the server existed
-        # Not before: a rank still waiting for the others ends at once on SIGTERM. From here
-        # on, SIGTERM stops the server (uvicorn's handler while it runs; ours for the moment
-        # before it does), and uvicorn re-raises it after its graceful shutdown: a rank
-        # whose final checkpoint all ranks cut then exits 0, as torchrun and Kubernetes expect.
-        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(server, "should_exit", True))
+    server = _http_server(config)
+    if service.loop is not None and service.loop.finished.is_set():
+        server.should_exit = True  # the stop was agreed before the server existed
+    # Not before: a process still starting (a rank waiting for the others) ends at once on a
+    # signal. From here on SIGINT/SIGTERM stop the server (ours for the moment before it
+    # runs and after, the server's while it runs), whose shutdown writes the final checkpoint.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: setattr(server, "should_exit", True))
     try:
         server.run()  # returns on SIGINT/SIGTERM, or once the ranks agreed to stop
     finally:
-        log.info("shutting down: final checkpoint")
-        service.stop(final_checkpoint=True)
+        service.stop(final_checkpoint=True)  # done in the server's shutdown already, unless it was skipped
+    if service.final_checkpoint_error is not None:
+        last = service.last_checkpoint
+        resumes = f"a restart resumes from {last.name}" if last is not None else "this process wrote no checkpoint"
+        print(f"streamtrain: stopped without a final checkpoint ({resumes}): {service.final_checkpoint_error}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    log.info("stopped after the final checkpoint")
     return 0
 
 

@@ -2,19 +2,35 @@
 
 Efraimidis–Spirakis weighted reservoir sampling in the log domain: an event with
 event time ``ts`` gets the key ``λ·(ts − L) − ln E`` with ``E ~ Exp(1)`` and
-``λ = ln 2 / half_life``; the window keeps the W largest keys ever seen. This is the
-exponential race (``E / w`` smallest wins, ``w = exp(λ·ts)``) written in logs, so it
-never computes ``exp(λ·t)``, never overflows and never needs rescaling. With an
-infinite half-life ``λ = 0`` and it is a uniform reservoir. Keys never change once
-drawn, so the window is exactly the top W of the whole stream, whatever the batching.
+``λ = ln 2 / half_life``; the window keeps the W largest keys ever seen (with
+``max_age_s``: see below). This is the exponential race (``E / w`` smallest wins,
+``w = exp(λ·ts)``) written in logs, so it never computes ``exp(λ·t)``, never overflows
+and never needs rescaling. With an infinite half-life ``λ = 0`` and it is a uniform
+reservoir. Keys never change once drawn, so without ``max_age_s`` the window is exactly
+the top W of the whole stream, whatever the batching.
 
 Batch inserts are vectorized and amortized: the store may overshoot W by a slack S of
 extra items; one ``argpartition`` over W + S items then cuts it back to the top W. Keys
 below the last cut's threshold can never enter again, so most of a uniform stream is
 dropped by one comparison. Readers always see the cut state (a cut runs first), so the
-window they observe is exactly the top W. The admitted events' readings are copied into
-chunks of the window's own, off the malloc heap when large (``chunk_array``), and
-compacted at cuts once garbage dominates.
+window they observe is exactly the top W (without ``max_age_s``). The admitted events'
+readings are copied into chunks of the window's own, off the malloc heap when large
+(``chunk_array``), and compacted at cuts once garbage dominates.
+
+With ``max_age_s`` set the window is *not* the top W of the stream, nor of the events
+still young enough. Every cut (before each read, and whenever the store outgrows W + S)
+first drops the events older than ``max_age_s`` by the clock, then keeps the top W keys
+of the rest; an event a cut has pushed out never comes back. So the window is the top W
+keys of the young events that survived every cut since they arrived: at most W items,
+fewer while the places of expired winners wait for newer events (W = 1: the events
+offered while the winner held the window are gone at the next cut, so once the winner
+expires the window is empty until the next event arrives). What it holds depends on when
+cuts ran, not only on the stream. It is so on purpose: holding the exact top W of the
+young events means keeping every event that fewer than W others outrank (a higher key
+and at least as young), about W·(1 + ln(n/W)) of n young events for a uniform reservoir,
+and WINDOW_CAPACITY would no longer bound memory. No key threshold is kept either (an
+old winner's key must not keep younger events out after it expired), so every offered
+event is stored until a cut.
 
 Counters: the window keeps the ledger of the Kafka messages its offsets cover, and a
 checkpoint saves it with them, so after a restart it counts every covered message once

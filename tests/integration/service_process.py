@@ -20,6 +20,7 @@ FAST_MODEL = {
     "TOKEN_BUDGET": "2048",
     "MIN_WINDOW_ITEMS": "32",
     "PUBLISH_INTERVAL_S": "0.5",
+    "HOLDOUT_SHARE": "0",  # the audits compare the window with every event sent (see conftest.py)
     "WARMUP_STEPS": "5",
     "LEARNING_RATE": "0.003",
 }
@@ -100,10 +101,11 @@ class ServiceProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(30)
 
-    def terminate(self, timeout_s: float = 60) -> int:
+    def terminate(self, timeout_s: float = 60, sig: signal.Signals = signal.SIGTERM) -> int:
+        """Stop it with ``sig`` (SIGKILL after ``timeout_s``); its exit status."""
         assert self.process is not None
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:

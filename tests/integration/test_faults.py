@@ -473,7 +473,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(kafka_bootstrap:
     wait_covered(first, stream)
     # SIGTERM: a graceful stop writes a final checkpoint covering everything, and leaves no child behind
     children = first.descendants()
-    assert first.terminate() in (0, -signal.SIGTERM)
+    assert first.terminate() == 0  # after the final checkpoint, not by the signal (-15)
     assert not psutil.wait_procs(children, timeout=20)[1]
     files = CheckpointStore(ckpt).list()
     assert [f.path for f in files[1:4]] == [w.path for w in reversed(written)]

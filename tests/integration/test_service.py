@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -205,3 +207,40 @@ def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, ma
         assert len(consumed) == 1 and float(consumed[0].split()[1]) <= window["seen_total"]
     finally:
         second.terminate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_exits_0_after_the_final_checkpoint(kafka_bootstrap, make_topic, tmp_path, sig) -> None:
+    """One process, stopped as Kubernetes (SIGTERM) or a terminal (SIGINT) stops it: status 0, not -15/143."""
+    topic = make_topic(partitions=2)
+    checkpoint_dir = tmp_path / "ckpt"
+    service = ServiceProcess(
+        kafka_bootstrap, topic, checkpoint_dir, tmp_path / "serve.log",
+        max_len=128, window_capacity=50000, half_life_s="inf", checkpoint_interval_s=3600,
+    ).start()
+    sent = simulate(kafka_bootstrap, topic, count=300, seed=3)
+    wait_for(lambda: service.get("/v1/window")["size"] == sent, 60, "the window to hold the stream")
+    assert CheckpointStore(checkpoint_dir).latest_step is None  # no periodic checkpoint before the stop
+    status = service.terminate(sig=sig)
+    log = (tmp_path / "serve.log").read_text()
+    assert status == 0, log[-3000:]
+    final = CheckpointStore(checkpoint_dir).load_latest()
+    assert final is not None, log[-3000:]
+    assert len(final.state["window"]["lengths"]) == sent  # written at the stop: it covers the whole stream
+    assert "stopped after the final checkpoint" in log
+
+
+def test_a_final_checkpoint_that_cannot_be_written_exits_1_and_says_so(kafka_bootstrap, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1)
+    checkpoint_dir = tmp_path / "ckpt"
+    service = ServiceProcess(
+        kafka_bootstrap, topic, checkpoint_dir, tmp_path / "serve.log", checkpoint_interval_s=3600,
+    ).start()
+    shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    checkpoint_dir.write_text("a file where the checkpoint directory was\n")  # every write fails, root or not
+    status = service.terminate()
+    log = (tmp_path / "serve.log").read_text()
+    assert status == 1, log[-3000:]
+    said = [line for line in log.splitlines() if line.startswith("streamtrain: stopped without a final checkpoint (")]
+    assert len(said) == 1 and str(checkpoint_dir) in said[0], log[-3000:]
+    assert "stopped after the final checkpoint" not in log

@@ -12,6 +12,10 @@ import json
 import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -466,6 +470,64 @@ def test_dockerfile_runs_the_service_unprivileged_with_a_healthcheck():
     copied = {shlex.split(rest)[0] for rest in by_keyword["COPY"]}
     for source in copied:
         assert (REPO / source).exists(), f"COPY {source}: missing in the repository"
+
+
+def test_the_container_runs_the_service_itself_so_its_exit_status_reaches_the_runtime(manifests, compose):
+    """SIGTERM goes to PID 1 and PID 1's status is the container's: PID 1 must be ``streamtrain
+    serve`` (exit 0 after the final checkpoint), not a shell that dies of the signal (143)."""
+    instructions = dockerfile_instructions()
+    keywords = [k for k, _ in instructions]
+    assert "ENTRYPOINT" not in keywords  # CMD is run as it is
+    assert "STOPSIGNAL" not in keywords  # the runtime sends SIGTERM, the signal the service stops on
+    cmd = [rest for keyword, rest in instructions if keyword == "CMD"][-1]
+    assert cmd.startswith("[") and json.loads(cmd)[0] == "streamtrain"  # exec form: no `sh -c` around it
+    # Kubernetes and compose keep the image's way to run it: no command of their own (a shell) in front
+    (container,) = the(manifests, "StatefulSet", "streamtrain-trainer")["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container and container["args"][0] == "streamtrain"
+    assert "command" not in compose["services"]["trainer"] and "entrypoint" not in compose["services"]["trainer"]
+
+
+FAKE_SERVICE = """import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(os.environ["FAKE_STATUS"])))
+with open(os.environ["FAKE_OUT"] + ".tmp", "w") as out:
+    json.dump({"pid": os.getpid(), "argv": sys.argv[1:]}, out)
+os.replace(os.environ["FAKE_OUT"] + ".tmp", os.environ["FAKE_OUT"])
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("status", [0, 1])
+def test_the_trainer_run_script_execs_the_service_and_ends_with_its_status(tmp_path, status):
+    """services/trainer/run.sh, with a stand-in ``streamtrain`` on PATH: the script's own process
+    becomes the service (exec), SIGTERM reaches it, and its exit status is the service's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "streamtrain"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVICE}")
+    fake.chmod(0o755)
+    out = tmp_path / "service.json"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_OUT": str(out), "FAKE_STATUS": str(status)}
+    script = REPO / "services" / "trainer" / "run.sh"
+    process = subprocess.Popen([str(script), "--port", "8123"], env=env, stdin=subprocess.DEVNULL)
+    started = None
+    try:
+        deadline = time.monotonic() + 30
+        while not out.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = json.loads(out.read_text())
+        assert started["argv"] == ["serve", "--config", str(script.parent / "trainer.toml"), "--port", "8123"]
+        assert started["pid"] == process.pid, "run.sh must exec the service, not run it as a child"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == status
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        if started is not None and started["pid"] != process.pid:
+            try:
+                os.kill(started["pid"], signal.SIGKILL)  # the orphaned stand-in of a script that did not exec
+            except ProcessLookupError:
+                pass
 
 
 def test_dockerignore_keeps_the_build_context_small_but_complete():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from streamtrain.events import (
     NO_LABEL,
     REASONS,
+    EventBatch,
     EventError,
     EventLimits,
     Rejection,
@@ -193,3 +194,261 @@ def test_fast_header_path_agrees_with_the_full_rules(obj, limits) -> None:
     except EventError:
         full = None
     assert fast == full
+
+
+DETAILS = [
+    "837 bytes, the limit is 512",
+    "not UTF-8 JSON",
+    "expected a JSON object, got list",
+    "not UTF-8 JSON",
+    "expected a JSON object, got str",
+    "missing required field 'sensor_id'",
+    "missing required field 'ts'",
+    "missing required field 'values'",
+    "'sensor_id' must be a string, got int",
+    "'sensor_id' must have 1..128 characters",
+    "'sensor_id' must have 1..128 characters",
+    "'ts' must be a number, got str",
+    "'ts' must be a number, got bool",
+    "'values' must be an array, got str",
+    "'values' must hold only numbers",
+    "'values' must hold only numbers",
+    "'values' must hold only numbers",
+    "'label' must be an integer, got float",
+    "'label' must be an integer, got str",
+    "'values' holds NaN or infinity, or overflows float32",
+    "'values' holds NaN or infinity, or overflows float32",
+    "'values' holds NaN or infinity, or overflows float32",
+    "'ts' is NaN or infinite",
+    "'values' has no time steps",
+    "'values' has 9 steps, the limit is 8",
+    "channels=1 expects an array of numbers, got nested arrays",
+    "'label' 3 is outside [0, 3)",
+    "'label' -1 is outside [0, 3)",
+    "'ts' is 301s ahead of the clock",
+    "'ts' is before 1970",
+]
+
+
+@pytest.mark.parametrize(("case", "detail"), list(zip(CASES, DETAILS, strict=True)))
+def test_each_rejection_says_which_rule_in_its_detail(case: tuple[str, bytes], detail: str) -> None:
+    reason, raw = case
+    assert decode_event(raw, LIMITS, NOW) == Rejection(reason, detail)
+
+
+@pytest.mark.parametrize(
+    ("raw", "limits", "rejection"),
+    [
+        (None, LIMITS, Rejection("decode", "message has no value (tombstone)")),
+        (msg(ts=NOW - 7200), EventLimits(max_len=8, max_age_s=3600), Rejection("bad_timestamp", "'ts' is older than max_age_s=3600")),
+        (b'{"sensor_id":"a","ts":1' + b"0" * 400 + b',"values":[1]}', LIMITS, Rejection("non_finite", "'ts' is too large to represent")),
+        (msg(values=[[1, 2], [3, 4, 5]]), LIMITS_C3, Rejection("bad_channels", "every step must be an array of 3 numbers, got 2")),
+        (msg(values=[1, 2, 3]), LIMITS_C3, Rejection("bad_channels", "every step must be an array of 3 numbers, got int")),
+        (msg(values=[[1, 2, "3"]]), LIMITS_C3, Rejection("schema", "'values' must hold only numbers")),
+        (b'{"sensor_id":"a","ts":1764412000,"values":[[1,2,3],[1,2,NaN]]}', LIMITS_C3, Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32")),
+        (b'{"sensor_id":"a","ts":1764412000,"values":[1' + b"0" * 400 + b"]}", LIMITS, Rejection("non_finite", "a value is too large to represent")),
+    ],
+)
+def test_the_rarer_rules_say_why_too(raw: bytes | None, limits: EventLimits, rejection: Rejection) -> None:
+    assert decode_event(raw, limits, NOW) == rejection
+
+
+def test_a_huge_integer_reading_in_a_batch_is_refused_alone() -> None:
+    huge = b'{"sensor_id":"a","ts":1764412000,"values":[1' + b"0" * 400 + b"]}"
+    decoded = decode_batch([msg(values=[1.0]), huge, msg(values=[2.0])], LIMITS, NOW)
+    assert decoded.rejections == [(1, Rejection("non_finite", "a value is too large to represent"))]
+    assert decoded.events.values[:, 0].tolist() == [1.0, 2.0] and decoded.accepted_positions.tolist() == [0, 2]
+
+
+def test_parse_values_names_each_rule() -> None:
+    cases = [
+        ("1,2", 1, "schema", "'values' must be an array, got str"),
+        ([], 1, "empty", "'values' has no time steps"),
+        ([1.0] * 5, 1, "too_long", "'values' has 5 steps, the limit is 4"),
+        ([[1.0]], 1, "bad_channels", "channels=1 expects an array of numbers, got nested arrays"),
+        ([1.0, "x"], 1, "schema", "'values' must hold only numbers"),
+        ([[1.0, 2.0], [1.0]], 2, "bad_channels", "every step must be an array of 2 numbers, got 1"),
+        ([[1.0, True]], 2, "schema", "'values' must hold only numbers"),
+        ([10**400], 1, "non_finite", "a value is too large to represent"),
+        ([1.0, 1e39], 1, "non_finite", "'values' holds NaN or infinity, or overflows float32"),
+    ]
+    for values, channels, reason, detail in cases:
+        with pytest.raises(EventError) as err:
+            parse_values(values, channels=channels, max_len=4)
+        assert (err.value.reason, err.value.detail, str(err.value)) == (reason, detail, f"{reason}: {detail}")
+    assert parse_values([[1, 2], [3, 4]], channels=2, max_len=4).tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert parse_values([[1, 2.5]], channels=2, max_len=4).tolist() == [[1.0, 2.5]]  # ints and floats mix
+    assert parse_values([3e38, 3e38], channels=1, max_len=4).tolist() == [[np.float32(3e38)]] * 2  # finite
+    assert parse_values([1.0] * 4, channels=1, max_len=4).dtype == np.float32
+
+
+def test_limits_come_from_the_settings() -> None:
+    from types import SimpleNamespace
+
+    settings = SimpleNamespace(max_len=9, channels=2, n_classes=4, max_message_bytes=99, max_future_skew_s=7.0, max_age_s=60.0)
+    assert EventLimits.from_settings(settings) == EventLimits(9, 2, 4, 99, 7.0, 60.0)
+
+
+def test_a_batch_gives_back_each_event_and_its_columns() -> None:
+    events = [
+        SensorEvent("a", 1.0, np.ones((2, 1), np.float32), 1),
+        SensorEvent("b", 2.0, np.full((3, 1), 2.0, np.float32)),
+    ]
+    batch = EventBatch.from_events(events, partitions=[4, 5], offsets=np.array([10, 11], np.int32))
+    assert len(batch) == 2 and batch.starts.tolist() == [0, 2]
+    assert batch.partitions.tolist() == [4, 5] and batch.offsets.tolist() == [10, 11]
+    assert batch.partitions.dtype == np.int32 and batch.offsets.dtype == np.int64
+    assert batch.sensor_ids.dtype == object and batch.labels.tolist() == [1, NO_LABEL]
+    second = batch.event(1)
+    assert (second.sensor_id, second.ts, second.label, second.length) == ("b", 2.0, NO_LABEL, 3)
+    assert second.values[:, 0].tolist() == [2.0, 2.0, 2.0]
+    plain = EventBatch.from_events(events)
+    assert plain.partitions.tolist() == [0, 0] and plain.offsets.tolist() == [-1, -1]
+    assert plain.partitions.dtype == np.int32 and plain.offsets.dtype == np.int64
+    empty = EventBatch.from_events([], channels=3)
+    assert len(empty) == 0 and empty.values.shape == (0, 3) and empty.values.dtype == np.float32
+    assert EventBatch.from_events([]).values.shape == (0, 1)
+    columns = {name: getattr(empty, name).dtype for name in ("sensor_ids", "ts", "labels", "lengths", "partitions", "offsets")}
+    assert columns == {"sensor_ids": object, "ts": np.float64, "labels": np.int64, "lengths": np.int64,
+                       "partitions": np.int32, "offsets": np.int64}  # fmt: skip
+    single = EventBatch.from_events([SensorEvent("c", 3, np.zeros((1, 2), np.float32))])
+    assert single.values.shape == (1, 2) and single.ts.dtype == np.float64 and single.ts.tolist() == [3.0]
+
+
+def test_a_batch_without_sources_gets_partition_zero_and_no_offsets() -> None:
+    decoded = decode_batch([msg(values=[1.0]), msg(values=[2.0, 3.0])], LIMITS, NOW)
+    events = decoded.events
+    assert events.partitions.tolist() == [0, 0] and events.offsets.tolist() == [-1, -1]
+    assert events.partitions.dtype == np.int32 and events.offsets.dtype == np.int64
+    given = decode_batch([msg(values=[1.0])], LIMITS, NOW, partitions=[3], offsets=[9]).events
+    assert given.partitions.dtype == np.int32 and given.offsets.dtype == np.int64
+    assert (given.partitions.tolist(), given.offsets.tolist()) == ([3], [9])
+    assert events.sensor_ids.tolist() == ["pump-17", "pump-17"] and events.ts.dtype == np.float64
+    assert events.labels.tolist() == [NO_LABEL, NO_LABEL] and events.lengths.tolist() == [1, 2]
+
+
+def test_an_empty_poll_decodes_to_an_empty_batch() -> None:
+    decoded = decode_batch([], LIMITS_C3, NOW)
+    assert len(decoded.events) == 0 and decoded.rejections == [] and decoded.accepted_positions.tolist() == []
+    assert decoded.events.values.shape[1] == 3
+
+
+def test_a_multi_channel_batch_with_a_bad_event_keeps_the_good_ones_in_order() -> None:
+    raws = [msg(values=[[1, 2, 3]]), msg(values=[[1, 2]]), msg(values=[[4, 5, 6], [7, 8, 9]])]
+    decoded = decode_batch(raws, LIMITS_C3, NOW, offsets=[5, 6, 7])
+    assert [(p, r.reason) for p, r in decoded.rejections] == [(1, "bad_channels")]
+    assert decoded.events.values.tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert decoded.events.values.dtype == np.float32
+    assert decoded.events.lengths.tolist() == [1, 2] and decoded.events.offsets.tolist() == [5, 7]
+
+
+def test_labels_are_kept_only_with_a_classification_head() -> None:
+    decoded = decode_batch([msg(label=2), msg()], LIMITS, NOW)
+    assert decoded.events.labels.tolist() == [2, NO_LABEL]
+    headless = decode_batch([msg(label=2)], EventLimits(max_len=8), NOW)
+    assert headless.events.labels.tolist() == [NO_LABEL]
+
+
+def test_integer_timestamps_and_the_edges_of_the_clock_are_accepted() -> None:
+    for ts in (int(NOW), NOW + 300, 0.0, 0):
+        event = decode_event(msg(ts=ts), LIMITS, NOW)
+        assert isinstance(event, SensorEvent) and event.ts == float(ts) and type(event.ts) is float
+    aged = EventLimits(max_len=8, max_age_s=3600)
+    assert isinstance(decode_event(msg(ts=NOW - 3600), aged, NOW), SensorEvent)
+    assert isinstance(decode_event(msg(sensor_id="x" * 128), LIMITS, NOW), SensorEvent)
+    assert isinstance(decode_event(msg(values=[0.5] * 8), LIMITS, NOW), SensorEvent)
+    assert decode_event(msg(label=0), LIMITS, NOW).label == 0
+
+
+def test_json_that_only_the_standard_library_reads_is_still_judged_by_the_rules() -> None:
+    """orjson refuses NaN; the stdlib parse says which rule it breaks, not "decode"."""
+    nan_reading = b'{"sensor_id":"a","ts":1764412000,"values":[NaN]}'
+    assert decode_event(nan_reading, LIMITS, NOW) == Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32")
+    deep = EventLimits(max_len=8, max_message_bytes=1 << 20)
+    assert decode_event(b"[" * 100_000, deep, NOW) == Rejection("decode", "not UTF-8 JSON")  # too deep for either
+
+
+def test_a_reading_that_overflows_float32_is_a_rejection_not_a_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(EventError) as err:
+            parse_values([1.0, 1e39], channels=1, max_len=4)
+        assert err.value.reason == "non_finite"
+        decoded = decode_batch([b'{"sensor_id":"a","ts":1764412000,"values":[1e39]}'], LIMITS, NOW)
+        assert decoded.rejections[0][1].reason == "non_finite"
+
+
+def test_a_message_of_exactly_the_size_limit_is_accepted() -> None:
+    raw = msg()
+    assert isinstance(decode_event(raw, EventLimits(max_len=8, max_message_bytes=len(raw)), NOW), SensorEvent)
+    assert decode_event(raw, EventLimits(max_len=8, max_message_bytes=len(raw) - 1), NOW).reason == "too_large"
+
+
+def test_input_that_is_not_bytes_at_all_is_refused_and_the_batch_goes_on() -> None:
+    decoded = decode_batch([12345, msg(values=[1.0])], LIMITS, NOW)  # type: ignore[list-item]
+    assert decoded.rejections == [(0, Rejection("decode", "undecodable message (TypeError)"))]
+    assert decoded.accepted_positions.tolist() == [1] and decoded.events.values[:, 0].tolist() == [1.0]
+
+
+HEADLESS = EventLimits(max_len=8)
+ONE_CLASS = EventLimits(max_len=8, n_classes=1)
+FORGETFUL = EventLimits(max_len=8, max_age_s=3600.0)
+LONG_MEMORY = EventLimits(max_len=8, max_age_s=NOW + 10)  # the oldest allowed time is before 1970: 0 rules
+
+EDGE_VALID = [
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0]}, LIMITS, ("s", NOW, NO_LABEL)),
+    ({"sensor_id": "x" * 128, "ts": NOW, "values": [1.0]}, LIMITS, ("x" * 128, NOW, NO_LABEL)),
+    ({"sensor_id": "s", "ts": 0, "values": [1.0]}, LIMITS, ("s", 0.0, NO_LABEL)),
+    ({"sensor_id": "s", "ts": 0.5, "values": [1.0]}, LIMITS, ("s", 0.5, NO_LABEL)),
+    ({"sensor_id": "s", "ts": 0.5, "values": [1.0]}, LONG_MEMORY, ("s", 0.5, NO_LABEL)),
+    ({"sensor_id": "s", "ts": NOW + 300, "values": [1.0]}, LIMITS, ("s", NOW + 300, NO_LABEL)),
+    ({"sensor_id": "s", "ts": NOW - 3600, "values": [1.0]}, FORGETFUL, ("s", NOW - 3600, NO_LABEL)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0] * 8}, LIMITS, ("s", NOW, NO_LABEL)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 0}, LIMITS, ("s", NOW, 0)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 2}, LIMITS, ("s", NOW, 2)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 0}, ONE_CLASS, ("s", NOW, 0)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 7}, HEADLESS, ("s", NOW, NO_LABEL)),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": None}, LIMITS, ("s", NOW, NO_LABEL)),
+]
+
+EDGE_INVALID = [
+    ({"sensor_id": "", "ts": NOW, "values": [1.0]}, LIMITS, "schema"),
+    ({"sensor_id": "x" * 129, "ts": NOW, "values": [1.0]}, LIMITS, "schema"),
+    ({"sensor_id": "s", "ts": -0.5, "values": [1.0]}, LIMITS, "bad_timestamp"),
+    ({"sensor_id": "s", "ts": NOW + 301, "values": [1.0]}, LIMITS, "bad_timestamp"),
+    ({"sensor_id": "s", "ts": NOW - 3601, "values": [1.0]}, FORGETFUL, "bad_timestamp"),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0] * 9}, LIMITS, "too_long"),
+    ({"sensor_id": "s", "ts": NOW, "values": []}, LIMITS, "empty"),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 3}, LIMITS, "bad_label"),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": -1}, LIMITS, "bad_label"),
+    ({"sensor_id": "s", "ts": NOW, "values": [1.0], "label": 1}, ONE_CLASS, "bad_label"),
+    ({"sensor_id": "s", "ts": "now", "values": [1.0]}, LIMITS, "schema"),
+    ({"sensor_id": 5, "ts": NOW, "values": [1.0]}, LIMITS, "schema"),
+    ({"sensor_id": "s", "ts": NOW, "values": 1.0}, LIMITS, "schema"),
+]
+
+
+@pytest.mark.parametrize(("obj", "limits", "header"), EDGE_VALID)
+def test_both_header_paths_accept_the_edges_of_every_rule(obj: dict, limits: EventLimits, header: tuple) -> None:
+    from streamtrain.events import _check_header, _valid_header_or_none
+
+    fast, full = _valid_header_or_none(obj, limits, NOW), _check_header(obj, limits, NOW)
+    assert fast == header and full == header
+    assert type(fast[1]) is float and type(full[1]) is float
+
+
+@pytest.mark.parametrize(("obj", "limits", "reason"), EDGE_INVALID)
+def test_both_header_paths_refuse_just_past_the_edges(obj: dict, limits: EventLimits, reason: str) -> None:
+    from streamtrain.events import _check_header, _valid_header_or_none
+
+    assert _valid_header_or_none(obj, limits, NOW) is None
+    with pytest.raises(EventError) as err:
+        _check_header(obj, limits, NOW)
+    assert err.value.reason == reason
+
+
+def test_an_empty_poll_has_typed_columns() -> None:
+    events = decode_batch([b"junk"], LIMITS, NOW).events
+    assert (events.ts.dtype, events.labels.dtype, events.lengths.dtype) == (np.float64, np.int64, np.int64)

@@ -3,16 +3,21 @@
 The service's predictions (:func:`streamtrain.model.predict_arrays`, what /v1/predict and
 OIP infer run) are the reference. The ONNX file runs in onnxruntime, the TorchScript and
 the ExportedProgram in torch, on variable-length batches whose padding holds NaN and
-huge numbers; all must agree to 1e-5. The bundle of the admin route round-trips exactly,
-a checkpoint directory exports the model a restored service would publish, and the Triton
-repository has the layout and the config Triton reads (parsed with Triton's own
-ModelConfig protobuf, shipped in tritonclient).
+huge numbers; all must agree to 1e-5, and so must the model files of a Triton repository.
+Every model here has a random, non-zero forecast head (an untrained model's zero head makes
+``next`` the last reading, which a mistranslated forecast path matches too), and an export
+of the same bundle with the head dropped must fail each check. The bundle of the admin
+route round-trips exactly, a checkpoint directory exports the model a restored service
+would publish, and the Triton repository has the layout and the config Triton reads
+(parsed with Triton's own ModelConfig protobuf, shipped in tritonclient).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,8 @@ from streamtrain.serve.app import create_app
 from streamtrain.service import Service
 from streamtrain.train import PublishedModel
 
+from broken_models import head_dropped, randomize_head
+
 torch.set_num_threads(1)
 
 TOKEN = "export-admin-token-0123"
@@ -53,7 +60,8 @@ LENGTHS = [1, 7, 30, 2, 15, 30, 4, 9]
 
 def published_model(channels: int = 3, n_classes: int = 4, seed: int = 0, version: int = 5) -> PublishedModel:
     torch.manual_seed(seed)
-    model = SensorModel(channels, n_classes=n_classes, d_model=16, n_heads=2, n_layers=2, max_len=32).eval()
+    model = SensorModel(channels, n_classes=n_classes, d_model=16, n_heads=2, n_layers=2, max_len=32)
+    model = randomize_head(model, seed).eval()  # the body reaches `next`: not the last reading
     norm = RunningNorm(channels)
     rng = np.random.default_rng(seed)
     data = torch.from_numpy(rng.normal(4.0, 2.5, size=(12, 20, channels)).astype(np.float32))
@@ -84,6 +92,52 @@ def assert_matches(outputs: list[np.ndarray], reference: PredictionArrays, atol:
         np.testing.assert_allclose(outputs[2], reference.probs, rtol=1e-5, atol=atol)
     else:
         assert len(outputs) == 2
+
+
+#: An exported model as a function: (values, lengths) -> its outputs as arrays.
+Runner = Callable[[np.ndarray, np.ndarray], list[np.ndarray]]
+
+
+def onnx_runner(path: Path) -> Runner:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return lambda values, lengths: session.run(None, {"values": values, "lengths": lengths})
+
+
+def torchscript_runner(path: Path) -> Runner:
+    loaded = torch.jit.load(str(path))
+
+    def run(values: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        with torch.inference_mode():
+            return [t.numpy() for t in loaded(torch.from_numpy(values), torch.from_numpy(lengths))]
+
+    return run
+
+
+def program_runner(path: Path) -> Runner:
+    module = torch.export.load(str(path)).module()
+    return lambda values, lengths: [t.detach().numpy() for t in module(torch.from_numpy(values), torch.from_numpy(lengths))]
+
+
+def triton_model_file(bundle: ModelBundle, root: Path, backend: str) -> Path:
+    model_dir = write_triton_repository(bundle, root, backend)  # type: ignore[arg-type]
+    return model_dir / str(bundle.version) / ("model.pt" if backend == "pytorch" else "model.onnx")
+
+
+#: Every export form, written into a folder and loaded as the runtime that serves it would.
+EXPORTS: dict[str, Callable[[ModelBundle, Path], Runner]] = {
+    "onnx": lambda b, folder: onnx_runner(export_onnx(b, folder / "model.onnx")),
+    "torchscript": lambda b, folder: torchscript_runner(export_torchscript(b, folder / "model.pt")),
+    "exported_program": lambda b, folder: program_runner(export_program(b, folder / "model.pt2")),
+    "triton_pytorch": lambda b, folder: torchscript_runner(triton_model_file(b, folder / "repo", "pytorch")),
+    "triton_onnxruntime": lambda b, folder: onnx_runner(triton_model_file(b, folder / "repo", "onnxruntime")),
+}
+
+
+def assert_export_answers_as_the_service(run: Runner, reference: ModelBundle, cases: list[tuple[list[int], int]]) -> None:
+    """For each (lengths, seed): the export on garbage-padded values answers as the service on the rows."""
+    for lengths, seed in cases:
+        values, length_array, rows = padded(reference.model.channels, lengths, seed)
+        assert_matches(run(values, length_array), service_answers(reference, rows))
 
 
 @pytest.fixture(scope="module")
@@ -133,33 +187,36 @@ def test_onnx_in_onnxruntime_matches_the_service(bundle: ModelBundle, tmp_path: 
     values_shape = session.get_inputs()[0].shape
     assert isinstance(values_shape[0], str) and isinstance(values_shape[1], str) and values_shape[2] == 3
     assert {p.key: p.value for p in model.metadata_props}["streamtrain_version"] == "5"
-    for lengths, seed in ((LENGTHS, 1), ([3], 2), ([32, 1, 5], 3), ([6] * 20, 4), ([1], 5), ([2, 1], 6)):  # batch, length vary
-        values, length_array, rows = padded(3, lengths, seed)
-        outputs = session.run(None, {"values": values, "lengths": length_array})
-        assert_matches(outputs, service_answers(bundle, rows))
+    run = onnx_runner(path)
+    cases = [(LENGTHS, 1), ([3], 2), ([32, 1, 5], 3), ([6] * 20, 4), ([1], 5), ([2, 1], 6)]  # batch, length vary
+    assert_export_answers_as_the_service(run, bundle, cases)
     # normalization is inside the graph: raw data units in, data units out
-    assert np.abs(outputs[0].mean() - 4.0) < 3.0
+    values, lengths, _ = padded(3, [2, 1], 6)
+    assert np.abs(run(values, lengths)[0].mean() - 4.0) < 3.0
 
 
 def test_torchscript_matches_the_service(bundle: ModelBundle, tmp_path: Path) -> None:
     path = export_torchscript(bundle, tmp_path / "model.pt")
     loaded = torch.jit.load(str(path))
     assert [a.name for a in loaded.forward.schema.arguments][1:] == ["values", "lengths"]
-    for lengths, seed in ((LENGTHS, 1), ([2], 5), ([32, 1, 5], 6), ([1, 1], 7)):
-        values, length_array, rows = padded(3, lengths, seed)
-        with torch.inference_mode():
-            outputs = [t.numpy() for t in loaded(torch.from_numpy(values), torch.from_numpy(length_array))]
-        assert_matches(outputs, service_answers(bundle, rows))
+    cases = [(LENGTHS, 1), ([2], 5), ([32, 1, 5], 6), ([1, 1], 7)]
+    assert_export_answers_as_the_service(torchscript_runner(path), bundle, cases)
 
 
 def test_exported_program_matches_the_service(tmp_path: Path) -> None:
     bundle = decode_bundle(encode_bundle(published_model(channels=1, n_classes=0, seed=3)))
     path = export_program(bundle, tmp_path / "model.pt2")
-    module = torch.export.load(str(path)).module()
-    for lengths, seed in ((LENGTHS, 7), ([1], 8), ([2, 1], 9)):
-        values, length_array, rows = padded(1, lengths, seed)
-        outputs = [t.detach().numpy() for t in module(torch.from_numpy(values), torch.from_numpy(length_array))]
-        assert_matches(outputs, service_answers(bundle, rows))
+    assert_export_answers_as_the_service(program_runner(path), bundle, [(LENGTHS, 7), ([1], 8), ([2, 1], 9)])
+
+
+@pytest.mark.parametrize("form", list(EXPORTS))
+def test_each_export_check_fails_on_an_export_that_drops_the_head(bundle: ModelBundle, form: str, tmp_path: Path) -> None:
+    """The exports are compared on what the head adds: an export without it answers differently."""
+    dropped = dataclasses.replace(bundle, model=head_dropped(bundle.model))
+    run = EXPORTS[form](dropped, tmp_path)
+    assert_export_answers_as_the_service(run, dropped, [(LENGTHS, 1)])  # it is a faithful export of what it was given
+    with pytest.raises(AssertionError):
+        assert_export_answers_as_the_service(run, bundle, [(LENGTHS, 1)])
 
 
 def _model_config_proto() -> Any:
@@ -185,6 +242,9 @@ def test_triton_repository_layout_and_config(bundle: ModelBundle, backend: str, 
     if backend == "pytorch":  # the PyTorch backend maps outputs by position: <name>__<index>
         names = [f"{n}__{i}" for i, n in enumerate(names)]
     assert [(o.name, list(o.dims)) for o in config.output] == list(zip(names, [[-1, 3], [-1], [-1, 4]], strict=True))
+    # the file Triton loads answers as the service (Triton runs it in libtorch / onnxruntime)
+    runner = torchscript_runner if backend == "pytorch" else onnx_runner
+    assert_export_answers_as_the_service(runner(model_dir / "5" / file), bundle, [(LENGTHS, 1), ([1], 2)])
     # a second version goes beside the first; another model shape is refused
     later = ModelBundle(bundle.model, bundle.norm, version=6, step=50, published_at=None)
     write_triton_repository(later, tmp_path / "repo", backend)  # type: ignore[arg-type]
@@ -212,6 +272,7 @@ def make_service(tmp_path: Path, **overrides: Any) -> Service:
                                     admin_token=TOKEN, **{**SMALL, **overrides}))  # fmt: skip
     data = torch.from_numpy(np.random.default_rng(0).normal(2.0, 3.0, size=(8, 10, 2)).astype(np.float32))
     service.trainer.norm.update(data, torch.ones(8, 10, dtype=torch.bool))
+    randomize_head(service.trainer.model)  # `next` shows the weights, not only the last reading
     service.trainer.publish()
     service.trainer.publish()
     return service

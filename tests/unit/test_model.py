@@ -1,6 +1,14 @@
-"""Model, norm, losses and no-shuffle predict."""
+"""Model, norm, losses and no-shuffle predict.
+
+Every model-level invariant is a small ``assert_*`` check run on a model whose random body
+and random head both reach the forecast (an untrained SensorModel's zero head would make
+its forecast the last reading whatever the body does), and run again on a copy broken
+against it (:mod:`broken_models`), which must fail it.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
@@ -8,6 +16,7 @@ import torch
 
 from streamtrain.data.collate import collate
 from streamtrain.model import (
+    Prediction,
     RunningNorm,
     SensorModel,
     classification_loss,
@@ -17,6 +26,7 @@ from streamtrain.model import (
     total_loss,
 )
 
+from broken_models import computing_model, head_dropped, mixes_batch, non_causal, pools_over_padding, reads_padding
 from device_params import CUDA, DEVICES
 
 torch.set_num_threads(1)
@@ -28,6 +38,12 @@ def pad_batch(items: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def small_model(channels: int = 2, n_classes: int = 3, seed: int = 0) -> SensorModel:
+    """A model that computes something: random body, random non-zero forecast head."""
+    return computing_model(channels, n_classes=n_classes, seed=seed, d_model=32, n_heads=4, n_layers=2, max_len=64)
+
+
+def untrained_model(channels: int = 2, n_classes: int = 3, seed: int = 0) -> SensorModel:
+    """A model as SensorModel builds it: the zero head makes its forecast the last reading."""
     torch.manual_seed(seed)
     return SensorModel(channels, n_classes=n_classes, d_model=32, n_heads=4, n_layers=2, max_len=64).eval()
 
@@ -54,19 +70,24 @@ def test_rejects_wrong_channels_and_too_long() -> None:
         model(torch.randn(1, 65, 2), torch.ones(1, 65, dtype=torch.bool))
 
 
-def test_padding_values_do_not_matter_and_pad_outputs_are_zero() -> None:
-    model = small_model()
-    x = torch.randn(3, 10, 2)
+def assert_padding_values_ignored(model: SensorModel) -> None:
+    """Garbage (huge, NaN) in the padding changes no output, and pad forecasts are zero."""
+    x = torch.randn(3, 10, model.channels, generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 10, dtype=torch.bool)
     mask[0, 4:] = False
     mask[1, 1:] = False
     garbage = x.clone()
     garbage[~mask] = torch.tensor([1e30, float("nan")])
-    a, b = model(x, mask), model(garbage, mask)
+    with torch.no_grad():
+        a, b = model(x, mask), model(garbage, mask)
     assert torch.isfinite(b.forecast).all() and torch.isfinite(b.logits).all()
     torch.testing.assert_close(a.forecast, b.forecast)
     torch.testing.assert_close(a.logits, b.logits)
     assert (b.forecast[~mask] == 0).all()
+
+
+def test_padding_values_do_not_matter_and_pad_outputs_are_zero() -> None:
+    assert_padding_values_ignored(small_model())
 
 
 def test_fully_masked_row_gives_no_nan() -> None:
@@ -77,25 +98,37 @@ def test_fully_masked_row_gives_no_nan() -> None:
     assert torch.isfinite(out.forecast).all() and torch.isfinite(out.logits).all()
 
 
+def assert_causal(model: SensorModel) -> None:
+    """Changing the readings from position ``cut`` on changes no forecast before ``cut``."""
+    x = torch.randn(3, 10, model.channels, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    with torch.no_grad():
+        reference = model(x, mask).forecast
+        for cut in (1, 6, 9):
+            changed = x.clone()
+            changed[:, cut:] += 5.0
+            torch.testing.assert_close(model(changed, mask).forecast[:, :cut], reference[:, :cut])
+
+
 def test_causal_future_does_not_change_past() -> None:
-    model = small_model()
-    x = torch.randn(1, 10, 2)
-    mask = torch.ones(1, 10, dtype=torch.bool)
-    changed = x.clone()
-    changed[0, 6:] += 5.0
-    torch.testing.assert_close(model(x, mask).forecast[0, :6], model(changed, mask).forecast[0, :6])
+    assert_causal(small_model())
+
+
+def assert_alone_equals_padded_in_company(model: SensorModel) -> None:
+    """Each instance's forecasts and logits are the same alone as padded in a batch of others."""
+    rng = np.random.default_rng(1)
+    items = ragged(rng, 7, model.channels)
+    values, mask = pad_batch(items)
+    with torch.no_grad():
+        together = model(values, mask)
+        for i, item in enumerate(items):
+            alone = model(torch.from_numpy(item)[None], torch.ones(1, len(item), dtype=torch.bool))
+            torch.testing.assert_close(together.forecast[i, : len(item)], alone.forecast[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(together.logits[i], alone.logits[0], atol=1e-5, rtol=0)
 
 
 def test_alone_equals_padded_in_company() -> None:
-    rng = np.random.default_rng(1)
-    model = small_model()
-    items = ragged(rng, 7, 2)
-    values, mask = pad_batch(items)
-    together = model(values, mask)
-    for i, item in enumerate(items):
-        alone = model(torch.from_numpy(item)[None], torch.ones(1, len(item), dtype=torch.bool))
-        torch.testing.assert_close(together.forecast[i, : len(item)], alone.forecast[0], atol=1e-5, rtol=0)
-        torch.testing.assert_close(together.logits[i], alone.logits[0], atol=1e-5, rtol=0)
+    assert_alone_equals_padded_in_company(small_model())
 
 
 def test_forecast_loss_reductions_by_hand() -> None:
@@ -203,10 +236,9 @@ def test_public_norm_is_frozen() -> None:
         norm.update(torch.zeros(1, 1, 2), torch.ones(1, 1, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_predict_is_order_and_company_invariant(device: str) -> None:
+def assert_predict_order_and_company_invariant(model: SensorModel) -> None:
+    """Each instance gets the same prediction in any request order, any micro-batching and alone."""
     rng = np.random.default_rng(3)
-    model = small_model().to(device)
     norm = RunningNorm(2)
     values, mask = pad_batch(ragged(rng, 20, 2))
     norm.update(values * 3 + 1, mask)
@@ -227,28 +259,45 @@ def test_predict_is_order_and_company_invariant(device: str) -> None:
     assert model.training is False
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_predict_is_order_and_company_invariant(device: str) -> None:
+    assert_predict_order_and_company_invariant(small_model().to(device))
+
+
+def assert_same_predictions(expected: Sequence[Prediction], got: Sequence[Prediction]) -> None:
+    """Equal to a float32 tolerance (kernels and reduction orders differ between devices)."""
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_allclose(g.next, e.next, rtol=1e-4, atol=1e-5)
+        assert g.anomaly_score == pytest.approx(e.anomaly_score, rel=1e-4, abs=1e-5)
+        np.testing.assert_allclose(g.probs, e.probs, rtol=1e-4, atol=1e-5)
+
+
+def device_items() -> tuple[RunningNorm, list[np.ndarray]]:
+    rng = np.random.default_rng(11)
+    norm = RunningNorm(2)
+    values, mask = pad_batch(ragged(rng, 20, 2))
+    norm.update(values * 3 + 1, mask)
+    return norm, ragged(rng, 64, 2, max_len=60)
+
+
 @pytest.mark.parametrize("device", [CUDA])
 def test_predictions_on_the_device_equal_the_cpu_path(device: str) -> None:
     """The same weights answer the same on the GPU as on the CPU, in float32 (kernels and
     reduction orders differ, so to a float32 tolerance, not bit for bit)."""
-    rng = np.random.default_rng(11)
-    model = small_model()
-    norm = RunningNorm(2)
-    values, mask = pad_batch(ragged(rng, 20, 2))
-    norm.update(values * 3 + 1, mask)
-    items = ragged(rng, 64, 2, max_len=60)
-    on_cpu = predict(model, norm, items, token_budget=512)
+    norm, items = device_items()
+    on_cpu = predict(small_model(), norm, items, token_budget=512)
     on_device = predict(small_model().to(device), norm, items, token_budget=512)
-    for expected, got in zip(on_cpu, on_device, strict=True):
-        np.testing.assert_allclose(got.next, expected.next, rtol=1e-4, atol=1e-5)
-        assert got.anomaly_score == pytest.approx(expected.anomaly_score, rel=1e-4, abs=1e-5)
-        np.testing.assert_allclose(got.probs, expected.probs, rtol=1e-4, atol=1e-5)
+    assert_same_predictions(on_cpu, on_device)
 
 
-def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
+PredictFn = Callable[[SensorModel, RunningNorm, Sequence[np.ndarray], int], list[Prediction]]
+
+
+def assert_anomaly_score_is_the_one_step_error(model: SensorModel, serve: PredictFn = predict) -> None:
     """Computed here from first principles, not with the functions predict uses:
     z = (x − mean) / std of the training data per channel (population variance), and the
-    score is the mean over t of the channel-mean of (forecast_t − z_{t+1})²."""
+    score is the mean over t of the channel-mean of (forecast_t − z_{t+1})², the forecast
+    being ``model``'s own. ``serve`` is the serving path under test."""
     rng = np.random.default_rng(4)
     scale, shift = np.array([100.0, 0.5]), np.array([3.0, -7.0])
     train = (rng.normal(size=(50, 2)) * scale + shift).astype(np.float32)
@@ -259,22 +308,73 @@ def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
     z = (item.astype(np.float64) - mean) / std
 
     # a zero forecast head forecasts the last reading: the score is the mean of (z_{t+1} − z_t)²
-    silent = small_model(channels=2, n_classes=0)
-    with torch.no_grad():
-        silent.forecast_head.weight.zero_()
-        silent.forecast_head.bias.zero_()
-    (quiet,) = predict(silent, norm, [item], token_budget=64)
+    silent = head_dropped(model)
+    (quiet,) = serve(silent, norm, [item], 64)
     assert quiet.anomaly_score == pytest.approx(((z[1:] - z[:-1]) ** 2).mean(), rel=1e-4)
     np.testing.assert_allclose(quiet.next, item[-1], rtol=1e-5)
 
     # the real forecaster: its own forecasts, the same arithmetic
-    model = small_model(channels=2, n_classes=0)
     with torch.no_grad():
         forecast = model(torch.from_numpy(z).float()[None], torch.ones(1, 20, dtype=torch.bool)).forecast[0].double().numpy()
-    (prediction,) = predict(model, norm, [item], token_budget=64)
+    (prediction,) = serve(model, norm, [item], 64)
     assert prediction.anomaly_score == pytest.approx(((forecast[:-1] - z[1:]) ** 2).mean(), rel=1e-4)
     np.testing.assert_allclose(prediction.next, forecast[-1] * std + mean, rtol=1e-4)
     assert prediction.probs is None and len(prediction.next) == 2
+
+
+def test_predict_anomaly_score_is_the_standardized_one_step_error() -> None:
+    assert_anomaly_score_is_the_one_step_error(small_model(channels=2, n_classes=0))
+
+
+# ------------------------------------------------------------------ the checks catch what they guard
+
+
+def test_the_models_under_test_compute_something() -> None:
+    """The invariants mean nothing on a model whose forecast is the last reading: the one they run
+    on forecasts something else, while the zero head hides a broken body completely."""
+    x, mask = pad_batch(ragged(np.random.default_rng(8), 5, 2))
+    with torch.no_grad():
+        assert (small_model()(x, mask).forecast - x * mask[..., None]).abs().max() > 0.5
+        untrained = untrained_model()
+        torch.testing.assert_close(non_causal(untrained)(x, mask).forecast, untrained(x, mask).forecast, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("check", "breaks"),
+    [
+        pytest.param(assert_causal, non_causal, id="causality-non-causal mask"),
+        pytest.param(assert_padding_values_ignored, reads_padding, id="padding values-mask ignored"),
+        pytest.param(assert_alone_equals_padded_in_company, pools_over_padding, id="padding-pooled over padding"),
+        pytest.param(assert_alone_equals_padded_in_company, mixes_batch, id="company-mixes the batch"),
+        pytest.param(assert_predict_order_and_company_invariant, mixes_batch, id="predict company-mixes the batch"),
+        pytest.param(assert_predict_order_and_company_invariant, pools_over_padding, id="predict-pooled over padding"),
+    ],
+)
+def test_each_invariant_check_fails_on_the_model_broken_against_it(
+    check: Callable[[SensorModel], None], breaks: Callable[[SensorModel], SensorModel]
+) -> None:
+    model = small_model()
+    check(model)
+    with pytest.raises(AssertionError):
+        check(breaks(model))
+
+
+def test_the_anomaly_score_check_fails_on_a_serving_path_that_drops_the_head() -> None:
+    def without_head(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], budget: int) -> list[Prediction]:
+        return predict(head_dropped(model), norm, values, budget)
+
+    model = small_model(channels=2, n_classes=0)
+    with pytest.raises(AssertionError):
+        assert_anomaly_score_is_the_one_step_error(model, without_head)
+
+
+def test_the_device_comparison_is_tighter_than_what_the_head_adds() -> None:
+    """The CPU-vs-device check would see a device path that lost the head (run here on the CPU)."""
+    norm, items = device_items()
+    model = small_model()
+    assert_same_predictions(predict(model, norm, items, 512), predict(small_model(), norm, items, 512))
+    with pytest.raises(AssertionError):
+        assert_same_predictions(predict(model, norm, items, 512), predict(head_dropped(model), norm, items, 512))
 
 
 def ar1_batch(rng: np.random.Generator, batch: int, phi: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,8 +436,7 @@ from hypothesis import strategies as st  # noqa: E402
 @given(shift=st.floats(-1e3, 1e3), seed=st.integers(0, 2**16))
 def test_a_level_shift_moves_every_forecast_by_the_same_amount(shift: float, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    model = small_model(seed=seed % 7)
-    torch.nn.init.normal_(model.forecast_head.weight, std=0.3)  # a trained-looking head, not the zero start
+    model = small_model(seed=seed % 7)  # a random head, not the zero start
     items = ragged(rng, 4, 2, max_len=20)
     values, mask = pad_batch(items)
     offset = torch.tensor([shift, -0.5 * shift], dtype=torch.float64)
@@ -350,7 +449,7 @@ def test_a_level_shift_moves_every_forecast_by_the_same_amount(shift: float, see
 
 
 def test_an_untrained_model_forecasts_the_last_value() -> None:
-    model = small_model()
+    model = untrained_model()
     x, mask = pad_batch(ragged(np.random.default_rng(8), 5, 2))
     torch.testing.assert_close(model(x, mask).forecast, x * mask[..., None])
 

@@ -185,12 +185,16 @@ def test_infer_equals_v1_predict_with_padding(client: triton.InferenceServerClie
     values, lengths = padded_batch(rng, [9, 1, 24, 4, 13, 2], pad=0.0 if not binary else np.nan)
     reference = v1_predict(server, values, lengths)
     outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in ("next", "anomaly_score", "probs")]
+    asked = time.time()
     result = client.infer("streamtrain", triton_inputs(values, lengths, binary, lengths_type), outputs=outputs,
                           request_id="req-7")  # fmt: skip
+    answered = time.time()
     assert_same(result, reference)
     answer = result.get_response()
     assert answer["model_version"] == str(reference["version"]) and answer["id"] == "req-7"
-    assert answer["parameters"]["model_age_s"] >= 0
+    # the age of the version that answered, taken while the request was served
+    published_at = server.service.trainer.registry.get(reference["version"]).published_at
+    assert asked - published_at - 1e-3 <= answer["parameters"]["model_age_s"] <= answered - published_at + 1e-3
     assert result.as_numpy("next").dtype == np.float32 and result.as_numpy("probs").shape == (6, CLASSES)
 
 

@@ -12,7 +12,7 @@ from streamtrain.config import SettingsError, load_settings
 from streamtrain.data.bucketing import TokenBudget
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.passes import PassSampler, pass_sampler_from_settings
-from streamtrain.data.policies import CurriculumPolicy, SensorBalancedPolicy
+from streamtrain.data.policies import CurriculumPolicy, SensorBalancedPolicy, StratifiedPolicy
 from streamtrain.data.randomness import SeededRandomness, make_randomness
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window import RecencyWindow
@@ -182,3 +182,174 @@ def test_sampling_settings_that_fit_are_accepted() -> None:
     assert load_settings(sampling="stratified", n_classes=3, pass_max_items=0).pass_max_items == 0
     assert math.isinf(load_settings(sensor_temperature="inf").sensor_temperature)
     assert math.isinf(load_settings(curriculum_half_life_steps="inf").curriculum_half_life_steps)
+
+
+class _Snapshot:
+    """The columns the sampler reads, without a window."""
+
+    def __init__(self, sensor_ids: list[str], seq: list[int] | None) -> None:
+        n = len(sensor_ids)
+        self.lengths = np.full(n, 4, np.int64)
+        self.labels = np.full(n, -1, np.int64)
+        self.sensor_ids = np.array(sensor_ids, dtype=object)
+        self.seq = None if seq is None else np.asarray(seq, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sensor_ids)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((8, 0.5, "random", 0), r"^shuffle mode must be one of \('seeded', 'crypto'\), got 'random'$"),
+        ((8, -0.1, "seeded", 0), r"^fresh_share must be within \[0, 1\], got -0.1$"),
+        ((8, 1.5, "seeded", 0), r"^fresh_share must be within \[0, 1\], got 1.5$"),
+        ((-1, 0.5, "seeded", 0), r"^max_items \(0: the whole window\) must be an integer >= 0, got -1$"),
+        ((8, 0.5, "seeded", -2), r"^seed must be an integer >= 0, got -2$"),
+    ],
+)
+def test_bad_sampler_settings_are_refused_with_the_rule(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PassSampler(*args)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_fresh_share_may_be_zero_or_one(share: float) -> None:
+    assert PassSampler(8, share, "seeded", 0).fresh_share == share
+
+
+def test_an_event_at_the_watermark_is_fresh_and_the_fresh_come_newest_first() -> None:
+    sampler = PassSampler(3, 1.0, "seeded", 0)
+    sampler.watermark = 5
+    snapshot = _Snapshot(["a"] * 6, [0, 7, 5, 1, 6, 2])
+    selection = sampler.select(snapshot)
+    assert selection.fresh.tolist() == [1, 2, 4] and selection.index.tolist() == [1, 2, 4]
+    assert sampler.watermark == 8 and sampler.passes == 1
+    # newest first: with room for two fresh, arrival 5 (index 2) is the one deferred
+    sampler = PassSampler(4, 0.5, "seeded", 0)
+    sampler.watermark = 5
+    selection = sampler.select(snapshot)
+    assert selection.fresh.tolist() == [1, 4] and selection.facts["fresh_deferred"] == 1
+
+
+def test_a_snapshot_without_arrival_numbers_has_no_fresh_events_and_keeps_the_watermark() -> None:
+    sampler = PassSampler(2, 0.5, "seeded", 0)
+    selection = sampler.select(_Snapshot(["a", "b", "a", "b"], None))
+    assert selection.fresh.size == 0 and len(selection) == 2
+    assert sampler.watermark == 0 and sampler.passes == 1
+
+
+def test_the_watermark_never_moves_back() -> None:
+    sampler = PassSampler(0, 0.5, "seeded", 0)
+    sampler.watermark = 50
+    sampler.advance_past(_Snapshot(["a", "a"], [3, 4]))
+    assert sampler.watermark == 50 and sampler.passes == 1
+    sampler.advance_past(_Snapshot([], []))
+    assert sampler.watermark == 50 and sampler.passes == 2
+
+
+@pytest.mark.parametrize("max_items", [0, 4])
+def test_a_pass_as_large_as_the_window_takes_all_of_it(max_items: int) -> None:
+    selection = PassSampler(max_items, 0.5, "seeded", 0).select(_Snapshot(["a", "b", "c", "d"], [0, 1, 2, 3]))
+    assert selection.index.tolist() == [0, 1, 2, 3] and selection.fresh.tolist() == [0, 1, 2, 3]
+
+
+def test_the_fresh_cap_is_the_share_of_the_pass_rounded_down() -> None:
+    sampler = PassSampler(5, 0.5, "seeded", 0)  # 2.5 -> 2 fresh
+    selection = sampler.select(_Snapshot(["a"] * 10, list(range(10))))
+    assert selection.fresh.tolist() == [8, 9] and len(selection) == 5
+
+
+def test_diagnostics_describe_the_sensor_mix_of_the_pass_and_the_window() -> None:
+    sampler = PassSampler(0, 0.5, "seeded", 0)
+    selection = sampler.select(_Snapshot(["a", "a", "a", "b"], [0, 1, 2, 3]))
+    facts = selection.facts
+    assert (facts["window_items"], facts["fresh_items"], facts["fresh_deferred"], facts["sensors"]) == (4, 4, 0, 2)
+    assert facts["sensor_top_share"] == 0.75
+    # normalized HHI of shares (3/4, 1/4): (10/16 - 1/2) / (1 - 1/2) = 1/4, the pass is the window
+    assert facts["sensor_hhi"] == pytest.approx(0.25) and facts["window_sensor_hhi"] == pytest.approx(0.25)
+    assert selection.stratify is False
+
+
+def test_a_bounded_pass_reports_the_window_mix_apart_from_its_own() -> None:
+    sampler = PassSampler(2, 1.0, "seeded", 0)
+    sampler.watermark = 2
+    selection = sampler.select(_Snapshot(["a", "b", "a", "a"], [0, 1, 2, 3]))  # fresh: the two "a" events
+    facts = selection.facts
+    assert facts["sensors"] == 1 and facts["sensor_top_share"] == 1.0 and facts["sensor_hhi"] == pytest.approx(1.0)
+    assert facts["window_sensor_hhi"] == pytest.approx(0.25)
+
+
+def test_the_policy_facts_and_batch_stratification_come_with_the_selection() -> None:
+    curriculum = PassSampler(2, 0.0, "seeded", 0, CurriculumPolicy(2.0, 10.0))
+    selection = curriculum.select(_Snapshot(["a"] * 4, [0, 1, 2, 3]), planned_steps=10)
+    assert selection.facts["curriculum_beta"] == pytest.approx(1.0)
+    stratified = PassSampler(2, 0.0, "seeded", 0, StratifiedPolicy())
+    assert stratified.select(_Snapshot(["a"] * 4, [0, 1, 2, 3])).stratify is True
+
+
+def test_the_signature_names_the_pass_shape_and_the_policy() -> None:
+    sampler = PassSampler(64, 0.25, "seeded", 3, SensorBalancedPolicy(2.0))
+    assert sampler.signature() == "max_items=64 fresh_share=0.25 sensor_balanced{'temperature': '2.0'}"
+    assert PassSampler(8, 0.5, "seeded", 0).policy.name == "uniform"
+
+
+def test_state_dict_holds_the_counters_the_seed_and_the_policy_name() -> None:
+    sampler = PassSampler(8, 0.5, "seeded", 9, SensorBalancedPolicy(2.0))
+    sampler.passes, sampler.watermark = 4, 17
+    assert sampler.state_dict() == {"passes": 4, "watermark": 17, "seed": 9, "policy": "sensor_balanced"}
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({}, r"^PassSampler state lacks \['passes', 'watermark'\]; pass a dict from state_dict\(\)$"),
+        ({"passes": -1, "watermark": 0}, r"^PassSampler state needs passes >= 0 and watermark >= 0, got"),
+        ({"passes": 0, "watermark": -1}, r"^PassSampler state needs passes >= 0 and watermark >= 0, got"),
+    ],
+)
+def test_a_bad_state_is_refused_and_changes_nothing(state: dict, message: str) -> None:
+    sampler = PassSampler(8, 0.5, "seeded", 0)
+    sampler.passes, sampler.watermark = 3, 30
+    with pytest.raises(ValueError, match=message):
+        sampler.load_state_dict(state)
+    assert (sampler.passes, sampler.watermark) == (3, 30)
+
+
+def test_a_state_of_zero_counters_is_accepted(caplog: pytest.LogCaptureFixture) -> None:
+    sampler = PassSampler(8, 0.5, "seeded", 0)
+    sampler.passes = 5
+    with caplog.at_level(logging.INFO, logger="streamtrain.data.passes"):
+        sampler.load_state_dict({"passes": 0, "watermark": 0})  # no policy saved: uniform, as configured
+    assert (sampler.passes, sampler.watermark) == (0, 0) and "policy changed" not in caplog.text
+
+
+def test_sampler_from_settings_passes_the_sensor_temperature() -> None:
+    settings = load_settings(sampling="sensor_balanced", sensor_temperature=3.5, pass_max_items=100, pass_fresh_share=0.25)
+    sampler = pass_sampler_from_settings(settings)
+    assert isinstance(sampler.policy, SensorBalancedPolicy) and sampler.policy.temperature == 3.5
+    assert (sampler.max_items, sampler.fresh_share) == (100, 0.25)
+
+
+def test_a_pass_of_one_item_takes_one_item() -> None:
+    selection = PassSampler(1, 1.0, "seeded", 0).select(_Snapshot(["a", "a", "a"], [0, 1, 2]))
+    assert selection.index.tolist() == [2] and selection.fresh.tolist() == [2]
+
+
+def test_the_curriculum_clock_starts_at_zero_steps() -> None:
+    sampler = PassSampler(2, 0.0, "seeded", 0, CurriculumPolicy(2.0, 10.0))
+    assert sampler.select(_Snapshot(["a"] * 4, [0, 1, 2, 3])).facts["curriculum_beta"] == 2.0
+
+
+def test_a_sensor_balanced_pass_gives_a_quiet_sensor_its_share() -> None:
+    sampler = PassSampler(4, 0.0, "seeded", 0, SensorBalancedPolicy(float("inf")))
+    selection = sampler.select(_Snapshot(["a"] * 8 + ["b"] * 2, list(range(10))))
+    assert {8, 9} <= set(selection.index.tolist()) and len(selection) == 4
+    assert selection.facts["sensor_top_share"] == 0.5
+
+
+def test_a_policy_change_at_restore_is_logged_with_both_names(caplog: pytest.LogCaptureFixture) -> None:
+    sampler = PassSampler(8, 0.5, "seeded", 0)
+    with caplog.at_level(logging.INFO, logger="streamtrain.data.passes"):
+        sampler.load_state_dict({"passes": 1, "watermark": 2, "policy": "curriculum"})
+    assert caplog.messages == ["sampling policy changed from curriculum (checkpoint) to uniform"]

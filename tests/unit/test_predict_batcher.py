@@ -15,13 +15,17 @@ import torch
 from streamtrain.model import Prediction, RunningNorm, SensorModel, predict
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 
+from broken_models import randomize_head
 from device_params import DEVICES
 
 
 def _published(seed: int = 0, device: str = "cpu") -> SimpleNamespace:
+    """A model whose body reaches its answers (a random head; an untrained one forecasts the last
+    reading whatever the body computes), so answers tell models and company apart."""
     torch.manual_seed(seed)
-    model = SensorModel(channels=1, d_model=16, n_heads=2, n_layers=1, max_len=64).to(device)
-    return SimpleNamespace(model=model, norm=RunningNorm(1))
+    model = randomize_head(SensorModel(channels=1, d_model=16, n_heads=2, n_layers=1, max_len=64), seed).eval()
+    model = model.to(device)
+    return SimpleNamespace(model=model, served=model, norm=RunningNorm(1))
 
 
 def _requests(count: int, seed: int) -> list[list[np.ndarray]]:

@@ -160,6 +160,49 @@ def test_max_age_expires_items() -> None:
     assert window.evicted_total == 10
 
 
+class ScriptedDraws:
+    """The window's key randomness, scripted: the E of each event in turn (key = −ln E)."""
+
+    def __init__(self, draws: list[float]) -> None:
+        self.draws = list(draws)
+
+    def standard_exponential(self, n: int) -> np.ndarray:
+        out, self.draws = self.draws[:n], self.draws[n:]
+        return np.asarray(out, dtype=np.float64)
+
+
+def test_with_max_age_an_expired_winner_leaves_a_hole_only_newer_events_fill() -> None:
+    """The module docstring's rule: a cut drops the expired, then keeps the top W of the rest;
+    an event a cut pushed out does not come back when the winner that beat it expires."""
+    now = [1000.0]
+
+    def window_of_one() -> RecencyWindow:
+        # the winner (E = 0.01, key 4.6) is older than the two it beats (keys 0 and -0.69) and the late one
+        return RecencyWindow(1, math.inf, max_age_s=50, slack=10, clock=lambda: now[0], rng=ScriptedDraws([0.01, 1.0, 2.0, 1.0]))
+
+    # read while the winner is young: that cut pushes the two fresh events out for good
+    read_between = window_of_one()
+    now[0] = 1000.0
+    read_between.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
+    read_between.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
+    assert read_between.snapshot().offsets.tolist() == [0]
+    now[0] = 1015.0  # the winner (ts 960) expired; the other two are young
+    assert len(read_between.snapshot()) == 0 and len(read_between) == 0
+    assert read_between.evicted_total == 3 and read_between.stats().size == 0
+    read_between.insert_batch(make_batch(3, 1, ts=np.array([1010.0])))
+    assert read_between.snapshot().offsets.tolist() == [3]  # only a newer event fills the hole
+
+    # no cut while the winner was young (the store stays within W + S): the first cut drops it
+    # first, then the best young event wins
+    not_read = window_of_one()
+    now[0] = 1000.0
+    not_read.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
+    not_read.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
+    now[0] = 1015.0
+    assert not_read.snapshot().offsets.tolist() == [1]
+    assert not_read.evicted_total == 2
+
+
 def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
     window = RecencyWindow(500, 30.0, rng=np.random.default_rng(0), slack=50)
     stop = threading.Event()

@@ -103,14 +103,6 @@ class DPConfig(BaseModel):
             return float(self.expected_batch_size)
         return float(self.admit_per_step * self.sampling_schedule().sum())
 
-    @property
-    def noise_std(self) -> float:
-        return self.noise_multiplier * self.clip_norm
-
-    @property
-    def step_interval_s(self) -> float:
-        return 1.0 / self.step_rate_hz
-
     def schedule_key(self) -> tuple[float, float, float, int]:
         """The fields the per-record ε depends on (a checkpoint must agree on them)."""
         return (self.noise_multiplier, self.q0, self.half_life_steps, self.eligible_steps)

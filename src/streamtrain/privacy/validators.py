@@ -7,7 +7,9 @@ starts consuming; :class:`streamtrain.privacy.DPEngine` calls it again on constr
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -127,19 +129,88 @@ def check_model_static(model: nn.Module) -> None:
             raise DPConfigError(f"{_describe(name, module)} has uninitialized lazy parameters; use the non-lazy layer")
 
 
-def _outputs(model: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    with torch.random.fork_rng(), torch.no_grad():
-        torch.manual_seed(0)  # same dropout masks for both probe batches
-        output = model(x, mask)
-    return [t for t in (output.forecast, output.logits) if t is not None]
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's arguments or result: tensors, sequences, mappings, dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, Mapping):
+        return [t for item in value.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for field in dataclasses.fields(value) for t in _tensors(getattr(value, field.name))]
+    return []
+
+
+def _trace(model: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+    """One forward: every tensor entering or leaving a submodule, in the order they appear
+    (labelled), and the model's outputs.
+
+    The submodules' tensors are the hidden state: a zero-initialised head hides the body
+    from the outputs, so mixing in the body shows only there.
+    """
+    seen: list[tuple[str, torch.Tensor]] = []
+
+    def recorder(label: str) -> Any:
+        def record(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            seen.extend((f"the input of {label}", t.detach().clone()) for t in _tensors((args, kwargs)))
+            seen.extend((f"the output of {label}", t.detach().clone()) for t in _tensors(output))
+
+        return record
+
+    handles = [
+        module.register_forward_hook(recorder(_describe(name, module)), with_kwargs=True)
+        for name, module in model.named_modules()
+        if name  # the root's outputs are compared on their own
+    ]
+    try:
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(0)  # same dropout masks for both probe batches
+            output = model(x, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, [t for t in (output.forecast, output.logits) if t is not None]
+
+
+def _same_row(a: torch.Tensor, b: torch.Tensor, row: int) -> bool:
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a[row], b[row], atol=PROBE_TOLERANCE, rtol=PROBE_TOLERANCE, equal_nan=True)
+    return torch.equal(a[row], b[row])
+
+
+def _mixing_error(model: nn.Module, kept_row: int, changed_row: int, training: bool, what: str) -> DPConfigError:
+    return DPConfigError(
+        f"model {type(model).__name__}: example {kept_row}'s {what} changes when example {changed_row} changes "
+        f"({'train' if training else 'eval'} mode), so it mixes examples (cross-example statistics); "
+        "remove the layer or operation that does"
+    )
+
+
+def _check_no_mixing(model: nn.Module, x: torch.Tensor, changed: dict[int, torch.Tensor], mask: torch.Tensor,
+                     training: bool) -> None:  # fmt: skip
+    """Each example's hidden state and outputs are the same whatever the other example holds."""
+    batch = int(x.shape[0])
+    reference_seen, reference_outputs = _trace(model, x, mask)
+    for changed_row, kept_row in ((1, 0), (0, 1)):
+        seen, outputs = _trace(model, changed[changed_row], mask)
+        if [(label, t.shape) for label, t in seen] != [(label, t.shape) for label, t in reference_seen]:
+            raise _mixing_error(model, kept_row, changed_row, training, "path through the modules (or their shapes)")
+        for (label, a), (_, b) in zip(reference_seen, seen, strict=True):
+            if a.dim() >= 1 and a.shape[0] == batch and not _same_row(a, b, kept_row):  # batch-first tensors only
+                raise _mixing_error(model, kept_row, changed_row, training, f"hidden state ({label})")
+        for a, b in zip(reference_outputs, outputs, strict=True):
+            if not _same_row(a, b, kept_row):
+                raise _mixing_error(model, kept_row, changed_row, training, "output")
 
 
 def check_model_probe(model: nn.Module) -> None:
     """Run a SensorModel-like model on probe batches of two that differ in one example.
 
-    Refused: an example's output changes when the other one changes (cross-example statistics,
-    in train or eval mode); a buffer changes in a training forward (running statistics);
-    per-sample gradients fail or are non-finite.
+    Refused: the other example's outputs, or any tensor entering or leaving any of its
+    submodules, change (cross-example computation anywhere in the network, in train or eval
+    mode, whether or not a head shows it); a buffer changes in a training forward (running
+    statistics); per-sample gradients fail or are non-finite.
     """
     from streamtrain.privacy.per_sample import PerSampleGradients
 
@@ -157,17 +228,7 @@ def check_model_probe(model: nn.Module) -> None:
     try:
         for training in (True, False):
             model.train(training)
-            reference = _outputs(model, x, mask)
-            for changed_row, kept_row in ((1, 0), (0, 1)):
-                for a, b in zip(reference, _outputs(model, changed[changed_row], mask), strict=True):
-                    if torch.allclose(a[kept_row], b[kept_row], atol=PROBE_TOLERANCE, rtol=PROBE_TOLERANCE):
-                        continue
-                    raise DPConfigError(
-                        f"model {type(model).__name__}: example {kept_row}'s output changes when example "
-                        f"{changed_row} changes "
-                        f"({'train' if training else 'eval'} mode), so it mixes examples (cross-example "
-                        "statistics); remove the layer that does"
-                    )
+            _check_no_mixing(model, x, changed, mask, training)
         buffers_after = dict(model.named_buffers())
         for name, before in buffers_before.items():
             after = buffers_after[name]

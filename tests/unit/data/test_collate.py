@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from streamtrain.data.collate import Batch, collate, collate_flat
+from streamtrain.data.collate import Batch, BatchPosition, collate, collate_flat
 from streamtrain.events import NO_LABEL
 
 
@@ -100,3 +102,100 @@ def test_bad_input_names_the_item_and_the_rule(values: list, kwargs: dict, messa
 def test_collate_flat_checks_lengths_against_the_readings() -> None:
     with pytest.raises(ValueError, match="sum\\(lengths\\) = 5"):
         collate_flat(np.ones((4, 1), np.float32), [2, 3])
+
+
+class _RecordingTensor:
+    """Stands in for a tensor and records how the batch asked it to move."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def to(self, device: object, non_blocking: bool = False) -> tuple:
+        return ("to", self.name, device, non_blocking)
+
+    def pin_memory(self) -> tuple:
+        return ("pinned", self.name)
+
+
+def _recording_batch() -> Batch:
+    return Batch(**{name: _RecordingTensor(name) for name in ("values", "mask", "lengths", "labels", "ts")})
+
+
+@pytest.mark.parametrize("kwargs, non_blocking", [({}, False), ({"non_blocking": True}, True)])
+def test_batch_to_moves_every_tensor_to_the_device_with_the_callers_non_blocking(
+    kwargs: dict, non_blocking: bool
+) -> None:
+    moved = _recording_batch().to("cuda:1", **kwargs)
+    for name in ("values", "mask", "lengths", "labels", "ts"):
+        assert getattr(moved, name) == ("to", name, "cuda:1", non_blocking)
+
+
+def test_pin_memory_pins_every_tensor_and_keeps_the_position() -> None:
+    pinned = replace(_recording_batch(), position=BatchPosition(2, 3, 9)).pin_memory()
+    for name in ("values", "mask", "lengths", "labels", "ts"):
+        assert getattr(pinned, name) == ("pinned", name)
+    assert pinned.position == BatchPosition(2, 3, 9)
+
+
+def test_readings_given_as_text_are_refused_not_parsed() -> None:
+    with pytest.raises((TypeError, ValueError)):
+        collate([np.array([["1.5"]])])
+
+
+def test_collate_flat_pads_to_the_longest_item_by_default() -> None:
+    batch = collate_flat(np.ones((3, 1), np.float32), [3])
+    assert batch.values.shape == (1, 3, 1) and batch.mask.all()
+
+
+def test_lengths_and_labels_may_be_a_scalar_for_a_one_item_batch() -> None:
+    batch = collate_flat(np.ones((2, 1), np.float32), 2, labels=4, ts=7.0)
+    assert batch.lengths.tolist() == [2] and batch.labels.tolist() == [4] and batch.ts.tolist() == [7.0]
+
+
+def test_lengths_labels_and_ts_of_any_shape_are_read_as_one_entry_per_item() -> None:
+    batch = collate_flat(np.ones((3, 1), np.float32), [[1], [2]], labels=[[0], [1]], ts=[[1.0], [2.0]])
+    assert batch.lengths.tolist() == [1, 2] and batch.labels.tolist() == [0, 1] and batch.ts.tolist() == [1.0, 2.0]
+
+
+def test_column_dtypes_are_fixed_whatever_the_caller_passes() -> None:
+    batch = collate_flat(
+        np.ones((5, 1), np.float64),
+        np.array([2, 3], np.int32),
+        labels=np.array([1, 2], np.int32),
+        ts=np.array([1.5, 2.5], np.float32),
+    )
+    assert batch.values.dtype == torch.float32 and batch.lengths.dtype == torch.int64
+    assert batch.labels.dtype == torch.int64 and batch.ts.dtype == torch.float64
+
+
+def test_collate_flat_copies_the_lengths_it_is_given() -> None:
+    lengths = np.array([1, 1], np.int64)
+    batch = collate_flat(np.ones((2, 1), np.float32), lengths)
+    lengths[:] = 7
+    assert batch.lengths.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "flat, lengths, kwargs, message",
+    [
+        (np.ones((0, 1)), [], {}, r"^collate needs at least one sequence, got an empty list$"),
+        (np.ones((2, 1)), [3, -1], {}, r"^collate: lengths must be >= 0, got -1$"),
+        (np.ones((2, 1)), [2], {"pad_to_multiple_of": 0}, r"^pad_to_multiple_of must be an integer >= 1, got 0$"),
+        (np.ones((2, 1)), [2], {"ts": [1.0, 2.0]}, r"^collate: ts has 2 entries for 1 sequences; give one per item$"),
+        (
+            np.ones((4, 1)),
+            [2, 3],
+            {},
+            r"^collate: flat values of shape \(4, 1\) do not hold sum\(lengths\) = 5 rows of \[channels\]; "
+            r"pass readings back to back as \[tokens, C\]$",
+        ),
+    ],
+)
+def test_collate_flat_refusals_say_the_rule_in_full(flat: np.ndarray, lengths: list, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        collate_flat(flat, lengths, **kwargs)
+
+
+def test_collate_of_no_items_says_so_in_full() -> None:
+    with pytest.raises(ValueError, match=r"^collate needs at least one sequence, got an empty list$"):
+        collate([])

@@ -15,11 +15,14 @@ from streamtrain.data.bucketing import TokenBudget, label_codes, label_deviation
 from streamtrain.data.passes import PassSampler
 from streamtrain.data.policies import (
     CurriculumPolicy,
+    PassCandidates,
     SensorBalancedPolicy,
     StratifiedPolicy,
     UniformPolicy,
     concentration,
+    group_codes,
     gumbel_top_k,
+    length_difficulty,
     make_policy,
     systematic_round,
     water_fill,
@@ -420,3 +423,120 @@ def test_make_policy_names_the_choices() -> None:
         SensorBalancedPolicy(0.0)
     with pytest.raises(ValueError, match="half_life"):
         CurriculumPolicy(1.0, 0.0)
+
+
+def _candidates(lengths: list[int]) -> PassCandidates:
+    n = len(lengths)
+    return PassCandidates(
+        lengths=np.asarray(lengths, np.int64),
+        labels=np.full(n, -1, np.int64),
+        sensor_codes=np.zeros(n, np.int64),
+        sensors=1,
+        pass_items=max(n - 1, 0),
+        fresh_order=np.zeros(0, np.int64),
+        fresh_cap=0,
+        planned_steps=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "lengths, difficulty",
+    [
+        ([], []),
+        ([7], [0.0]),
+        ([2, 1], [1.0, 0.0]),
+        ([5, 1, 3, 3], [1.0, 0.0, 0.5, 0.5]),  # tied lengths share their mid-rank
+        ([4, 4, 4], [0.5, 0.5, 0.5]),
+    ],
+)
+def test_length_difficulty_is_the_mid_rank_scaled_to_zero_one(lengths: list[int], difficulty: list[float]) -> None:
+    assert length_difficulty(_candidates(lengths)).tolist() == difficulty
+
+
+def test_group_codes_number_values_in_order_of_first_appearance() -> None:
+    for values in (["b", "a", "b", "c"], np.array(["b", "a", "b", "c"], dtype=object)):
+        codes, groups = group_codes(values)
+        assert codes.tolist() == [0, 1, 0, 2] and groups == 3 and codes.dtype == np.int64
+
+
+def test_policy_signatures_name_the_policy_and_every_knob() -> None:
+    assert UniformPolicy().signature() == "uniform{}"
+    assert SensorBalancedPolicy(1.5).signature() == "sensor_balanced{'temperature': '1.5'}"
+    assert StratifiedPolicy().signature() == "stratified{}"
+    assert CurriculumPolicy(3.0, 500.0).signature() == (
+        "curriculum{'difficulty': 'length_difficulty', 'half_life_steps': '500.0', 'strength': '3.0'}"
+    )
+
+    class Named:
+        """A callable without a __qualname__ of its own: its repr stands in."""
+
+        __qualname__ = ""
+
+        def __call__(self, candidates: PassCandidates) -> np.ndarray:
+            return np.zeros(candidates.window_items)
+
+        def __repr__(self) -> str:
+            return "Named()"
+
+    assert CurriculumPolicy(1.0, 2.0, Named()).signature() == (
+        "curriculum{'difficulty': 'Named()', 'half_life_steps': '2.0', 'strength': '1.0'}"
+    )
+
+
+def test_policy_defaults_match_the_settings_defaults() -> None:
+    assert SensorBalancedPolicy().temperature == 2.0
+    curriculum = CurriculumPolicy()
+    assert (curriculum.strength, curriculum.half_life_steps) == (3.0, 500.0)
+    assert curriculum.facts(500) == {"curriculum_beta": 1.5}
+
+
+@pytest.mark.parametrize("strength", [-1.0, math.inf, math.nan])
+def test_curriculum_refuses_a_strength_that_is_negative_or_not_finite(strength: float) -> None:
+    with pytest.raises(ValueError, match=rf"^curriculum strength must be a finite number >= 0, got {strength}$"):
+        CurriculumPolicy(strength)
+
+
+def test_gumbel_top_k_of_one_item_draws_one() -> None:
+    chosen = gumbel_top_k(np.arange(5), np.zeros(5), 1, SeededRandomness(0))
+    assert chosen.shape == (1,) and 0 <= int(chosen[0]) < 5
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_gumbel_top_k_takes_the_overwhelmingly_heavy_items_first(k: int) -> None:
+    log_weights = np.full(10, -1e6)
+    heavy = np.array([7, 2, 5, 0])[:k]
+    log_weights[heavy] = 0.0
+    for seed in range(20):
+        assert set(gumbel_top_k(np.arange(10), log_weights, k, SeededRandomness(seed)).tolist()) == set(heavy.tolist())
+
+
+def test_water_fill_does_not_depend_on_the_scale_of_huge_weights() -> None:
+    caps = np.array([5.0, 1.0, 9.0])
+    assert water_fill(np.array([1e200, 1e200, 3e200]), caps, 6.0).tolist() == [1.25, 1.0, 3.75]
+    assert water_fill(np.array([1.0, 1.0, 3.0]), caps, 6.0).tolist() == [1.25, 1.0, 3.75]
+
+
+def test_systematic_rounding_gives_whole_numbers_within_one_of_each_quota() -> None:
+    for seed in range(50):
+        out = systematic_round(np.array([0.9, 0.6, 2.0]), SeededRandomness(seed))
+        assert out.dtype == np.int64 and out[2] == 2
+        assert out[0] in (0, 1) and out[1] in (0, 1)
+        rounded_total = systematic_round(np.array([0.7, 0.7]), SeededRandomness(seed))
+        assert rounded_total.sum() == 1  # round(1.4)
+
+
+def test_systematic_rounding_lays_the_fractions_out_in_a_random_order() -> None:
+    """In a fixed order two neighbouring halves would never both round up; in a random order they do."""
+    both = sum(
+        bool((systematic_round(np.full(4, 0.5), SeededRandomness(seed))[:2] == 1).all()) for seed in range(200)
+    )
+    assert both > 0
+
+
+def test_make_policy_passes_each_knob_and_has_the_settings_defaults() -> None:
+    assert make_policy("sensor_balanced").temperature == 2.0
+    assert make_policy("sensor_balanced", sensor_temperature=4.0).temperature == 4.0
+    default = make_policy("curriculum")
+    assert (default.strength, default.half_life_steps) == (3.0, 500.0)
+    tuned = make_policy("curriculum", curriculum_strength=1.0, curriculum_half_life_steps=10.0)
+    assert (tuned.strength, tuned.half_life_steps) == (1.0, 10.0)

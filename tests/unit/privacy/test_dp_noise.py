@@ -105,20 +105,6 @@ def test_exp_neg_bounds_enclose_the_value(num: int, den: int, prec: int) -> None
     assert hi - lo <= 2 + (1 if gamma < 1 else 0) or lo == 0
 
 
-class Scripted:
-    """A bit source whose first word is chosen; the rest from a seeded generator."""
-
-    def __init__(self, first: int, seed: int) -> None:
-        self.first: int | None = first
-        self.rest = SeededRandomness(seed)
-
-    def raw_uint64(self, n: int) -> np.ndarray:
-        if self.first is not None and n == 1:
-            word, self.first = self.first, None
-            return np.asarray([word], dtype=np.uint64)
-        return self.rest.raw_uint64(n)
-
-
 def test_an_inconclusive_coin_is_settled_with_the_exact_conditional_probability() -> None:
     """A 32-bit word inside the band around exp(-γ): the exact path must accept with
     probability (exp(-γ)·2^32 - w), the chance that the rest of U lies below exp(-γ)."""

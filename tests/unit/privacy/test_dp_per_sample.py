@@ -165,3 +165,84 @@ def test_a_sensor_group_is_clipped_as_one_summed_gradient() -> None:
     assert float((flat(ints).double() - expected).abs().max()) <= 3 + 1e-3  # one unit per group
     # the group's sum is clipped once: three groups give at most three clip norms of mass
     assert float(flat(ints).double().norm()) <= 3 * GRID
+
+
+def test_a_model_with_dropout_in_training_mode_gets_per_sample_gradients() -> None:
+    """Each example draws its own dropout mask inside vmap instead of the call failing."""
+    torch.manual_seed(0)
+    model = SensorModel(2, n_classes=2, d_model=16, n_heads=2, n_layers=1, max_len=64, dropout=0.5).train()
+    items, labels = ragged(8, 3)
+    batch = collate(items, labels=labels)
+    summed, norms = PerSampleGradients(model, 1.0).clipped_sum(batch.values, batch.mask, batch.labels)
+    assert norms.shape == (3,) and bool(torch.isfinite(norms).all())
+    assert all(bool(torch.isfinite(g).all()) for g in summed.values())
+
+
+def test_grid_sum_of_a_non_finite_example_contributes_zero() -> None:
+    model = make_model()
+    items, labels = ragged(4, 4)
+    gradients = PerSampleGradients(model, clip_norm=0.5)
+    healthy = collate(items[:3], labels=labels[:3])
+    expected, _ = gradients.grid_sum(healthy.values, healthy.mask, healthy.labels)
+    batch = collate([*items[:3], np.full((5, 2), 3e38, np.float32)], labels=[*labels[:3], 1])
+    ints, norms = gradients.grid_sum(batch.values, batch.mask, batch.labels)
+    assert not bool(torch.isfinite(norms[3])) and bool(torch.isfinite(norms[:3]).all())
+    for name in expected:
+        assert torch.equal(ints[name], expected[name])
+
+
+@pytest.mark.parametrize("n_groups, expected_units", [(None, 3), (5, 5)])
+def test_grid_sum_has_one_norm_per_group_counting_from_the_largest_id_unless_told(
+    n_groups: int | None, expected_units: int
+) -> None:
+    model = make_model()
+    items, labels = ragged(7, 5)
+    gradients = PerSampleGradients(model, clip_norm=0.05)
+    batch = collate(items, labels=labels)
+    groups = torch.tensor([0, 1, 0, 2, 1])
+    ints, norms = gradients.grid_sum(batch.values, batch.mask, batch.labels, groups=groups, n_groups=n_groups)
+    assert norms.shape == (expected_units,)
+    assert bool((norms[:3] > 0).all()) and bool((norms[3:] == 0).all())  # a group with no events has no gradient
+    reference, _ = gradients.grid_sum(batch.values, batch.mask, batch.labels, groups=groups, n_groups=3)
+    for name in reference:
+        assert torch.equal(ints[name], reference[name])
+
+
+def _fixed_gradient(vector: list[float], clip_norm: float) -> PerSampleGradients:
+    """A PerSampleGradients whose one example has exactly the gradient ``vector``."""
+    gradients = PerSampleGradients(torch.nn.Linear(1, 1), clip_norm)
+    gradient = torch.tensor([vector], dtype=torch.float32)
+    gradients.per_sample = lambda x, mask, labels: {"w": gradient.clone()}  # type: ignore[method-assign]
+    return gradients
+
+
+def _grid_vector(gradients: PerSampleGradients) -> list[int]:
+    empty = torch.zeros(1, 1, 1)
+    ints, _ = gradients.grid_sum(empty, empty.bool(), torch.zeros(1, dtype=torch.int64))
+    return ints["w"].reshape(-1).tolist()
+
+
+def test_a_grid_vector_that_rounding_pushed_outside_the_ball_is_shrunk_back_inside() -> None:
+    # Float32 loses the last coordinate in the norm (2^40 + 256 rounds to 2^40), so every
+    # coordinate scales to an exact integer and the integer vector has squared norm GRID² + 1.
+    half = float(2**19)
+    vector = _grid_vector(_fixed_gradient([half, half, half, half, 16.0], clip_norm=2.0**20))
+    assert sum(v * v for v in vector) <= GRID * GRID
+    assert vector == [GRID // 2 - 1] * 4 + [0]  # shrunk by a hair, then rounded toward zero
+
+
+def test_a_grid_vector_exactly_on_the_ball_is_kept_as_it_is() -> None:
+    assert _grid_vector(_fixed_gradient([2.0**20], clip_norm=2.0**20)) == [GRID]
+
+
+def test_a_float64_model_gets_a_grouped_grid_sum_too() -> None:
+    torch.manual_seed(0)
+    model = SensorModel(2, n_classes=2, d_model=16, n_heads=2, n_layers=1, max_len=64).double()
+    items, labels = ragged(9, 3)
+    batch = collate(items, labels=labels)
+    gradients = PerSampleGradients(model, clip_norm=0.05)
+    groups = torch.tensor([0, 1, 0])
+    ints, norms = gradients.grid_sum(batch.values.double(), batch.mask, batch.labels, groups=groups, n_groups=2)
+    assert norms.dtype == torch.float64 and bool((norms > 0.05).all()), "the test wants both groups clipped"
+    vector = flat(ints)
+    assert vector.dtype == torch.int64 and float(vector.double().norm()) <= 2 * GRID

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +14,16 @@ from streamtrain.data.randomness import SeededRandomness
 from streamtrain.model import ModelOutput, RunningNorm, SensorModel
 from streamtrain.privacy import DPConfig, DPConfigError, DPEngine, check_dp_safety
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit: the shared model fixtures
+from broken_models import mixes_batch, randomize_head  # noqa: E402
+
 SAFE = dict(noise_multiplier=1.0, q0=0.05, eligible_steps=20, admit_per_step=16, delta=1e-6, target_epsilon=20.0,
             expected_units=1e3)  # fmt: skip
 
 
-def model() -> SensorModel:
+def model(n_classes: int = 0) -> SensorModel:
     torch.manual_seed(0)
-    return SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
+    return SensorModel(1, n_classes=n_classes, d_model=16, n_heads=2, n_layers=1, max_len=32)
 
 
 def refused(match: str, **kwargs) -> DPConfigError:
@@ -146,6 +151,30 @@ class FirstRowLeaks(Tiny):
 def test_unsafe_models_are_refused(model_class: type, match: str) -> None:
     torch.manual_seed(0)
     refused(match, config=DPConfig(**SAFE), shuffle_mode="crypto", model=model_class())
+
+
+MIXING_PLACES = [
+    pytest.param("blocks.0", id="in the body"),
+    pytest.param("final_norm", id="right before the head"),
+    pytest.param("", id="after the head"),
+]
+
+
+@pytest.mark.parametrize("n_classes", [0, 3], ids=["no classes", "3 classes"])
+@pytest.mark.parametrize("at", MIXING_PLACES)
+def test_a_model_that_mixes_examples_anywhere_is_refused_at_every_class_count(at: str, n_classes: int) -> None:
+    """The untrained head is zero, so at N_CLASSES=0 mixing in the body never reaches an output:
+    the probe compares the hidden state too, and names where the mixing shows."""
+    error = refused("mixes examples", config=DPConfig(**SAFE), shuffle_mode="crypto", model=mixes_batch(model(n_classes), at))
+    assert (f"the output of module '{at}'" if at else "output changes") in str(error)
+
+
+@pytest.mark.parametrize("n_classes", [0, 3], ids=["no classes", "3 classes"])
+@pytest.mark.parametrize("head", ["zero", "random"])
+def test_a_clean_model_is_accepted_at_every_class_count(n_classes: int, head: str) -> None:
+    """Every tensor of one example is compared, so the probe must not refuse a model that keeps them apart."""
+    net = model(n_classes) if head == "zero" else randomize_head(model(n_classes))
+    check_dp_safety(DPConfig(**SAFE), "crypto", net, input_norm=RunningNorm.from_public([0.0], [1.0]))
 
 
 def test_engine_refuses_seeded_randomness_and_unsafe_model() -> None:
