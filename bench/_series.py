@@ -1,15 +1,28 @@
-"""Real sensor series that a package ships (River's bundled CSV files; nothing is downloaded).
+"""Real series that packages ship inside their wheels (nothing is downloaded, ever).
 
-``occupancy``: an office room's temperature, humidity, light and CO2 (4 channels, 509
-readings, one every 16 minutes; River's change-point data set, with annotated changes).
-``water_flow``: hourly water flow through a pipeline branch (1 channel, 1268 readings).
+River (a dependency): ``occupancy``, an office room's temperature, humidity, light and CO2
+(4 channels, 509 readings, one every 16 minutes; River's change-point data set, with
+annotated changes); ``water_flow``, hourly water flow through a pipeline branch (1 channel,
+1268 readings); ``airline_passengers`` (monthly, trend and season); ``trump_approval``
+(daily approval from three pollsters, steps where a pollster publishes); ``sp500_returns``
+(daily returns of four stocks: close to noise, where the last value is a poor forecast).
+matplotlib (the bench extra) ships Yahoo prices: ``goog`` (daily close and volume, the 2008
+fall) and ``stocks_monthly`` (IBM, AAPL, MSFT, S&P 500 index, 1990-2022: trends far outside
+the training range). statsmodels (the bench extra) ships ``sunspots`` (yearly, an ~11-year
+cycle), ``co2`` (Mauna Loa, weekly: trend and season), ``elnino`` (monthly sea surface
+temperature: season) and ``macrodata`` (US quarterly GDP, CPI, unemployment, T-bill rate).
+The statsmodels and matplotlib files are read with ``csv``/``numpy`` from the installed
+packages without importing them.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +35,34 @@ class Series:
     values: np.ndarray  # float32 [T, C]
     channel_names: tuple[str, ...]
     change_points: tuple[int, ...] = ()  # indices annotated as changes (when the data set has them)
+    period: str = ""  # the sampling interval in words: "hourly", "daily", "monthly", ...
+    source: str = ""  # the package whose wheel ships the data
+
+
+def _package_dir(name: str) -> Path:
+    """Where an installed package lives, found without importing it (statsmodels pulls in pandas)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"{name} is not installed (pip install -e '.[bench]')")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _river_dir() -> Path:
-    import river  # the bench/test extra ships it; the files are inside the wheel
+    return _package_dir("river")  # the bench/test extra ships it; the files are inside the wheel
 
-    return Path(river.__file__).parent
+
+def _utc(year: int, month: int = 1, day: int = 1) -> float:
+    return datetime(year, month, day, tzinfo=timezone.utc).timestamp()
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="", encoding="utf-8-sig") as handle:
+        return [row for row in csv.DictReader(line for line in handle if not line.startswith("#"))]
 
 
 def _read(path: Path, time_column: str, time_format: str, columns: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    with path.open(newline="", encoding="utf-8") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = _rows(path)
     ts = np.array([datetime.strptime(r[time_column], time_format).timestamp() for r in rows], dtype=np.float64)
     values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
     return ts, values
@@ -44,15 +74,107 @@ def occupancy() -> Series:
     from river.drift.datasets import Occupancy
 
     changes = sorted({int(i) for marks in Occupancy().annotations.values() for i in marks})
-    return Series("occupancy", ts, values, ("temperature", "humidity", "light", "co2"), tuple(changes))
+    return Series("occupancy", ts, values, ("temperature", "humidity", "light", "co2"), tuple(changes),
+                  period="16-minute", source="river")  # fmt: skip
 
 
 def water_flow() -> Series:
     ts, values = _read(_river_dir() / "datasets" / "water-flow.csv", "Time", "%Y-%m-%dT%H:%M:%S%z", ["Water flow [l/s]"])
-    return Series("water_flow", ts, values, ("flow",))
+    return Series("water_flow", ts, values, ("flow",), period="hourly", source="river")
 
 
-SERIES = {"occupancy": occupancy, "water_flow": water_flow}
+def airline_passengers() -> Series:
+    rows = _rows(_river_dir() / "datasets" / "airline-passengers.csv")
+    ts = np.array([_utc(int(r["month"][:4]), int(r["month"][5:7])) for r in rows])
+    values = np.array([[float(r["passengers"])] for r in rows], dtype=np.float32)
+    return Series("airline_passengers", ts, values, ("passengers",), period="monthly", source="river")
+
+
+def trump_approval() -> Series:
+    columns = ["five_thirty_eight", "gallup", "rasmussen"]
+    rows = _rows(_river_dir() / "datasets" / "trump_approval.csv.gz")
+    ts = np.array([_utc(*date.fromordinal(int(r["ordinal_date"])).timetuple()[:3]) for r in rows])
+    values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
+    return Series("trump_approval", ts, values, tuple(columns), period="daily", source="river")
+
+
+def sp500_returns() -> Series:
+    columns = ["AAPL", "JPM", "KO", "XOM"]
+    rows = _rows(_river_dir() / "datasets" / "sp500.csv.gz")
+    ts = np.array([_utc(*map(int, r["date"].split("-"))) for r in rows])
+    values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
+    return Series("sp500_returns", ts, values, tuple(columns), period="daily (trading days)", source="river")
+
+
+def _mpl_sample(name: str) -> Path:
+    return _package_dir("matplotlib") / "mpl-data" / "sample_data" / name
+
+
+def goog() -> Series:
+    with np.load(_mpl_sample("goog.npz")) as data:
+        prices = data["price_data"]
+    ts = prices["date"].astype("datetime64[s]").astype(np.float64)
+    values = np.stack([prices["close"], prices["volume"]], axis=1).astype(np.float32)
+    return Series("goog", ts, values, ("close", "volume"), period="daily (trading days)", source="matplotlib")
+
+
+def stocks_monthly() -> Series:
+    columns = ["IBM", "AAPL", "MSFT", "^GSPC"]
+    rows = [r for r in _rows(_mpl_sample("Stocks.csv")) if all(r[c] for c in columns)]  # the file has blank rows
+    ts = np.array([_utc(*map(int, r["Date"].split("-"))) for r in rows])
+    values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
+    return Series("stocks_monthly", ts, values, ("ibm", "aapl", "msft", "sp500"), period="monthly", source="matplotlib")
+
+
+def _statsmodels_csv(name: str, file: str | None = None) -> list[dict[str, str]]:
+    return _rows(_package_dir("statsmodels") / "datasets" / name / (file or f"{name}.csv"))
+
+
+def sunspots() -> Series:
+    rows = _statsmodels_csv("sunspots")
+    ts = np.array([_utc(int(float(r["YEAR"]))) for r in rows])
+    values = np.array([[float(r["SUNACTIVITY"])] for r in rows], dtype=np.float32)
+    return Series("sunspots", ts, values, ("sunspots",), period="yearly", source="statsmodels")
+
+
+def co2() -> Series:
+    rows = _statsmodels_csv("co2")
+    ts = np.array([_utc(int(r["date"][:4]), int(r["date"][4:6]), int(r["date"][6:])) for r in rows])
+    raw = np.array([float(r["co2"]) if r["co2"] else np.nan for r in rows])
+    known = np.isfinite(raw)  # 59 of 2284 weeks are missing: filled linearly in time
+    filled = np.interp(ts, ts[known], raw[known])
+    return Series("co2", ts, filled[:, None].astype(np.float32), ("co2_ppm",), period="weekly", source="statsmodels")
+
+
+def elnino() -> Series:
+    months = ["JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"]
+    rows = _statsmodels_csv("elnino")
+    ts = np.array([_utc(int(float(r["YEAR"])), m + 1) for r in rows for m in range(12)])
+    values = np.array([[float(r[name])] for r in rows for name in months], dtype=np.float32)
+    return Series("elnino", ts, values, ("sea_surface_temp",), period="monthly", source="statsmodels")
+
+
+def macrodata() -> Series:
+    columns = ["realgdp", "cpi", "unemp", "tbilrate"]
+    rows = _statsmodels_csv("macrodata")
+    ts = np.array([_utc(int(float(r["year"])), 3 * int(float(r["quarter"])) - 2) for r in rows])
+    values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
+    return Series("macrodata", ts, values, tuple(columns), period="quarterly", source="statsmodels")
+
+
+SERIES: dict[str, Callable[[], Series]] = {
+    "occupancy": occupancy,
+    "water_flow": water_flow,
+    "airline_passengers": airline_passengers,
+    "trump_approval": trump_approval,
+    "sp500_returns": sp500_returns,
+    "goog": goog,
+    "stocks_monthly": stocks_monthly,
+    "sunspots": sunspots,
+    "co2": co2,
+    "elnino": elnino,
+    "macrodata": macrodata,
+}
 
 
 def sliding_windows(values: np.ndarray, length: int, stop: int | None = None) -> list[np.ndarray]:

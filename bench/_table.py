@@ -42,6 +42,11 @@ def emit(rows: Sequence[Row], as_json: bool) -> None:
         )
         for r in rows
     ]
+    print_columns(header, body)
+
+
+def print_columns(header: Sequence[str], body: Sequence[Sequence[str]]) -> None:
+    """Left-aligned columns as wide as their widest cell, under a ruled header."""
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
     print(line)

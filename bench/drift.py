@@ -134,6 +134,7 @@ def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, re
         channels=stream.channels, d_model=32, n_heads=2, n_layers=1, max_len=512, token_budget=args.token_budget,
         min_window_items=16, warmup_steps=5, learning_rate=3e-3, pass_max_items=256, pass_fresh_share=0.5,
         publish_interval_s=1e9, seed=args.seed, checkpoint_dir="unused", window_capacity=args.capacity,
+        quality_max_events_per_s=0.0,  # the bench scores every event itself; the monitor only splits off the holdout
     )  # fmt: skip
     if args.sampling:
         overrides["sampling"] = args.sampling
@@ -148,7 +149,7 @@ def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, re
         served = trainer.published
         values = [chunk.event(j).values for j in range(len(chunk))]
         if served is not None and values:
-            s = score_events(served.model, served.norm, values, None, 4096, units)
+            s = score_events(served.served, served.norm, values, None, 4096, units)  # what serves: the chosen forecaster
             out[i] = s.sse.sum(), s.naive_sse.sum(), s.steps.sum()
             if detector is not None:
                 for e in (s.sse[s.steps > 0] / s.steps[s.steps > 0]).tolist():
@@ -157,8 +158,9 @@ def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, re
         else:
             s = score_events(_Naive(), units, values, None, 4096, units)  # before any model: the last value
             out[i] = s.naive_sse.sum(), s.naive_sse.sum(), s.steps.sum()
-        if len(chunk):
-            window.insert_batch(chunk)
+        to_window = trainer.quality.observe(chunk) if len(chunk) else chunk  # as ingest does: the holdout first
+        if len(to_window):
+            window.insert_batch(to_window)
         if len(window) >= settings.min_window_items:
             if batches is None:
                 batches = iter(trainer.dataset)
@@ -318,7 +320,33 @@ def rows_for(stream: Stream, curves: dict[str, np.ndarray], width: int) -> list[
                             "recency <= 0.8x sliding" if name.startswith("recency") else ""))  # fmt: skip
     naive = next(iter(curves.values()))
     rows.append(Row(bench, "last_value prequential_mse", float(naive[:, 1].sum() / max(naive[:, 2].sum(), 1))))
+    for name, curve in curves.items():
+        if not name.startswith("river"):
+            runs = worse_than_last_value_runs(curve, stream, width)
+            rows.append(Row(bench, f"{name} worse_than_last_value_s (longest run after a change, max)", max(runs) * stream.tick_s,
+                            None, "a few scoring periods, never the rest of the run"))  # fmt: skip
+            rows.append(Row(bench, f"{name} worse_than_last_value share of ticks", worse_share(curve, width)))
     return rows
+
+
+def worse_than_last_value_runs(per_chunk: np.ndarray, stream: Stream, width: int) -> list[int]:
+    """Per regime stretch: the longest run of ticks whose rolling error exceeds the last value's on the same events."""
+    model = rolling(per_chunk, width)
+    naive = rolling(per_chunk[:, [1, 1, 2]], width)
+    worse = model > naive
+    out = []
+    for a, b, _ in segments(stream):
+        longest = current = 0
+        for t in range(a, b):
+            current = current + 1 if worse[t] else 0
+            longest = max(longest, current)
+        out.append(longest)
+    return out
+
+
+def worse_share(per_chunk: np.ndarray, width: int) -> float:
+    model, naive = rolling(per_chunk, width), rolling(per_chunk[:, [1, 1, 2]], width)
+    return float(np.mean(model[width:] > naive[width:])) if len(model) > width else 0.0
 
 
 def plot(results: list[tuple[Stream, dict[str, np.ndarray]]], path: Path, width: int) -> None:

@@ -21,6 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from streamtrain import kafka_security
 from streamtrain.device import check_device_spec, resolve_device
 
 ENV_PREFIX = "STREAMTRAIN_"
@@ -84,6 +85,27 @@ class Settings(BaseSettings):
         1024, ge=0, le=1 << 20, description="Bytes of the original value (and key) a dead-letter stand-in keeps"
     )
 
+    # --- Kafka security (docs/contract.md, section 4; kafka-python options: kafka_security.py) ----
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How every Kafka client connects: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL"
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = Field(
+        None, description="SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (token from KAFKA_SASL_PASSWORD_FILE, re-read when it changes)"
+    )
+    kafka_sasl_username: str | None = Field(None, min_length=1, description="SASL user name (PLAIN, SCRAM)")
+    kafka_sasl_password: SecretStr | None = Field(
+        None, description="SASL password (PLAIN, SCRAM); never logged or shown"
+    )
+    kafka_sasl_password_file: Path | None = Field(
+        None, description="File holding the SASL password (a mounted secret, read at every connect) or, with OAUTHBEARER, the token"
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        None, description="PEM file of the CA(s) that sign the brokers' certificates; unset = the system trust store"
+    )
+    kafka_ssl_certfile: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS; needs KAFKA_SSL_KEYFILE")
+    kafka_ssl_keyfile: Path | None = Field(None, description="Client private key (PEM) for mutual TLS")
+    kafka_ssl_check_hostname: bool = Field(True, description="Verify the broker's host name against its certificate")
+
     # --- HTTP ----------------------------------------------------------------------------
     http_host: str = Field("0.0.0.0", description="HTTP bind address")
     http_port: int = Field(8000, ge=0, le=65535, description="HTTP port")
@@ -115,6 +137,9 @@ class Settings(BaseSettings):
     pass_max_items: int = Field(
         8192, ge=0, description="Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"
     )
+    min_batches_per_pass: int = Field(
+        16, ge=1, le=100_000, description="A pass over a window smaller than this many token budgets is cut into this many smaller batches (more steps per replay)"
+    )
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
     )
@@ -144,6 +169,9 @@ class Settings(BaseSettings):
     grad_clip_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip (non-DP training)")
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
+    publish_max_share: float = Field(
+        0.1, gt=0, le=1, description="Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower publication waits longer than PUBLISH_INTERVAL_S"
+    )
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
     )
@@ -184,12 +212,24 @@ class Settings(BaseSettings):
         "none", description="What a detected drift does to training: none, or reset_optimizer (clear AdamW's moments)"
     )
     holdout_share: float = Field(
-        0.0, ge=0, description="Share of fresh events kept out of training to gate publishing (0 = gate off); must be below 1; refused with DP=on"
+        0.1, ge=0, description="Share of fresh events kept out of training to gate publishing and choose the forecaster (0 = gate off, the network serves unchecked); must be below 1; 0 by default with DP=on, where any other value is refused"
     )
     holdout_capacity: int = Field(256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores")
     holdout_min_events: int = Field(32, ge=1, description="Held-out events needed before the gate can hold a candidate back")
+    holdout_block_events: int = Field(
+        1, ge=1, le=1_000_000, description="A sensor's consecutive events are held out in blocks of this many; a block longer than the overlap of consecutive events (sliding windows) also keeps its overlapping neighbours out of training, so no held-out reading is trained on"
+    )
     publish_gate_tolerance: float = Field(
-        0.05, ge=0, description="A candidate is held back when its holdout MSE exceeds (1 + this) x the serving model's"
+        0.05, ge=0, description="A candidate network is held back when its holdout MSE exceeds (1 + this) x the reference network's (the best that passed the gate)"
+    )
+    linear_max_order: int = Field(
+        24, ge=1, le=64, description="Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel on the holdout"
+    )
+    linear_fit_items: int = Field(
+        4096, ge=1, le=1_000_000, description="Window items (a random sample) the linear forecaster is fitted on at each publication"
+    )
+    max_replays_per_event: float = Field(
+        32.0, ge=0, allow_inf_nan=False, description="Mean times each event may be trained on; a trainer faster than its stream then idles (0 = no limit)"
     )
     auto_rollback: bool = Field(
         True, description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN"
@@ -287,6 +327,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"expected host:port[,host:port...], got {value!r}")
         return value
 
+    @field_validator("kafka_security_protocol", "kafka_sasl_mechanism", mode="before")
+    @classmethod
+    def _kafka_security_names_any_case(cls, value: Any) -> Any:
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _kafka_security_rules(self) -> Settings:
+        kafka_security.check(self)
+        return self
+
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
         self._place_on_device()
@@ -307,6 +357,8 @@ class Settings(BaseSettings):
                 f"sampling={self.sampling} does not apply in DP mode (DP-SGD samples events by Poisson on its "
                 "public clock, as its accounting assumes): set STREAMTRAIN_SAMPLING=uniform"
             )
+        if self.dp == "on" and "holdout_share" not in self.model_fields_set:
+            self.__dict__["holdout_share"] = 0.0  # the default gate scores events: off in DP mode unless asked
         if self.dp == "on" and self.holdout_share > 0:
             raise ValueError(
                 f"holdout_share ({self.holdout_share}) must be 0 with dp=on: the publish gate scores private events "
@@ -358,6 +410,7 @@ class Settings(BaseSettings):
         """Settings as plain JSON values, secrets masked (for logs and /v1/model)."""
         out = self.model_dump(mode="json")
         out["admin_token"] = "***" if self.admin_token else None
+        out["kafka_sasl_password"] = "***" if self.kafka_sasl_password else None
         return out
 
 
@@ -383,7 +436,7 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
         Settings._toml_path = None
 
 
-_SECRET_SETTINGS = frozenset({"admin_token"})
+_SECRET_SETTINGS = frozenset({"admin_token", "kafka_sasl_password"})
 
 
 def _one_line(exc: ValidationError) -> str:

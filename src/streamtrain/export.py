@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 import torch.fx.experimental._config  # noqa: F401 - _size_oblivious reads it
 
+from streamtrain.forecasters import NETWORK, Forecaster, ServedModel
 from streamtrain.sharded_checkpoint import load_latest_common
 from streamtrain.model import InferenceModel, RunningNorm, SensorModel
 
@@ -55,9 +56,11 @@ class ModelBundle:
     version: int
     step: int
     published_at: float | None
+    forecaster: Forecaster = NETWORK  # what the version serves beside (or instead of) the network's forecast
 
     def inference_model(self) -> InferenceModel:
-        return InferenceModel(self.model, self.norm).eval()
+        served = self.model if self.forecaster.kind == "network" else ServedModel(self.model, self.forecaster)
+        return InferenceModel(served, self.norm).eval()
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -71,7 +74,11 @@ def encode_bundle(published: Any) -> bytes:
     norm_state = published.norm.state_dict()
     tensors["norm.mean"] = norm_state.pop("mean").contiguous()
     tensors["norm.m2"] = norm_state.pop("m2").contiguous()
+    forecaster: Forecaster = published.forecaster
+    if forecaster.coefficients is not None:
+        tensors["forecaster.coefficients"] = torch.as_tensor(forecaster.coefficients, dtype=torch.float64).contiguous()
     metadata = {
+        "forecaster": forecaster.kind,
         "format": BUNDLE_FORMAT,
         "format_version": str(BUNDLE_VERSION),
         "model_config": json.dumps(published.model.config),
@@ -115,9 +122,14 @@ def decode_bundle(data: bytes) -> ModelBundle:
         model = _build(config, {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
         norm = RunningNorm(int(config["channels"]))
         norm.load_state_dict({**json.loads(metadata["norm"]), "mean": tensors["norm.mean"], "m2": tensors["norm.m2"]})
+        coefficients = tensors.get("forecaster.coefficients")
+        forecaster = Forecaster.from_state(
+            {"kind": metadata.get("forecaster", "network"), "coefficients": coefficients}
+        )
         return ModelBundle(
             model=model,
             norm=norm,
+            forecaster=forecaster,
             version=int(metadata["version"]),
             step=int(metadata["step"]),
             published_at=json.loads(metadata["published_at"]),

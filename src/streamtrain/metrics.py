@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from streamtrain.events import REASONS
+from streamtrain.forecasters import FORECASTER_KINDS
 
 disable_created_metrics()  # no *_created series: dashboards never use them
 
@@ -73,6 +74,7 @@ class _ModelInfoCollector(Collector):
 DP_PUBLIC_METRICS = frozenset(
     {
         "streamtrain_kafka_connected",
+        "streamtrain_kafka_security_failing",
         "streamtrain_train_steps",
         "streamtrain_model_version",
         "streamtrain_model_info",
@@ -154,6 +156,14 @@ class Metrics:
         self.kafka_connected = Gauge(
             "streamtrain_kafka_connected", "1 while the consumer has a live broker connection", registry=registry
         )
+        self.kafka_security_failing = Gauge(
+            "streamtrain_kafka_security_failing",
+            "1 while Kafka refuses the service, by kind: kafka_auth_failed (credentials, TLS) or kafka_authorization_failed (an ACL missing)",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("kafka_auth_failed", "kafka_authorization_failed"):
+            self.kafka_security_failing.labels(kind)
         # Window
         self.window_size = Gauge("streamtrain_window_size", "Items in the window", registry=registry)
         self.window_capacity = Gauge("streamtrain_window_capacity", "Most items the window holds", registry=registry)
@@ -217,6 +227,28 @@ class Metrics:
         )
         self.publish_held = Counter(
             "streamtrain_publish_held", "Candidate models held back by the publish gate", registry=registry
+        )
+        self.model_forecaster = Gauge(
+            "streamtrain_model_forecaster",
+            "1 for the forecast the serving version gives (network, last_value, linear or blend), 0 for the others",
+            ["forecaster"],
+            registry=registry,
+        )
+        for kind in FORECASTER_KINDS:
+            self.model_forecaster.labels(kind)
+        self.model_holdout_mse = Gauge(
+            "streamtrain_model_holdout_mse",
+            "Held-out forecast MSE per step of each forecaster at the last publication (candidate's units)",
+            ["forecaster"],
+            registry=registry,
+        )
+        self.train_replays_per_event = Gauge(
+            "streamtrain_train_replays_per_event", "Mean times each accepted event was trained on", registry=registry
+        )
+        self.train_budget_wait_seconds = Counter(
+            "streamtrain_train_budget_wait_seconds",
+            "Time the trainer idled because the replay budget (MAX_REPLAYS_PER_EVENT) was spent",
+            registry=registry,
         )
         self.model_rollbacks = Counter(
             "streamtrain_model_rollbacks", "Rollbacks to an earlier version, by trigger", ["trigger"], registry=registry

@@ -18,16 +18,20 @@ Drift: River's detectors (ADWIN by default, Page-Hinkley as an option) watch the
 per-event model errors. A detection is counted, logged with the error level before it and
 the recent level, and can trigger a reaction in the trainer.
 
-Publishing: with ``HOLDOUT_SHARE > 0`` a random share of fresh events (drawn by the
-configured randomness mode) is kept out of the window in a bounded holdout buffer and is
-never trained on; a candidate is published only if its MSE on that holdout is at most
-``(1 + PUBLISH_GATE_TOLERANCE)`` times the serving model's. The serving version is
+Publishing: with ``HOLDOUT_SHARE > 0`` a share of fresh events (one in ``1 / share`` of
+each sensor's blocks of events, from a phase drawn by the configured randomness mode) is
+kept out of the window in a bounded holdout buffer and is never trained on; a candidate
+network is published only if its MSE on that holdout is at most
+``(1 + PUBLISH_GATE_TOLERANCE)`` times the reference network's (the best that passed), and
+it serves with whichever of the last value, the linear forecaster, the network and their
+blend forecasts the holdout best (:meth:`QualityMonitor.select`). The serving version is
 rolled back to its predecessor automatically when, over at least ``ROLLBACK_MIN_EVENTS``
 scored events each, its skill is below the predecessor's by more than ``ROLLBACK_MARGIN``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -44,6 +48,16 @@ import torch.nn.functional as F
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import NO_LABEL, EventBatch
+from streamtrain.forecasters import (
+    LAST_VALUE,
+    NETWORK,
+    Forecaster,
+    LagSums,
+    LinearChoice,
+    ServedModel,
+    best_blend,
+    choose_linear,
+)
 from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, SensorModel, forward_on_model_device, plan_predict_batches
 from streamtrain.window import token_positions
@@ -56,14 +70,27 @@ _SCORING_STREAM = 1_000_002
 _RECENT_EVENTS = 64  # the "after" level of a drift: the mean error of the last events
 _DRIFTS_SHOWN = 10
 _VERSIONS_TRACKED = 32
+_BLEND_MARGIN = 0.01  # a blend (its weight fitted on the holdout) serves only when 1% better than both parts
 
 
 class Scorable(Protocol):
-    """A published model: what scoring needs (train.PublishedModel has it)."""
+    """A published model: what scoring needs (train.PublishedModel has it).
 
-    model: SensorModel
-    norm: RunningNorm
-    version: int
+    ``model`` is the network; ``served`` the module whose forecasts serve (the network,
+    or the forecaster chosen beside it: :class:`streamtrain.forecasters.ServedModel`).
+    """
+
+    @property
+    def model(self) -> SensorModel: ...
+
+    @property
+    def norm(self) -> RunningNorm: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def served(self) -> torch.nn.Module: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +110,7 @@ class EventScores:
 
 
 def score_events(
-    model: SensorModel,
+    model: torch.nn.Module,
     norm: RunningNorm,
     values: Sequence[np.ndarray],
     labels: Sequence[int] | np.ndarray | None = None,
@@ -286,6 +313,117 @@ class DriftMonitor:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _SensorBlocks:
+    count: int  # this sensor's events counted into blocks of ``block``
+    phase: int  # its blocks with (index + phase) % period == 0 are held out
+    block: int  # events per block: HOLDOUT_BLOCK_EVENTS, or twice the overlap once its events overlap
+    guard: int = 0  # neighbours of a held-out block kept out too (overlapping events)
+    last: np.ndarray | None = None  # its previous event's readings (to see overlap)
+
+
+class HoldoutSplitter:
+    """Which fresh events are held out: whole blocks of a sensor's consecutive events.
+
+    A held-out event must not share readings with a trained one, or the holdout cannot
+    tell a memorizing network from one that forecasts: a producer that sends sliding
+    windows (each event the previous one shifted by a reading) would put almost every
+    held-out reading into some trained event too. So each sensor's events are cut into
+    blocks in arrival order, one block in ``round(1 / share)`` is held out (from a random
+    phase per sensor, drawn by the configured randomness), and when a sensor's consecutive
+    events overlap, the ``guard`` events on either side of a held-out block that share
+    readings with it are kept out of training as well (counted as held out, not scored).
+    A block is ``block_events`` long (default one: the holdout spread evenly over time, as
+    a random share would be), and at least twice the overlap for a sensor whose events
+    overlap, so the guards cost no more than the block itself. Events that do not overlap
+    cost no guard. Per-sensor state is bounded (least recently seen sensors are forgotten
+    first).
+    """
+
+    MAX_SENSORS = 100_000
+
+    def __init__(self, share: float, block_events: int, mode: str, seed: int) -> None:
+        self.share = share
+        self.block_events = max(1, int(block_events))
+        self.period = max(2, round(1.0 / share)) if share > 0 else 0
+        self.mode, self.seed = mode, seed
+        self._sensors: OrderedDict[str, _SensorBlocks] = OrderedDict()
+
+    def _held(self, sensor: _SensorBlocks, block: int) -> bool:
+        return block >= 0 and (block + sensor.phase) % self.period == 0
+
+    def _phase(self, sensor_id: str) -> int:
+        key = int.from_bytes(hashlib.blake2b(sensor_id.encode(), digest_size=8).digest(), "little") >> 1
+        rng = make_randomness(self.mode, self.seed, key, worker=_HOLDOUT_STREAM)  # type: ignore[arg-type]
+        return int(rng.integers(self.period, 1)[0])
+
+    def split(self, batch: EventBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(held-out rows, guard rows) of ``batch``, ascending; the rest trains."""
+        held: list[int] = []
+        guard: list[int] = []
+        if self.period == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts, lengths = batch.starts, batch.lengths
+        for i, sensor_id in enumerate(batch.sensor_ids.tolist()):
+            values = batch.values[int(starts[i]) : int(starts[i]) + int(lengths[i])]
+            state = self._sensors.get(sensor_id)
+            if state is None:
+                state = _SensorBlocks(0, self._phase(sensor_id), self.block_events)
+                self._sensors[sensor_id] = state
+                if len(self._sensors) > self.MAX_SENSORS:
+                    self._sensors.popitem(last=False)
+            else:
+                self._sensors.move_to_end(sensor_id)
+                state.guard = _overlapping_neighbours(state.last, values)
+                if 2 * state.guard > state.block:  # blocks grow once, when the overlap is first seen
+                    state.block, state.count = 2 * state.guard, 0
+            block, at = divmod(state.count, state.block)
+            if self._held(state, block):
+                held.append(i)
+            elif (self._held(state, block + 1) and at >= state.block - state.guard) or (
+                self._held(state, block - 1) and at < state.guard
+            ):
+                guard.append(i)
+            state.count += 1
+            state.last = np.array(values)
+        return np.array(held, dtype=np.int64), np.array(guard, dtype=np.int64)
+
+    def redundancy_sums(self) -> np.ndarray:
+        """[sum over sensors of the events each reading is in, sensors]: overlapping events
+        repeat readings, and a fit on them has less evidence than its rows suggest."""
+        return np.array([float(sum(v.guard + 1 for v in self._sensors.values())), float(len(self._sensors))])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sensors": [str(k) for k in self._sensors],
+            "counts": np.array([v.count for v in self._sensors.values()], dtype=np.int64),
+            "phases": np.array([v.phase for v in self._sensors.values()], dtype=np.int64),
+            "guards": np.array([v.guard for v in self._sensors.values()], dtype=np.int64),
+            "blocks": np.array([v.block for v in self._sensors.values()], dtype=np.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sensors.clear()
+        for name, count, phase, guard, block in zip(
+            state["sensors"], np.asarray(state["counts"]).tolist(), np.asarray(state["phases"]).tolist(),
+            np.asarray(state["guards"]).tolist(), np.asarray(state["blocks"]).tolist(), strict=True,
+        ):  # fmt: skip
+            self._sensors[str(name)] = _SensorBlocks(int(count), int(phase) % max(self.period, 1), int(block), int(guard))
+
+
+def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
+    """How many later events share readings with one, if each starts where ``current`` starts
+    within ``previous`` (a sliding window of stride s shares readings with ceil(L / s) - 1 others)."""
+    if previous is None or len(previous) == 0 or len(current) == 0:
+        return 0
+    candidates = np.flatnonzero((previous == current[0]).all(axis=-1))
+    for start in candidates.tolist():
+        shared = min(len(previous) - start, len(current))
+        if start > 0 and np.array_equal(previous[start : start + shared], current[:shared]):
+            return -(-len(current) // start) - 1
+    return 0
+
+
 class HoldoutBuffer:
     """The most recent held-out events (readings and labels), never trained on."""
 
@@ -336,79 +474,55 @@ class GateDecision:
     serving_mse: float | None = None
 
 
-def gate_decision(
-    candidate: Scorable,
-    serving: Scorable | None,
-    holdout: HoldoutBuffer,
-    tolerance: float,
-    min_events: int,
-    token_budget: int,
-) -> GateDecision:
-    """Publish ``candidate`` unless it forecasts the holdout worse than ``serving`` by more than ``tolerance``.
+@dataclass(frozen=True)
+class Selection:
+    """What a publication serves: the network gate's verdict and the forecaster chosen.
 
-    Both are scored on the same held-out events in the serving model's units. A
-    non-finite candidate error never passes.
+    ``network`` is the candidate when it passed the gate, else None (nothing new serves).
+    ``mse`` holds each model's held-out error per step in the candidate's units.
     """
-    if serving is None:
-        return GateDecision(True, "nothing serves yet", len(holdout))
-    if len(holdout) < min_events:  # not scored at all
-        return gate_verdict(HoldoutSums(events=float(len(holdout))), tolerance, min_events)
-    return gate_verdict(holdout_sums(candidate, serving, holdout, token_budget), tolerance, min_events)
+
+    decision: GateDecision
+    forecaster: Forecaster
+    network: Scorable | None
+    reason: str
+    holdout_events: int = 0
+    mse: dict[str, float | None] = field(default_factory=dict)
+    new_reference: bool = False
+    linear: dict[str, Any] | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "kind": self.forecaster.kind,
+            "reason": self.reason,
+            "holdout_events": self.holdout_events,
+            "holdout_mse": dict(self.mse),
+            "linear": self.linear,
+        }
 
 
 @dataclass(frozen=True)
-class HoldoutSums:
-    """What the gate's verdict needs from one holdout, as sums that add up over holdouts.
+class _Served:
+    """A candidate's network and norm with another forecaster: a Scorable for the baselines."""
 
-    Scaled out (``WORLD_SIZE`` > 1), each rank scores its own holdout and the ranks add
-    their sums (:attr:`QualityMonitor.combine`), so every rank takes the verdict of the
-    union of the holdouts, identically (:func:`gate_verdict`). For one holdout it is the
-    verdict of :func:`gate_decision`.
-    """
+    published: Scorable
+    forecaster: Forecaster
 
-    events: float = 0.0
-    steps: float = 0.0
-    serving_sse: float = 0.0
-    candidate_sse: float = 0.0
+    @property
+    def model(self) -> SensorModel:
+        return self.published.model
 
-    def as_array(self) -> np.ndarray:
-        return np.array([self.events, self.steps, self.serving_sse, self.candidate_sse], dtype=np.float64)
+    @property
+    def norm(self) -> RunningNorm:
+        return self.published.norm
 
-    @classmethod
-    def from_array(cls, values: np.ndarray) -> HoldoutSums:
-        events, steps, serving_sse, candidate_sse = (float(v) for v in np.asarray(values, dtype=np.float64).reshape(4))
-        return cls(events, steps, serving_sse, candidate_sse)
+    @property
+    def version(self) -> int:
+        return self.published.version
 
-
-def holdout_sums(candidate: Scorable, serving: Scorable, holdout: HoldoutBuffer, token_budget: int) -> HoldoutSums:
-    """Both models' summed squared errors on ``holdout`` (in the serving model's units), with its counts."""
-    n = len(holdout)
-    if n == 0:
-        return HoldoutSums()
-    values, labels = list(holdout.values), np.array(holdout.labels)
-    units = serving.norm
-    served = score_events(serving.model, serving.norm, values, labels, token_budget, units)
-    tried = score_events(candidate.model, candidate.norm, values, labels, token_budget, units)
-    return HoldoutSums(float(n), float(served.steps.sum()), float(served.sse.sum()), float(tried.sse.sum()))
-
-
-def gate_verdict(sums: HoldoutSums, tolerance: float, min_events: int) -> GateDecision:
-    """The gate's rule on summed holdout errors (a model serves already): one holdout's
-    (:func:`gate_decision`) or the union of the ranks' (scaled out)."""
-    n = int(round(sums.events))
-    if n < min_events:
-        return GateDecision(True, f"holdout has {n} of the {min_events} events the gate needs", n)
-    if sums.steps == 0:
-        return GateDecision(True, "holdout events have no steps to forecast", n)
-    serving_mse = sums.serving_sse / sums.steps
-    candidate_mse = sums.candidate_sse / sums.steps
-    if not math.isfinite(candidate_mse):
-        return GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, serving_mse)
-    if candidate_mse <= serving_mse * (1.0 + tolerance):
-        return GateDecision(True, "not worse than the serving model", n, candidate_mse, serving_mse)
-    return GateDecision(
-        False, f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x serving {serving_mse:.4g}", n, candidate_mse, serving_mse
-    )
+    @property
+    def served(self) -> torch.nn.Module:
+        return ServedModel(self.published.model, self.forecaster)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +542,9 @@ class QualityConfig:
     holdout_share: float = 0.0
     holdout_capacity: int = 256
     holdout_min_events: int = 32
+    holdout_block_events: int = 1
     publish_gate_tolerance: float = 0.05
+    linear_max_order: int = 24
     auto_rollback: bool = True
     rollback_min_events: int = 100
     rollback_margin: float = 0.1
@@ -447,7 +563,9 @@ class QualityConfig:
             holdout_share=settings.holdout_share,
             holdout_capacity=settings.holdout_capacity,
             holdout_min_events=settings.holdout_min_events,
+            holdout_block_events=settings.holdout_block_events,
             publish_gate_tolerance=settings.publish_gate_tolerance,
+            linear_max_order=settings.linear_max_order,
             auto_rollback=settings.auto_rollback,
             rollback_min_events=settings.rollback_min_events,
             rollback_margin=settings.rollback_margin,
@@ -496,7 +614,9 @@ class QualityMonitor:
             else DriftMonitor(config.drift_detector, config.drift_adwin_delta, config.drift_ph_threshold, config.half_life_events)
         )
         self.holdout = HoldoutBuffer(config.holdout_capacity)
+        self.splitter = HoldoutSplitter(config.holdout_share, config.holdout_block_events, config.shuffle, config.seed)
         self.held_out_total = 0
+        self.guarded_total = 0  # kept out as neighbours of held-out blocks (overlapping events)
         self.versions: OrderedDict[int, VersionRecord] = OrderedDict()
         self.serving_order: list[int] = []  # versions in the order they served (bounded)
         self.rollbacks: list[dict[str, Any]] = []
@@ -525,14 +645,17 @@ class QualityMonitor:
         self.offered += n
         if not self.gate_enabled:
             return batch
-        rng = make_randomness(self.config.shuffle, self.config.seed, self._draws, worker=_HOLDOUT_STREAM)  # type: ignore[arg-type]
-        held = rng.bernoulli(np.full(n, self.config.holdout_share))
-        if not held.any():
+        held, guard = self.splitter.split(batch)
+        if held.size == 0 and guard.size == 0:
             return batch
         with self._lock:
-            self.holdout.add(batch, np.flatnonzero(held))
-            self.held_out_total += int(held.sum())
-        return _rows(batch, np.flatnonzero(~held))
+            self.holdout.add(batch, held)
+            self.held_out_total += int(held.size)
+            self.guarded_total += int(guard.size)
+        trained = np.ones(n, dtype=bool)
+        trained[held] = False
+        trained[guard] = False
+        return _rows(batch, np.flatnonzero(trained))
 
     def _take(self, n: int) -> np.ndarray:
         """Which rows to score: all while the per-second budget lasts, else a random sample."""
@@ -559,7 +682,7 @@ class QualityMonitor:
         started = time.perf_counter()
         starts = batch.starts
         values = [batch.values[int(starts[i]) : int(starts[i]) + int(batch.lengths[i])] for i in rows.tolist()]
-        scores = score_events(serving.model, serving.norm, values, batch.labels[rows], self.config.token_budget)
+        scores = score_events(serving.served, serving.norm, values, batch.labels[rows], self.config.token_budget)
         self.score_seconds += time.perf_counter() - started
         self.record(scores, serving.version)
 
@@ -659,21 +782,148 @@ class QualityMonitor:
             )
             del self.rollbacks[:-_DRIFTS_SHOWN]
 
-    # ------------------------------------------------------------------ the gate
-    def gate(self, candidate: Scorable, serving: Scorable | None) -> GateDecision:
-        if not self.gate_enabled:
-            return GateDecision(True, "gate off (HOLDOUT_SHARE=0)", 0)
-        with self._lock:
-            values, labels = list(self.holdout.values), list(self.holdout.labels)
-        snapshot = HoldoutBuffer(max(1, len(values)))
-        snapshot.values.extend(values)
-        snapshot.labels.extend(labels)
+    # ------------------------------------------------------------------ the gate and the forecaster
+    def select(
+        self,
+        candidate: Scorable,
+        reference: Scorable | None,
+        training_values: Callable[[], Sequence[np.ndarray]],
+    ) -> Selection:
+        """The network gate, then the forecaster that serves: the least held-out error of the
+        last value, the linear forecaster, the network and the best blend of the last two.
+
+        ``reference`` is the network the candidate must not fall behind: the best one that
+        passed the gate so far (or the serving one), re-scored on today's holdout, so a run of
+        candidates each a little worse than the last cannot ratchet the quality down. With a
+        held-back candidate nothing new serves. ``training_values`` gives the readings the
+        linear forecaster is fitted on (a sample of the window). Scaled out, every sum goes
+        through :attr:`combine`, in the same order on every rank, so all ranks choose alike.
+        """
         cfg = self.config
-        if self.combine is not None and serving is not None:  # every rank comes here at the same step
-            local = holdout_sums(candidate, serving, snapshot, cfg.token_budget)
-            union = HoldoutSums.from_array(self.combine(local.as_array()))
-            return gate_verdict(union, cfg.publish_gate_tolerance, cfg.holdout_min_events)
-        return gate_decision(candidate, serving, snapshot, cfg.publish_gate_tolerance, cfg.holdout_min_events, cfg.token_budget)
+        if not self.gate_enabled:
+            reason = "gate off (HOLDOUT_SHARE=0)"
+            return Selection(GateDecision(True, reason, 0), NETWORK, candidate, reason)
+        with self._lock:
+            values = list(self.holdout.values)
+        units = candidate.norm  # every model is scored in the same units
+        n = int(round(self._combined(np.array([float(len(values))]))[0]))
+        if n < cfg.holdout_min_events:
+            # The network cannot be judged yet; the linear forecaster can, by generalized
+            # cross-validation on the window, against the last value (its all-zero choice).
+            linear = self._fit_linear(candidate, [], training_values)
+            forecaster, kind = LAST_VALUE, "the last value"
+            if linear is not None and not linear.is_last_value:
+                forecaster, kind = Forecaster("linear", linear.coefficients), "the linear forecaster (chosen by GCV)"
+            reason = f"holdout has {n} of the {cfg.holdout_min_events} events the gate needs: {kind} serves"
+            return Selection(
+                GateDecision(True, reason, n), forecaster, candidate, reason, n, new_reference=reference is None,
+                linear=None if linear is None else linear.report(),
+            )  # fmt: skip
+        linear = self._fit_linear(candidate, values, training_values)
+        linear_forecaster = None if linear is None else Forecaster("linear", linear.coefficients)
+        # One scoring pass: the networks against each other, the baselines beside them.
+        models: list[Scorable | None] = [
+            candidate,
+            None if reference is None else _Served(reference, NETWORK),
+            _Served(candidate, LAST_VALUE),
+            None if linear_forecaster is None else _Served(candidate, linear_forecaster),
+        ]
+        steps, gram = self._error_gram(values, models, units)
+        if steps == 0:
+            reason = "holdout events have no steps to forecast"
+            return Selection(GateDecision(True, reason, n), NETWORK, candidate, reason, n, new_reference=reference is None)
+        sse = np.diagonal(gram)
+        mse: dict[str, float | None] = {"candidate": sse[0] / steps, "last_value": sse[2] / steps}
+        mse["reference"] = None if reference is None else sse[1] / steps
+        if linear is not None:
+            mse["linear"] = sse[3] / steps
+        candidate_mse, reference_mse = mse["candidate"], mse["reference"]
+        tolerance = cfg.publish_gate_tolerance
+        assert candidate_mse is not None
+        if not math.isfinite(candidate_mse):
+            decision = GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, reference_mse)
+        elif reference_mse is None or candidate_mse <= reference_mse * (1.0 + tolerance):
+            decision = GateDecision(True, "not worse than the reference network", n, candidate_mse, reference_mse)
+        else:
+            reason = f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x reference {reference_mse:.4g}"
+            decision = GateDecision(False, reason, n, candidate_mse, reference_mse)
+        if not decision.publish:
+            return Selection(decision, NETWORK, None, decision.reason, n, mse)
+        new_reference = reference_mse is None or candidate_mse <= reference_mse
+        options: list[tuple[str, float, Forecaster]] = [("last_value", sse[2] / steps, LAST_VALUE)]
+        if linear is not None and linear_forecaster is not None:
+            options.append(("linear", sse[3] / steps, linear_forecaster))
+        options.append(("network", candidate_mse, NETWORK))
+        if linear is not None:
+            weight, blend_sse = best_blend(gram[0, 0], gram[3, 3], gram[0, 3])
+            mse["blend"] = blend_sse / steps
+            if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[0, 0], gram[3, 3]):
+                options.append(("blend", blend_sse / steps, Forecaster("blend", linear.coefficients, weight)))
+        finite = [option for option in options if math.isfinite(option[1])]
+        kind, _, forecaster = min(finite, key=lambda option: option[1])  # ties: the simpler (listed first)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v, _ in options)
+        return Selection(
+            decision, forecaster, candidate, f"{kind} forecasts the holdout best ({shown})", n, mse,
+            new_reference=new_reference, linear=None if linear is None else linear.report(),
+        )  # fmt: skip
+
+    def _fit_linear(
+        self, candidate: Scorable, holdout: list[np.ndarray], training_values: Callable[[], Sequence[np.ndarray]]
+    ) -> LinearChoice | None:
+        """The linear forecaster in the candidate's units: fitted on the window, order and penalty by the holdout."""
+        max_order = max(1, min(self.config.linear_max_order, candidate.model.max_len))
+        channels, units = candidate.model.channels, candidate.norm
+        sums = []
+        mean, std = units.mean.numpy(), units.std.numpy()
+        for values in (training_values(), holdout):
+            local = LagSums.of(values, max_order, channels, mean, std)
+            sums.append(LagSums.from_array(self._combined(local.as_array()), channels, max_order))
+        readings, sensors = self._combined(self.splitter.redundancy_sums())
+        return choose_linear(sums[0], sums[1], max_order, redundancy=readings / sensors if sensors else 1.0)
+
+    def _error_gram(
+        self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm
+    ) -> tuple[float, np.ndarray]:
+        """(steps, G) over the holdout of every rank: ``G[i, j]`` sums, over one-step targets,
+        the channel mean of model i's error times model j's (so ``G[i, i]`` is model i's summed
+        squared error, and any blend's follows from G). A model that is None is absent on every rank."""
+        k = len(models)
+        local = np.zeros(1 + k * k)
+        budget = self.config.token_budget
+        present = [i for i, model in enumerate(models) if model is not None]
+        if values and present:
+            unit_std = units.std.float()
+            lengths = np.array([len(v) for v in values], dtype=np.int64)
+            gram = np.zeros((k, k))
+            steps = 0.0
+            with torch.inference_mode():
+                for group in plan_predict_batches(lengths, budget):
+                    batch = collate([values[i] for i in group])
+                    mask, data = batch.mask, batch.values
+                    valid = (mask[:, :-1] & mask[:, 1:]).double()[..., None]
+                    errors = torch.zeros(k, *data[:, 1:].shape, dtype=torch.float64)
+                    for i in present:
+                        model = models[i]
+                        assert model is not None
+                        module = model.served
+                        was_training = module.training
+                        module.eval()
+                        try:
+                            x_norm = model.norm.normalize(data).float() * mask[..., None]
+                            forecast = model.norm.denormalize(forward_on_model_device(module, x_norm, mask).forecast.double())
+                        finally:
+                            module.train(was_training)
+                        errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double() * valid
+                    flat = errors.reshape(k, -1)
+                    gram += (flat @ flat.T).numpy() / data.shape[-1]
+                    steps += float(valid.sum())
+            local[0] = steps
+            local[1:] = gram.ravel()
+        total = self._combined(local)
+        return float(total[0]), total[1:].reshape(k, k)
+
+    def _combined(self, local: np.ndarray) -> np.ndarray:
+        return local if self.combine is None else np.asarray(self.combine(local), dtype=np.float64)
 
     # ------------------------------------------------------------------ reporting and state
     def report(self, serving_version: int | None = None) -> dict[str, Any] | None:
@@ -701,7 +951,13 @@ class QualityMonitor:
                 "serving_version": None
                 if current is None
                 else {"version": current.version, "n": current.events, **current.totals.report()},
-                "holdout": {"share": self.config.holdout_share, "events": len(self.holdout), "held_out_total": self.held_out_total},
+                "holdout": {
+                    "share": self.config.holdout_share,
+                    "events": len(self.holdout),
+                    "held_out_total": self.held_out_total,
+                    "guarded_total": self.guarded_total,
+                    "block_events": self.config.holdout_block_events,
+                },
                 "rollbacks": list(self.rollbacks),
             }
 
@@ -721,6 +977,8 @@ class QualityMonitor:
                 "held_out_total": self.held_out_total,
                 "score_seconds": self.score_seconds,
                 "holdout": self.holdout.state_dict(),
+                "splitter": self.splitter.state_dict(),
+                "guarded_total": self.guarded_total,
                 "versions": [
                     {"version": r.version, "events": r.events, "rolled_back": r.rolled_back, "totals": asdict(r.totals)}
                     for r in self.versions.values()
@@ -739,6 +997,9 @@ class QualityMonitor:
             self.held_out_total = int(state["held_out_total"])
             self.score_seconds = float(state.get("score_seconds", 0.0))
             self.holdout.load_state_dict(state["holdout"], channels)
+            if "splitter" in state:
+                self.splitter.load_state_dict(state["splitter"])
+            self.guarded_total = int(state.get("guarded_total", 0))
             self.versions = OrderedDict(
                 (
                     int(r["version"]),

@@ -154,6 +154,8 @@ class Service:
         self._cuts_started = self._cuts_finished = 0
         self._last_cut: Path | None = None
         self.checkpoint_error: str | None = None
+        #: Why the final checkpoint of :meth:`stop` was not written (None: written, or not asked for).
+        self.final_checkpoint_error: str | None = None
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_at: float | None = None
         self.restored_from: Path | None = None
@@ -202,7 +204,9 @@ class Service:
 
         Idempotent: the HTTP app's shutdown and the CLI both call it. Scaled out, the stop
         is asked of every rank and the final checkpoint is cut by all of them together
-        (always: one rank cannot leave a cut out); it returns once that is done.
+        (always: one rank cannot leave a cut out); it returns once that is done. A final
+        checkpoint that was not written leaves the reason in ``final_checkpoint_error``
+        (the CLI then exits non-zero).
         """
         if self._stop.is_set():
             return
@@ -211,13 +215,22 @@ class Service:
             self.loop.stop_requested.set()
             while self.trainer.running and not self.loop.finished.wait(1.0):
                 pass  # a dead or hung peer ends this process (DIST_TIMEOUT_S) rather than this wait
+            if not self.loop.finished.is_set():  # the loop ended without the agreed stop and its cut
+                self.final_checkpoint_error = "the ranks did not cut a final checkpoint" + (
+                    f" (trainer: {self.trainer.last_error})" if self.trainer.last_error else ""
+                )
             self.trainer.stop()
             self.ingest.stop()
             self.collectives.close()
             return
         self.trainer.stop()
         if final_checkpoint:
-            self.checkpoint()
+            try:
+                written = self.checkpoint()
+            except Exception as err:  # noqa: BLE001 - ingest must still stop; the CLI reports it
+                written = self._checkpoint_failed(f"{type(err).__name__}: {err}")
+            if written is None:
+                self.final_checkpoint_error = self.checkpoint_error or "not written"
         self.ingest.stop()
 
     @property
@@ -379,6 +392,8 @@ class Service:
             )
             if not result.ok:
                 self._checkpoint_failed(result.error or "checkpoint not sealed")
+                if final:
+                    self.final_checkpoint_error = self.checkpoint_error
                 return
             path = result.path
             self.metrics.checkpoints_written.inc()
@@ -464,7 +479,10 @@ class Service:
     def readiness(self) -> tuple[bool, list[str]]:
         """(ready, reasons): ready needs a connected, unstalled consumer and a published model."""
         blocking: list[str] = []
-        if not self.ingest.connected:
+        security = self.ingest.security_failure  # kafka_auth_failed: / kafka_authorization_failed: (docs/contract.md)
+        if security is not None:
+            blocking.append(security)
+        elif not self.ingest.connected:
             blocking.append("kafka_not_connected" + (f": {self.ingest.last_error}" if self.ingest.last_error else ""))
         stalled = self.ingest.stall_report()
         if stalled is not None:

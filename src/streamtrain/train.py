@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -29,8 +30,9 @@ from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
 from streamtrain.data.passes import pass_sampler_from_settings
-from streamtrain.data.randomness import derive_seed
+from streamtrain.data.randomness import derive_seed, make_randomness
 from streamtrain.device import autocast, describe, is_cuda, settle
+from streamtrain.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, ServedModel
 from streamtrain.metrics import Metrics
 from streamtrain.model import (
     ModelOutput,
@@ -41,7 +43,7 @@ from streamtrain.model import (
     naive_last_value_loss,
     total_loss,
 )
-from streamtrain.quality import Drift, GateDecision, QualityConfig, QualityMonitor
+from streamtrain.quality import Drift, GateDecision, QualityConfig, QualityMonitor, Selection
 from streamtrain.registry import ModelRegistry, UnknownVersion
 from streamtrain.window import RecencyWindow
 
@@ -58,7 +60,11 @@ def _smooth(average: float | None, value: float) -> float | None:
 
 @dataclass(frozen=True)
 class PublishedModel:
-    """A frozen inference copy: readers take the reference, nobody mutates it."""
+    """A frozen inference copy: readers take the reference, nobody mutates it.
+
+    ``model`` is the network (what training resumes from after a rollback); ``served``
+    is what answers: the network, or the forecaster chosen on held-out data beside it.
+    """
 
     model: SensorModel
     norm: RunningNorm
@@ -67,6 +73,12 @@ class PublishedModel:
     tokens_trained: int
     loss: float | None
     published_at: float
+    forecaster: Forecaster = NETWORK
+
+    @cached_property
+    def served(self) -> torch.nn.Module:
+        """The module predict, OIP v2, scoring and export run (built once, on first use)."""
+        return self.model if self.forecaster.kind == "network" else ServedModel(self.model, self.forecaster).eval()
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,10 @@ class ModelTrainer:
         self.registry: ModelRegistry[PublishedModel] = ModelRegistry(settings.model_versions_keep)
         self.last_error: str | None = None
         self.last_gate: GateDecision | None = None
+        self.last_selection: Selection | None = None
+        self.reference: PublishedModel | None = None  # the best network that passed the gate (Trainer._select)
         self.publish_held = 0
+        self.publish_seconds = 0.0  # the last due publication's duration (gate and forecaster choice included)
         # Tests corrupt a candidate here (after freezing, before the gate).
         self.candidate_hook: Callable[[SensorModel], None] | None = None
         self._version = 0
@@ -159,12 +174,16 @@ class ModelTrainer:
             )
         if self.candidate_hook is not None:
             self.candidate_hook(published.model)
-        decision = self._gate(published)
+        selection = self._select(published)
+        decision = selection.decision
         self.last_gate = decision
+        self.last_selection = selection
+        if decision.publish and selection.forecaster.kind != "network":
+            published = replace(published, forecaster=selection.forecaster)
         self.registry.add(published, serve=decision.publish)
         self._last_publish = time.monotonic()
         if decision.publish:
-            self.metrics.model_version.set(published.version)
+            self._show_serving(published)
         else:
             self.publish_held += 1
             self.metrics.publish_held.inc()
@@ -175,9 +194,14 @@ class ModelTrainer:
             )  # fmt: skip
         return published
 
-    def _gate(self, candidate: PublishedModel) -> GateDecision:
-        """Whether ``candidate`` may serve; subclasses with a publish gate override it."""
-        return GateDecision(True, "no gate", 0)
+    def _show_serving(self, published: PublishedModel) -> None:
+        self.metrics.model_version.set(published.version)
+        for kind in FORECASTER_KINDS:
+            self.metrics.model_forecaster.labels(kind).set(1.0 if kind == published.forecaster.kind else 0.0)
+
+    def _select(self, candidate: PublishedModel) -> Selection:
+        """Whether ``candidate`` may serve, and with which forecaster; subclasses with a gate override it."""
+        return Selection(GateDecision(True, "no gate", 0), NETWORK, candidate, "no gate")
 
     def rollback(self, version: int, trigger: str = "admin", reason: str = "asked by an admin") -> PublishedModel:
         """Make kept ``version`` serve again and continue training from its weights.
@@ -193,8 +217,9 @@ class ModelTrainer:
             self.model.load_state_dict(target.model.state_dict())
             self.optimizer.state.clear()
             self.registry.rollback(version)
+            self.reference = None  # candidates are judged against the version that serves now
             self._last_publish = time.monotonic()  # the next publication waits a full interval
-        self.metrics.model_version.set(target.version)
+        self._show_serving(target)
         self.metrics.model_rollbacks.labels(trigger).inc()
         from_version = None if before is None else before.version
         log.warning("rolled back (%s) from version %s to version %d: %s", trigger, from_version, version, reason)
@@ -218,6 +243,7 @@ class ModelTrainer:
                     "published_at": p.published_at,
                     "model": p.model.state_dict(),
                     "norm": p.norm.state_dict(),
+                    "forecaster": p.forecaster.state_dict(),
                 }
                 for p in (self.registry.get(v) for v in self.registry.versions())
             ],
@@ -243,18 +269,24 @@ class ModelTrainer:
                 tokens_trained=int(entry["tokens_trained"]),
                 loss=None if loss is None else float(loss),
                 published_at=float(entry["published_at"]),
+                forecaster=Forecaster.from_state(entry.get("forecaster")),
             )
             self.registry.add(published, serve=published.version == serving)
         if self.published is None:
             return False
         settle(self.device)
         self._last_publish = time.monotonic()
-        self.metrics.model_version.set(self.published.version)
+        self._show_serving(self.published)
         return True
 
     def _publish_if_due(self) -> None:
-        if self.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s:
+        """Publish every PUBLISH_INTERVAL_S, but give publishing (the gate's scoring, the linear
+        fit) at most PUBLISH_MAX_SHARE of the trainer's time: a slower publication waits longer."""
+        interval = max(self.settings.publish_interval_s, self.publish_seconds / self.settings.publish_max_share)
+        if self.published is None or time.monotonic() - self._last_publish >= interval:
+            started = time.perf_counter()
             self.publish()
+            self.publish_seconds = time.perf_counter() - started
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
@@ -304,6 +336,55 @@ def lower_thread_priority(niceness: int) -> bool:
         log.warning("could not lower the training threads' priority: %s", err)
         return False
     return True
+
+
+class ReplayBudget:
+    """How many times, on average, the trainer may train each event: a trainer faster than
+    its stream idles instead of memorizing its window.
+
+    Every accepted event adds ``per_event_limit`` item-trainings to an allowance that each
+    trained item spends; the allowance never exceeds ``per_event_limit`` passes over the
+    window as it is now, so a fast phase leaves no credit for replaying a slow one. 0 turns
+    the budget off.
+    """
+
+    def __init__(self, per_event_limit: float) -> None:
+        self.limit = float(per_event_limit)
+        self.allowance = 0.0
+        self.accepted_seen = 0  # window.accepted_total already credited
+        self.trained_items = 0
+        self.accepted = 0
+
+    def allows(self, items: int, accepted_total: int, window_size: int) -> bool:
+        new = max(0, accepted_total - self.accepted_seen)
+        self.accepted_seen = max(self.accepted_seen, accepted_total)
+        self.accepted += new
+        if self.limit <= 0:
+            return True
+        self.allowance = min(self.allowance + self.limit * new, self.limit * max(window_size, 1))
+        return self.allowance >= min(items, self.limit * max(window_size, 1))
+
+    def spend(self, items: int) -> None:
+        self.trained_items += items
+        if self.limit > 0:
+            self.allowance -= items
+
+    @property
+    def per_event(self) -> float:
+        """Mean item-trainings per accepted event so far."""
+        return self.trained_items / self.accepted if self.accepted else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "allowance": self.allowance, "accepted_seen": self.accepted_seen,
+            "trained_items": self.trained_items, "accepted": self.accepted,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.allowance = float(state["allowance"])
+        self.accepted_seen = int(state["accepted_seen"])
+        self.trained_items = int(state["trained_items"])
+        self.accepted = int(state["accepted"])
 
 
 class Trainer(ModelTrainer):
@@ -357,6 +438,7 @@ class Trainer(ModelTrainer):
             on_pass_end=self._on_pass_end,
             sampler=self.sampler,
             track_trained=True,  # train_step marks each batch, so a checkpoint resumes after the last trained one
+            min_batches_per_pass=settings.min_batches_per_pass,
         )
         self.step = 0
         self.tokens_trained = 0
@@ -375,6 +457,8 @@ class Trainer(ModelTrainer):
         )
         self._reset_optimizer_due = False
         self.drift_reactions = 0
+        self.replays = ReplayBudget(settings.max_replays_per_event)
+        self.budget_wait_seconds = 0.0
         # A scaled-out service sets this: the thread's work is then the lockstep loop of
         # streamtrain.scale_out, which trains with every rank and returns at the agreed stop.
         self.loop: Callable[[], None] | None = None
@@ -489,7 +573,7 @@ class Trainer(ModelTrainer):
                     break
                 # The first batch waits for the window to fill: that is warm-up, not data wait.
                 wait = staged.data_wait_seconds - waited_before if staged.items_delivered > 1 else 0.0
-                if self._stop.is_set():
+                if self._stop.is_set() or not self._wait_for_replay_budget(batch.batch_size):
                     break
                 self.train_step(batch)
                 self.data_wait_seconds += wait
@@ -497,6 +581,18 @@ class Trainer(ModelTrainer):
                 self._publish_if_due()
         finally:
             prefetcher.close(timeout=0.5)  # a producer still waiting for the window exits on its next put
+
+    def _wait_for_replay_budget(self, items: int) -> bool:
+        """Idle until ``items`` more trained items fit the replay budget; False when stopped meanwhile."""
+        while not self.replays.allows(items, self.window.accepted_total, len(self.window)):
+            started = time.monotonic()
+            stopped = self._stop.wait(0.2)
+            waited = time.monotonic() - started  # counted as it passes: an idle trainer shows it
+            self.budget_wait_seconds += waited
+            self.metrics.train_budget_wait_seconds.inc(waited)
+            if stopped:
+                return False
+        return True
 
     def _record(self, batch: Batch, skipped: str | None, seconds: float) -> None:
         m = self.metrics
@@ -507,6 +603,8 @@ class Trainer(ModelTrainer):
             log.warning("step skipped: %s", skipped)
             return
         m.train_steps.inc()
+        self.replays.spend(batch.batch_size)
+        m.train_replays_per_event.set(self.replays.per_event)
         m.train_tokens.inc(batch.real_tokens)
         m.train_padding_tokens.inc(batch.padded_tokens - batch.real_tokens)
         m.train_batch_sequences.observe(batch.batch_size)
@@ -525,8 +623,27 @@ class Trainer(ModelTrainer):
                 self.metrics.train_last_pass.labels(field).set(value)
 
     # ------------------------------------------------------------------ quality
-    def _gate(self, candidate: PublishedModel) -> GateDecision:
-        return self.quality.gate(candidate, self.published)
+    def _select(self, candidate: PublishedModel) -> Selection:
+        """The gate against the reference network, then the forecaster with the least held-out error."""
+        reference = self.reference if self.reference is not None else self.published
+        selection = self.quality.select(candidate, reference, self._linear_training_values)
+        if selection.new_reference:
+            self.reference = candidate
+        for kind, name in (("last_value", "last_value"), ("linear", "linear"), ("network", "candidate")):
+            value = selection.mse.get(name)
+            if value is not None:
+                self.metrics.model_holdout_mse.labels(kind).set(value)
+        return selection
+
+    def _linear_training_values(self) -> list[np.ndarray]:
+        """Readings the linear forecaster is fitted on: a seeded sample of the window."""
+        snapshot = self.window.snapshot()
+        n = len(snapshot)
+        limit = self.settings.linear_fit_items
+        if n > limit:
+            rng = make_randomness(self.settings.shuffle, self.settings.seed, self._version, purpose="linear")
+            snapshot = snapshot.subset(np.sort(rng.permutation(n)[:limit]))
+        return snapshot.values
 
     def _on_drift(self, drift: Drift) -> None:
         """The configured reaction (called on the ingest thread; the step applies it)."""
@@ -571,6 +688,7 @@ class Trainer(ModelTrainer):
                 "tokens_trained": self.tokens_trained,
                 "loss_ema": self.loss_ema,
                 "version": self._version,
+                "replays": self.replays.state_dict(),
                 "dataset": self.dataset.state_dict(),  # with the sampler's counters; every data stream derives from them
                 "rng": {"torch": torch.get_rng_state()},  # the only generator the trainer draws from itself
             }
@@ -591,6 +709,8 @@ class Trainer(ModelTrainer):
             loss = state.get("loss_ema")
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))
+            if "replays" in state:
+                self.replays.load_state_dict(state["replays"])
             saved_seed = self.dataset.load_state_dict(state["dataset"], sampler_state=state.get("sampler"))
             if saved_seed == self.dataset.seed:
                 torch.set_rng_state(state["rng"]["torch"])

@@ -39,7 +39,7 @@ from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
 from streamtrain.model import RunningNorm, build_model, predict
 from streamtrain.parallel import DataParallelStep
-from streamtrain.quality import QualityConfig, QualityMonitor, gate_decision
+from streamtrain.quality import QualityConfig, QualityMonitor
 from streamtrain.scale_out import LockstepLoop, check_settings_agree
 from streamtrain.sharded_checkpoint import DistributedCheckpointer, ShardedCheckpointStore
 from streamtrain.train import Trainer
@@ -265,7 +265,7 @@ def gate_models() -> tuple[Any, Any, Any]:
         generator = torch.Generator().manual_seed(12)
         for parameter in worse.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    make = lambda m, v: SimpleNamespace(model=m, norm=norm, version=v)  # noqa: E731
+    make = lambda m, v: SimpleNamespace(model=m, norm=norm, version=v, served=m)  # noqa: E731
     return make(model, 1), make(worse, 2), make(copy.deepcopy(model), 3)
 
 
@@ -273,18 +273,33 @@ def holdout_events(rank: int) -> list[np.ndarray]:
     return walks(500 + rank, GATE_EVENTS_PER_RANK)
 
 
+def training_events(rank: int) -> list[np.ndarray]:
+    """Each rank's window sample for the linear forecaster (its union is what one process would fit on)."""
+    return walks(700 + rank, 30)
+
+
+def gate_monitor(values: list[np.ndarray]) -> QualityMonitor:
+    monitor = QualityMonitor(GATE, Metrics(), lambda: None)
+    monitor.holdout.values.extend(values)
+    monitor.holdout.labels.extend([-1] * len(values))
+    return monitor
+
+
+def selection_dict(selection: Any) -> dict[str, Any]:
+    forecaster = selection.forecaster
+    coefficients = None if forecaster.coefficients is None else np.asarray(forecaster.coefficients).tolist()
+    return {**dataclass_dict(selection.decision), "kind": forecaster.kind, "coefficients": coefficients}
+
+
 def collective_gate(collectives: Collectives, rank: int) -> dict[str, Any]:
     serving, worse, same = gate_models()
-    monitor = QualityMonitor(GATE, Metrics(), lambda: serving)
+    monitor = gate_monitor(holdout_events(rank))
     monitor.combine = collectives.sum_rows
-    events = holdout_events(rank)
-    monitor.holdout.values.extend(events)
-    monitor.holdout.labels.extend([-1] * len(events))
+    alone = gate_monitor(holdout_events(rank))
     out = {}
     for name, candidate in (("worse", worse), ("same", same)):
-        out[name] = dataclass_dict(monitor.gate(candidate, serving))
-        alone = gate_decision(candidate, serving, monitor.holdout, GATE.publish_gate_tolerance, GATE.holdout_min_events, GATE.token_budget)
-        out[f"{name}_alone"] = dataclass_dict(alone)
+        out[name] = selection_dict(monitor.select(candidate, serving, lambda: training_events(rank)))
+        out[f"{name}_alone"] = selection_dict(alone.select(candidate, serving, lambda: training_events(rank)))
     return out
 
 

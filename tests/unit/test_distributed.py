@@ -536,8 +536,6 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
     worlds: dict[str, tuple[Path, list[subprocess.Popen[bytes]]]],
 ) -> None:
     """Quality decisions that one rank could take alone are taken by all ranks at one step."""
-    from streamtrain.quality import HoldoutBuffer, gate_decision
-
     tmp_path, processes = worlds["quality"]
     codes = [p.wait(240) for p in processes]
     assert codes == [0, 0], _logs(tmp_path)
@@ -556,21 +554,23 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
         {"rollback": None, "reset": True},
     ]
 
-    # the gate judges the union of the holdouts: what one process holding both would decide
+    # the gate and the forecaster judge the union of the holdouts: what one process holding both would decide
     serving, worse, same = dist_worker.gate_models()
-    union = HoldoutBuffer(1000)
-    for rank in range(2):
-        union.values.extend(dist_worker.holdout_events(rank))
-        union.labels.extend([-1] * dist_worker.GATE_EVENTS_PER_RANK)
-    cfg = dist_worker.GATE
+    union = dist_worker.gate_monitor([v for rank in range(2) for v in dist_worker.holdout_events(rank)])
+    union_training = [v for rank in range(2) for v in dist_worker.training_events(rank)]
     for name, candidate in (("worse", worse), ("same", same)):
-        expected = gate_decision(candidate, serving, union, cfg.publish_gate_tolerance, cfg.holdout_min_events, cfg.token_budget)
+        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: union_training))
         for s in seen:
             got = s["gate"][name]
-            assert (got["publish"], got["reason"], got["holdout_events"]) == (expected.publish, expected.reason, expected.holdout_events)
-            assert got["candidate_mse"] == pytest.approx(expected.candidate_mse, rel=1e-6)  # float32 forwards, batched otherwise
-            assert got["serving_mse"] == pytest.approx(expected.serving_mse, rel=1e-6)
+            assert [got[k] for k in ("publish", "reason", "holdout_events", "kind")] == [
+                expected[k] for k in ("publish", "reason", "holdout_events", "kind")
+            ]
+            assert got["candidate_mse"] == pytest.approx(expected["candidate_mse"], rel=1e-6)  # float32 forwards, batched otherwise
+            assert got["serving_mse"] == pytest.approx(expected["serving_mse"], rel=1e-6)
+            if expected["coefficients"] is not None:
+                np.testing.assert_allclose(got["coefficients"], expected["coefficients"], rtol=1e-6, atol=1e-9)
         assert seen[0]["gate"][name] == seen[1]["gate"][name]
+    assert seen[0]["gate"]["same"]["kind"] != "network"  # on random walks an untrained network does not serve
     assert seen[0]["gate"]["worse"]["publish"] is False and seen[0]["gate"]["same"]["publish"] is True
     # alone, neither rank's holdout is large enough to judge: each would have let the worse one serve
     assert all(s["gate"]["worse_alone"]["publish"] is True and "of the 32 events" in s["gate"]["worse_alone"]["reason"] for s in seen)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,6 @@ from streamtrain.quality import (
     HoldoutBuffer,
     QualityConfig,
     QualityMonitor,
-    gate_decision,
     score_events,
 )
 from streamtrain.simulate import SensorFleet, SimulationConfig
@@ -46,6 +46,10 @@ class Frozen:
     model: nn.Module
     norm: RunningNorm
     version: int = 1
+
+    @property
+    def served(self) -> nn.Module:
+        return self.model
 
 
 def events(*series: list[float], labels: list[int] | None = None) -> EventBatch:
@@ -160,26 +164,31 @@ def trained_like(seed: int) -> SensorModel:
     return model
 
 
+def gate_with(values: list[list[float]], min_events: int = 32) -> QualityMonitor:
+    quality = monitor(None, holdout_share=0.5, holdout_min_events=min_events, holdout_capacity=256)
+    quality.holdout.add(events(*values), np.arange(len(values)))
+    return quality
+
+
 def test_gate_holds_back_a_broken_candidate_and_passes_an_equal_one() -> None:
     rng = np.random.default_rng(0)
-    holdout = HoldoutBuffer(64)
-    holdout.add(events(*[np.cumsum(rng.normal(size=20)).tolist() for _ in range(64)]), np.arange(64))
+    quality = gate_with([np.cumsum(rng.normal(size=20)).tolist() for _ in range(64)])
     norm = RunningNorm.from_public([0.0], [3.0])
     serving = Frozen(trained_like(1), norm, 1)
     same = Frozen(trained_like(1), norm, 2)
-    assert gate_decision(same, serving, holdout, tolerance=0.0, min_events=32, token_budget=512).publish
+    no_data: Callable[[], list[np.ndarray]] = list
+    assert quality.select(same, serving, no_data).decision.publish
     broken_model = trained_like(1)
     with torch.no_grad():
         broken_model.forecast_head.bias.fill_(5.0)  # a test hook's corruption: forecasts far off
-    broken = gate_decision(Frozen(broken_model, norm, 3), serving, holdout, 0.05, 32, 512)
+    broken = quality.select(Frozen(broken_model, norm, 3), serving, no_data).decision
     assert not broken.publish and broken.candidate_mse > 10 * broken.serving_mse
     nan_model = trained_like(1)
     with torch.no_grad():
         nan_model.forecast_head.weight.fill_(float("nan"))
-    assert not gate_decision(Frozen(nan_model, norm, 4), serving, holdout, 0.05, 32, 512).publish
-    few = HoldoutBuffer(8)
-    few.add(events([0.0, 1.0]), np.arange(1))
-    assert gate_decision(Frozen(broken_model, norm, 5), serving, few, 0.05, 32, 512).publish  # too few to judge
+    assert not quality.select(Frozen(nan_model, norm, 4), serving, no_data).decision.publish
+    few = gate_with([[0.0, 1.0]])
+    assert few.select(Frozen(broken_model, norm, 5), serving, no_data).decision.publish  # too few to judge
 
 
 # ------------------------------------------------------------------ rollback rule

@@ -7,6 +7,7 @@ collectives) and tests/integration/test_scale_out.py (the whole service).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -316,30 +317,63 @@ def _gate_models() -> tuple[Any, Any, Any]:
     return dist_worker.gate_models()
 
 
+class ThreadRanks:
+    """``world`` ranks in threads of one process: ``combine(rank)`` adds a vector over them, as all_reduce does."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.rows: list[np.ndarray | None] = [None] * world
+        self.total: np.ndarray | None = None
+
+    def combine(self, rank: int) -> Any:
+        def add(row: np.ndarray) -> np.ndarray:
+            self.rows[rank] = np.asarray(row, dtype=np.float64)
+            if self.barrier.wait() == 0:
+                self.total = np.sum(self.rows, axis=0)
+            self.barrier.wait()
+            total = self.total
+            self.barrier.wait()  # everyone has read it before the next collective
+            assert total is not None
+            return total.copy()
+
+        return add
+
+
 @pytest.mark.parametrize("events", [0, 5, 40])
-def test_the_gate_on_summed_holdouts_is_the_gate_of_one_holdout(events: int) -> None:
-    """The collective verdict (sums added over ranks) is gate_decision for one rank's holdout."""
+def test_the_choice_on_summed_holdouts_is_the_choice_of_one_process_holding_the_union(events: int) -> None:
+    """Every rank takes the gate's verdict and the forecaster one process holding every rank's holdout
+    and window sample would take (sums added over ranks), alike on every rank."""
     import dist_worker
 
-    from streamtrain.quality import HoldoutBuffer, HoldoutSums, gate_decision, gate_verdict, holdout_sums
-
     serving, worse, same = _gate_models()
-    broken = type(serving)(model=copy_with_nan(serving.model), norm=serving.norm, version=4)
-    holdout = HoldoutBuffer(100)
-    holdout.values.extend(dist_worker.walks(31, events))
-    holdout.labels.extend([-1] * events)
+    broken = type(serving)(model=copy_with_nan(serving.model), norm=serving.norm, version=4, served=None)
+    broken.served = broken.model
+    holdouts = [dist_worker.walks(31 + r, events) for r in range(2)]
+    samples = [dist_worker.training_events(r) for r in range(2)]
+    union = dist_worker.gate_monitor(holdouts[0] + holdouts[1])
     for candidate in (worse, same, broken):
-        expected = gate_decision(candidate, serving, holdout, 0.05, 16, 512)
-        sums = holdout_sums(candidate, serving, holdout, 512)
-        np.testing.assert_array_equal(HoldoutSums.from_array(sums.as_array()).as_array(), sums.as_array())  # NaN == NaN here
-        verdict = gate_verdict(sums, 0.05, 16)
-        assert (verdict.publish, verdict.reason, verdict.holdout_events) == (
-            expected.publish, expected.reason, expected.holdout_events
-        )
-        mses = [[math.nan if v is None else v for v in (d.candidate_mse, d.serving_mse)] for d in (verdict, expected)]
-        np.testing.assert_allclose(mses[0], mses[1], rtol=1e-12)
-    if events >= 16:
-        assert not gate_verdict(holdout_sums(broken, serving, holdout, 512), 0.05, 16).publish
+        ranks = ThreadRanks(2)
+        got: list[Any] = [None, None]
+
+        def run(rank: int, candidate: Any = candidate, ranks: ThreadRanks = ranks) -> None:
+            monitor = dist_worker.gate_monitor(holdouts[rank])
+            monitor.combine = ranks.combine(rank)
+            got[rank] = dist_worker.selection_dict(monitor.select(candidate, serving, lambda: samples[rank]))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: samples[0] + samples[1]))
+        assert json.dumps(got[0], sort_keys=True, default=float) == json.dumps(got[1], sort_keys=True, default=float)  # NaN alike
+        for key in ("publish", "reason", "holdout_events", "kind"):
+            assert got[0][key] == expected[key], key
+        mses = [[math.nan if d[k] is None else d[k] for k in ("candidate_mse", "serving_mse")] for d in (got[0], expected)]
+        np.testing.assert_allclose(mses[0], mses[1], rtol=1e-6)  # float32 forwards, batched otherwise
+        if 2 * events >= dist_worker.GATE.holdout_min_events and candidate is broken:
+            assert not got[0]["publish"]
 
 
 def copy_with_nan(model: torch.nn.Module) -> torch.nn.Module:
@@ -355,18 +389,13 @@ def test_the_monitor_gates_on_what_the_ranks_add_up() -> None:
     """With ``combine`` set, the gate counts every rank's holdout (here: two ranks holding the same)."""
     import dist_worker
 
-    from streamtrain.quality import QualityConfig, QualityMonitor
-
     serving, worse, _ = _gate_models()
-    monitor = QualityMonitor(QualityConfig(holdout_share=0.1, holdout_min_events=32), Metrics(), lambda: serving)
-    monitor.holdout.values.extend(dist_worker.walks(9, 20))
-    monitor.holdout.labels.extend([-1] * 20)
-    alone = monitor.gate(worse, serving)
+    monitor = dist_worker.gate_monitor(dist_worker.walks(9, 20))
+    alone = monitor.select(worse, serving, list).decision
     assert alone.publish and alone.holdout_events == 20
     monitor.combine = lambda row: row * 2
-    together = monitor.gate(worse, serving)
+    together = monitor.select(worse, serving, list).decision
     assert not together.publish and together.holdout_events == 40
-    assert monitor.gate(worse, None).publish  # nothing serves: no collective, on every rank alike
 
 
 def test_a_drift_reaction_is_taken_once_by_the_loop() -> None:

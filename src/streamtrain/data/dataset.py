@@ -137,6 +137,7 @@ class WindowBatchDataset(IterableDataset[Batch]):
         allow_worker_processes: bool = False,
         sampler: PassSampler | None = None,
         track_trained: bool = False,
+        min_batches_per_pass: int = 1,
     ) -> None:
         super().__init__()
         if shuffle not in SHUFFLE_MODES:
@@ -146,6 +147,7 @@ class WindowBatchDataset(IterableDataset[Batch]):
         if world_size is not None and not 0 <= rank < world_size:  # type: ignore[operator]
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         require_int(min_items, "min_items", 1)
+        require_int(min_batches_per_pass, "min_batches_per_pass", 1)
         require_int(max_passes, "max_passes (None: forever)", 0, optional=True)
         require_int(seed, "seed")
         if sampler is not None and (sampler.mode != shuffle or sampler.seed != seed):
@@ -166,6 +168,7 @@ class WindowBatchDataset(IterableDataset[Batch]):
         self.allow_worker_processes = allow_worker_processes
         self.sampler = sampler
         self.track_trained = track_trained
+        self.min_batches_per_pass = min_batches_per_pass
         self.next_pass = 0
         self.planned_steps = 0  # this rank's batches planned before next_pass
         self.last_diagnostics: PassDiagnostics | None = None
@@ -196,13 +199,29 @@ class WindowBatchDataset(IterableDataset[Batch]):
         rng = make_randomness(self.shuffle, self.seed, pass_index, purpose="plan")
         return plan_batches(
             snapshot.lengths,
-            self.budget,
+            self.pass_budget(snapshot.lengths),
             rng,
             pool_size=self.pool_size,
             world_size=world_size,
             labels=snapshot.labels,
             stratify=stratify,
         )
+
+    def pass_budget(self, lengths: np.ndarray) -> TokenBudget:
+        """The budget of a pass over items of ``lengths``: small enough for ``min_batches_per_pass`` batches.
+
+        A window smaller than one budget would otherwise be one full batch per pass: a step
+        per pass over every event, few steps for many replays. Never below the longest
+        (padded) item, so no item becomes too long for its pass.
+        """
+        lengths = np.asarray(lengths)
+        if self.min_batches_per_pass <= 1 or lengths.size == 0:
+            return self.budget
+        longest = int(self.budget.padded_length(lengths.max()))
+        tokens = max(longest, -(-int(lengths.sum()) // self.min_batches_per_pass))
+        if tokens >= self.budget.max_tokens:
+            return self.budget
+        return replace(self.budget, max_tokens=tokens)
 
     @staticmethod
     def _stamp(plan: BatchPlan, pass_index: int, version: int, **facts: Any) -> BatchPlan:

@@ -44,12 +44,13 @@ from streamtrain.data._validate import require_int
 ShuffleMode = Literal["seeded", "crypto"]
 SHUFFLE_MODES: Final[tuple[str, ...]] = get_args(ShuffleMode)
 
-StreamPurpose = Literal["plan", "select", "worker", "torch"]
+StreamPurpose = Literal["plan", "select", "worker", "torch", "linear"]
 """What a stream decides: batch planning, pass selection, a DataLoader worker's torch seed,
-the trainer's torch generator (re-seeded when a restore changes SEED)."""
+the trainer's torch generator (re-seeded when a restore changes SEED), the window sample
+the linear forecaster is fitted on."""
 STREAM_PURPOSES: Final[tuple[str, ...]] = get_args(StreamPurpose)
 # The first word of every spawn key; fixed numbers, so a stream never changes with code order.
-_PURPOSE_TAGS: Final[dict[str, int]] = {"plan": 1, "select": 2, "worker": 3, "torch": 4}
+_PURPOSE_TAGS: Final[dict[str, int]] = {"plan": 1, "select": 2, "worker": 3, "torch": 4, "linear": 5}
 
 _TWO_POW_64: Final = 2**64
 _TWO_POW_64_FLOAT: Final = float(2**64)

@@ -138,10 +138,19 @@ def model_report(service: ServiceDep) -> ModelReport:
         "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
     }
     quality = getattr(trainer, "quality", None)
+    forecaster = None
     if quality is not None:
         training["publish_held"] = trainer.publish_held
         training["last_gate"] = None if trainer.last_gate is None else dataclasses.asdict(trainer.last_gate)
+        training["budget_wait_seconds"] = trainer.budget_wait_seconds
+        selection = trainer.last_selection
+        forecaster = {
+            **(published.forecaster.report() if published is not None else {"kind": None}),
+            "last_publication": None if selection is None else selection.report(),
+        }
     return ModelReport(
+        forecaster=forecaster,
+        replays_per_event=None if quality is None else trainer.replays.per_event,
         quality=None if quality is None else quality.report(None if published is None else published.version),
         versions=trainer.registry.versions(),
         version=None if published is None else published.version,
@@ -377,8 +386,8 @@ def _predict_metrics(app: FastAPI, service: Service) -> None:
 
 @asynccontextmanager
 async def _stop_service_on_shutdown(app: FastAPI) -> AsyncIterator[None]:
-    """The final checkpoint runs in the server's graceful shutdown: uvicorn re-raises
-    SIGTERM once ``run()`` returns, so code after it in the CLI never runs on SIGTERM."""
+    """The final checkpoint runs in the server's graceful shutdown, before ``run()`` returns;
+    the CLI then exits 0, or 1 when it was not written (``service.final_checkpoint_error``)."""
     yield
     app.state.predict_batcher.close()
     await anyio.to_thread.run_sync(app.state.service.stop)

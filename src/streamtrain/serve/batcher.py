@@ -149,7 +149,7 @@ class PredictBatcher:
         published = group[0].published
         arrays = [a for request in group for a in request.arrays]
         try:
-            predictions = self._predict(published.model, published.norm, arrays, self._token_budget)
+            predictions = self._predict(published.served, published.norm, arrays, self._token_budget)
         except Exception as err:  # noqa: BLE001 - each request gets the error, the worker lives on
             log.exception("predict forward failed for %d requests", len(group))
             return [err] * len(group)

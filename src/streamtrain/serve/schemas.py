@@ -87,6 +87,14 @@ class ModelReport(BaseModel):
         None, description="Test-then-train quality of the serving model; null until the first event was scored"
     )
     versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
+    forecaster: dict[str, Any] | None = Field(
+        None,
+        description="What the serving version forecasts with (kind: network, last_value, linear or blend) and, from the last "
+        "publication, each forecaster's held-out MSE and why the candidate was or was not published; null in DP mode",
+    )
+    replays_per_event: float | None = Field(
+        None, description="Mean times each accepted event was trained on (bounded by MAX_REPLAYS_PER_EVENT); null in DP mode"
+    )
     world_size: int = Field(1, description="Ranks that train this one model (WORLD_SIZE; 1 for one process)")
     rank: int = Field(0, description="This process's rank, 0..world_size-1")
 

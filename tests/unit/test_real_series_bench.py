@@ -1,0 +1,104 @@
+"""bench/real_series.py without Kafka: the series loaders, the AR(p) baseline and the score arithmetic."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import real_series as rs  # noqa: E402
+from _series import SERIES  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(SERIES))
+def test_every_loader_returns_a_finite_float32_series_in_time_order(name: str) -> None:
+    series = SERIES[name]()
+    values = series.values
+    assert values.dtype == np.float32 and values.ndim == 2
+    assert values.shape[0] >= 100 and 1 <= values.shape[1] <= 4
+    assert np.isfinite(values).all()
+    assert len(series.channel_names) == values.shape[1]
+    assert series.ts.shape == (values.shape[0],) and np.isfinite(series.ts).all()
+    assert (np.diff(series.ts) > 0).all()
+    assert series.period and series.source
+    assert (values[: int(rs.TRAIN_SHARE * len(values))].std(axis=0) > 0).all()  # z-scoring needs spread
+
+
+def test_the_bench_has_eight_series_daily_to_yearly_with_one_to_four_channels() -> None:
+    loaded = [f() for f in SERIES.values()]
+    assert len(loaded) >= 8
+    assert {"daily", "weekly", "monthly", "quarterly", "yearly"} <= {s.period.split(" ")[0] for s in loaded}
+    assert {s.values.shape[1] for s in loaded} >= {1, 2, 3, 4}
+
+
+FIXED = np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0, 5.0, 8.0, 9.0, 7.0, 9.0, 3.0, 2.0, 3.0, 8.0, 4.0])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_the_ar_fit_is_numpy_lstsq_on_lags_with_an_intercept(p: int) -> None:
+    rows = [[1.0, *(FIXED[t - k] for k in range(1, p + 1))] for t in range(p, len(FIXED))]
+    expected = np.linalg.lstsq(np.array(rows), FIXED[p:], rcond=None)[0]
+    np.testing.assert_allclose(rs.fit_ar(FIXED, p), expected, rtol=1e-10, atol=1e-12)
+    # the forecast from a context uses the newest reading as lag 1
+    context = FIXED[None, -5:]
+    assert rs.ar_forecast(expected, context)[0] == pytest.approx(expected[0] + expected[1:] @ FIXED[-1 : -p - 1 : -1])
+
+
+def test_the_order_is_picked_on_the_last_fifth_and_refitted_on_everything() -> None:
+    rng = np.random.default_rng(0)
+    x = np.zeros(100)
+    for t in range(2, len(x)):  # an AR(2) process; on 80 readings high orders overfit and lose on the last 20
+        x[t] = 1.2 * x[t - 1] - 0.6 * x[t - 2] + rng.normal()
+    assert rs.max_order(100) == 20 and rs.max_order(400) == 24
+    split = int(0.8 * len(x))
+    targets = np.arange(split, len(x))
+    val = [np.mean((rs.ar_design(x, q, targets) @ rs.fit_ar(x[:split], q) - x[targets]) ** 2) for q in range(1, 21)]
+    p, coef = rs.choose_order(x)
+    assert p == int(np.argmin(val)) + 1 == 2
+    np.testing.assert_allclose(coef, rs.fit_ar(x, 2))  # refitted on all of it
+
+
+def test_scores_are_standardized_per_channel_then_averaged() -> None:
+    target = np.array([[0.0, 100.0], [2.0, 100.0]])
+    forecast = np.array([[1.0, 110.0], [2.0, 90.0]])
+    mean, std = np.array([5.0, 0.0]), np.array([2.0, 10.0])
+    # channel 0: errors (1, 0) / 2 -> mse 0.125; channel 1: errors (10, -10) / 10 -> mse 1.0
+    assert rs.standardized_mse(forecast, target, mean, std) == pytest.approx((0.125 + 1.0) / 2)
+    assert rs.standardized_mse(target, target, mean, std) == 0.0
+
+
+def test_ratios_and_geometric_means() -> None:
+    r = rs.ratios(mse_served=0.5, mse_last=2.0, mse_ar=1.0)
+    assert r == pytest.approx({"served_last": 0.25, "ar_last": 0.5, "served_ar": 0.5, "served_best": 0.5})
+    assert rs.ratios(3.0, 2.0, 4.0)["served_best"] == pytest.approx(1.5)  # best of the two is the last value
+    assert rs.geomean([0.5, 2.0]) == pytest.approx(1.0)
+    assert rs.geomean([0.25, 1.0, 4.0, 8.0]) == pytest.approx(8.0**0.25)
+    assert math.isnan(rs.geomean([]))
+
+
+def _result(name: str, served_last: float, served_ar: float, served_best: float, error: str | None = None) -> rs.Result:
+    return rs.Result(name, "burst", 1, "daily", "river", 100, served_last, 1.0, served_ar, served_best, None, None,
+                     None, [1], 1.0, 1.0, 1.0, error=error)  # fmt: skip
+
+
+def test_targets_name_the_series_that_miss_them() -> None:
+    good = [_result("a", 0.5, 0.5, 1.0), _result("b", 0.9, 0.8, 1.04)]
+    assert all(met for met, _ in rs.targets_met(good).values())
+    bad = [_result("a", 1.2, 0.5, 1.2), _result("b", 0.9, 2.0, 1.06)]
+    (last, last_detail), (best, best_detail), (geo, geo_detail) = rs.targets_met(bad).values()
+    assert not last and last_detail == "over: a"
+    assert not best and best_detail == "over: a, b"
+    assert not geo and geo_detail == "1.000x"  # sqrt(0.5 * 2.0)
+    failed = [*good, _result("c", math.nan, math.nan, math.nan, error="TimeoutError")]
+    assert not any(met for met, _ in rs.targets_met(failed).values())
+
+
+def test_window_capacity_is_five_to_ten_thousand_and_holds_every_event() -> None:
+    assert rs.window_capacity(333) == 5000
+    assert rs.window_capacity(7000) == 7000
+    assert rs.window_capacity(12_000) == 12_000
