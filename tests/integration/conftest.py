@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path

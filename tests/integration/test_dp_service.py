@@ -10,7 +10,7 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.simulate import SimulationConfig, run_simulation
+from streamtrain.simulate import SimulationConfig
 
 pytestmark = pytest.mark.integration
 

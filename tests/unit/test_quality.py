@@ -17,7 +17,6 @@ from streamtrain.metrics import Metrics
 from streamtrain.model import ModelOutput, RunningNorm, SensorModel
 from streamtrain.quality import (
     EventScores,
-    HoldoutBuffer,
     QualityConfig,
     QualityMonitor,
     score_events,

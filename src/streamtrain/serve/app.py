@@ -44,7 +44,6 @@ from streamtrain.serve.schemas import (
     RollbackResult,
     WindowReport,
 )
-from streamtrain.registry import UnknownVersion
 from streamtrain.service import RollbackNotTaken, Service
 
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamtrain.config import load_settings
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import DP_PUBLIC_METRICS
-from streamtrain.privacy import AdmissionRecordError, StepDecision
+from streamtrain.privacy import AdmissionRecordError
 from streamtrain.privacy.admissions import AdmissionRecord
 from streamtrain.serve.app import create_app
 from streamtrain.service import Service
