@@ -22,7 +22,7 @@ import gzip
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ def _river_dir() -> Path:
 
 
 def _utc(year: int, month: int = 1, day: int = 1) -> float:
-    return datetime(year, month, day, tzinfo=timezone.utc).timestamp()
+    return datetime(year, month, day, tzinfo=UTC).timestamp()
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -79,7 +79,9 @@ def occupancy() -> Series:
 
 
 def water_flow() -> Series:
-    ts, values = _read(_river_dir() / "datasets" / "water-flow.csv", "Time", "%Y-%m-%dT%H:%M:%S%z", ["Water flow [l/s]"])
+    ts, values = _read(
+        _river_dir() / "datasets" / "water-flow.csv", "Time", "%Y-%m-%dT%H:%M:%S%z", ["Water flow [l/s]"]
+    )
     return Series("water_flow", ts, values, ("flow",), period="hourly", source="river")
 
 

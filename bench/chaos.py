@@ -68,7 +68,7 @@ from _kafka import Broker, free_port  # noqa: E402
 from _malloc import CHOICES, malloc_env  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.checkpoint import read_checkpoint  # noqa: E402
+from streamtrain.checkpoint.store import read_checkpoint  # noqa: E402
 
 TOKEN = "chaos-admin-token-5d1c"
 KINDS = ("broker_restart", "add_partitions", "member_join_leave", "oversized", "malformed", "sigkill")
@@ -158,7 +158,9 @@ def producer_config(bootstrap: str) -> dict[str, Any]:
                 request_timeout_ms=15_000, metadata_max_age_ms=5000, reconnect_backoff_max_ms=1000)  # fmt: skip
 
 
-def feed_process(index: int, workers: int, bootstrap: str, topic: str, config: ChaosConfig, stop: Any, ends: Any, out: str) -> None:
+def feed_process(
+    index: int, workers: int, bootstrap: str, topic: str, config: ChaosConfig, stop: Any, ends: Any, out: str
+) -> None:
     """One feed process: events ``index, index + workers, ...`` at ``rate / workers`` per second;
     reports its acknowledged log ends as it goes and every place it was given at the end."""
     placement = Placement()
@@ -186,7 +188,9 @@ def feed_process(index: int, workers: int, bootstrap: str, topic: str, config: C
             sent += 1
             owed -= 1
             sensor = f"s{event_id % 64}"
-            value = orjson.dumps({"sensor_id": sensor, "ts": wall - 0.5, "values": [float(event_id), *tails[event_id % 4096]]})
+            value = orjson.dumps(
+                {"sensor_id": sensor, "ts": wall - 0.5, "values": [float(event_id), *tails[event_id % 4096]]}
+            )
             producer.send(topic, key=sensor.encode(), value=value).add_callback(placed(event_id)).add_errback(on_error)
         if now - reported >= 0.5:
             ends.put(placement.snapshot_ends())
@@ -202,15 +206,21 @@ def feed_process(index: int, workers: int, bootstrap: str, topic: str, config: C
 class Feed:
     """Valid events at ``rate``/s from ``processes`` feed processes; special messages on demand; every ack placed."""
 
-    def __init__(self, bootstrap: str, topic: str, config: ChaosConfig, placement: Placement, workdir: Path, processes: int) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, config: ChaosConfig, placement: Placement, workdir: Path, processes: int
+    ) -> None:
         self.topic, self.placement, self.workdir = topic, placement, workdir
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
         self._ends = context.Queue()
         self._outs = [workdir / f"feed-{i}.npz" for i in range(processes)]
         self._processes = [
-            context.Process(target=feed_process, args=(i, processes, bootstrap, topic, config, self._stop, self._ends, str(out)),
-                            name=f"feed-{i}", daemon=True)  # fmt: skip
+            context.Process(
+                target=feed_process,
+                args=(i, processes, bootstrap, topic, config, self._stop, self._ends, str(out)),
+                name=f"feed-{i}",
+                daemon=True,
+            )  # fmt: skip
             for i, out in enumerate(self._outs)
         ]
         # special messages from here, on a non-idempotent producer: a refused one must not stop anything
@@ -404,7 +414,9 @@ def schedule(config: ChaosConfig, rng: random.Random) -> list[tuple[float, str]]
     times = [config.warmup_s + i * slot + rng.uniform(0, 0.3 * slot) for i in range(count)]
     first_half = [i for i, t in enumerate(times) if t <= config.warmup_s + active / 2]
     kills = set(rng.sample(first_half, min(rounds, len(first_half))))
-    others = [kind for _ in range(rounds + 1) for kind in rng.sample([k for k in KINDS if k != "sigkill"], len(KINDS) - 1)]
+    others = [
+        kind for _ in range(rounds + 1) for kind in rng.sample([k for k in KINDS if k != "sigkill"], len(KINDS) - 1)
+    ]
     kinds = ["sigkill" if i in kills else others.pop(0) for i in range(count)]
     return list(zip(times, kinds))
 
@@ -500,7 +512,11 @@ def run(config: ChaosConfig, workdir: Path) -> ChaosRun:
             chaos.faults.append(fault)
         while chaos_time() < config.duration_s:
             time.sleep(0.5)
-        print(f"[{chaos_time():7.1f} s] production stops; waiting for the service to read everything", file=sys.stderr, flush=True)
+        print(
+            f"[{chaos_time():7.1f} s] production stops; waiting for the service to read everything",
+            file=sys.stderr,
+            flush=True,
+        )
         feed.stop()
         service = chaos.processes[-1]
         ends = placement.snapshot_ends()
@@ -667,7 +683,11 @@ def rss_growth(chaos: ChaosRun) -> float:
     if not mine:
         return math.nan
     first_t = mine[0].t
-    warm = [s.rss_mb for s in mine if first_t + config.rss_warmup_s <= s.t <= first_t + config.rss_warmup_s + config.rss_span_s]
+    warm = [
+        s.rss_mb
+        for s in mine
+        if first_t + config.rss_warmup_s <= s.t <= first_t + config.rss_warmup_s + config.rss_span_s
+    ]
     end = [s.rss_mb for s in mine if s.t >= mine[-1].t - config.rss_span_s]
     if not warm or mine[-1].t - first_t < config.rss_warmup_s + 2 * config.rss_span_s:
         return math.nan  # the last process did not live long enough to tell
@@ -691,7 +711,11 @@ def report(chaos: ChaosRun) -> tuple[list[Row], bool]:
         Row("chaos", f"malloc: {chaos.malloc}", 1),
         Row("chaos", "events/s produced", chaos.rate, target=f"{config.rate:g}"),
         *[Row("chaos", f"faults: {kind}", float(faults[kind])) for kind in KINDS],
-        Row("chaos", "window items audited" + (" (all events)" if window["complete"] else " (uniform sample)"), window["items"]),
+        Row(
+            "chaos",
+            "window items audited" + (" (all events)" if window["complete"] else " (uniform sample)"),
+            window["items"],
+        ),
         Row("chaos", "window: duplicated (partition, offset)", window["duplicates"], target="0"),
         Row("chaos", "window: events lost", window["lost"], target="0"),
         Row("chaos", "window: events counted twice", window["doubled"], target="0"),
@@ -700,8 +724,10 @@ def report(chaos: ChaosRun) -> tuple[list[Row], bool]:
         Row("chaos", "stalls (partition-level, > 3 s)", float(len(stalls))),
         Row("chaos", "stall healed in, max s", heal_max, target=f"<= {config.heal_target_s:g}"),
         Row("chaos", "stalls no fault explains", float(sum(s.explained_by == "none" for s in stalls))),
-        *[Row("chaos", f"ingest restarts: {reason}", float(restarts.get(reason, 0)))
-          for reason in ("unassigned", "no_fetch_progress", "no_heartbeat", "error")],  # fmt: skip
+        *[
+            Row("chaos", f"ingest restarts: {reason}", float(restarts.get(reason, 0)))
+            for reason in ("unassigned", "no_fetch_progress", "no_heartbeat", "error")
+        ],  # fmt: skip
         Row("chaos", "dead letters expected", letters["expected"]),
         Row("chaos", "dead letters missing", letters["missing"], target="0"),
         Row("chaos", "dead letters not matching their message", letters["wrong"], target="0"),
@@ -710,7 +736,12 @@ def report(chaos: ChaosRun) -> tuple[list[Row], bool]:
         Row("chaos", "RSS growth after warm-up (last process)", growth, target=f"< {config.rss_target:.0%}"),
     ]
     ok = (
-        window["duplicates"] == window["lost"] == window["doubled"] == window["mismatches"] == window["uncovered_partitions"] == 0
+        window["duplicates"]
+        == window["lost"]
+        == window["doubled"]
+        == window["mismatches"]
+        == window["uncovered_partitions"]
+        == 0
         and heal_max <= config.heal_target_s
         and letters["missing"] == letters["wrong"] == 0
         and (math.isnan(growth) or growth < config.rss_target)
@@ -719,24 +750,33 @@ def report(chaos: ChaosRun) -> tuple[list[Row], bool]:
         print(f"stall: partition {stall.partition} {stall.start:.1f}-{stall.end:.1f} s, healed in {stall.heal_s:.1f} s "
               f"(after: {stall.explained_by})", file=sys.stderr)  # fmt: skip
     if window["unacknowledged_places"]:
-        print(f"note: {window['unacknowledged_places']:.0f} places below the covered offsets had no ack "
-              f"({chaos.placement.failed_sends} failed sends): the count check is loose by that much", file=sys.stderr)
+        print(
+            f"note: {window['unacknowledged_places']:.0f} places below the covered offsets had no ack "
+            f"({chaos.placement.failed_sends} failed sends): the count check is loose by that much",
+            file=sys.stderr,
+        )
     return rows, ok
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = ChaosConfig()
-    parser.add_argument("--duration-s", type=float, default=defaults.duration_s, help="production time, faults included")
+    parser.add_argument(
+        "--duration-s", type=float, default=defaults.duration_s, help="production time, faults included"
+    )
     parser.add_argument("--rate", type=float, default=defaults.rate, help="valid events per second")
     parser.add_argument("--window-capacity", type=int, default=defaults.window_capacity,
                         help="the service's WINDOW_CAPACITY; at least the events sent makes the audit complete")  # fmt: skip
     parser.add_argument("--fault-gap-s", type=float, default=defaults.fault_gap_s, help="mean time between faults")
-    parser.add_argument("--feed-processes", type=int, default=defaults.feed_processes, help="producer processes sharing --rate")
+    parser.add_argument(
+        "--feed-processes", type=int, default=defaults.feed_processes, help="producer processes sharing --rate"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--malloc", choices=CHOICES, default=defaults.malloc,
                         help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto")  # fmt: skip
-    parser.add_argument("--keep", type=Path, default=None, help="work directory to keep (logs, checkpoints, broker data)")
+    parser.add_argument(
+        "--keep", type=Path, default=None, help="work directory to keep (logs, checkpoints, broker data)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     config = ChaosConfig(duration_s=args.duration_s, rate=args.rate, window_capacity=args.window_capacity,

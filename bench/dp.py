@@ -1,6 +1,6 @@
 """DP-SGD step time and utility: ours vs Opacus ``make_private`` (Poisson) vs non-DP training.
 
-Part 1, step time. All three train the same :class:`~streamtrain.model.SensorModel` from the same initial
+Part 1, step time. All three train the same :class:`~streamtrain.model.network.SensorModel` from the same initial
 weights on the same logical batches: Poisson samples of the training set (rate q, so the
 expected batch is ``--expected-batch``), drawn once with a fixed seed and shared.
 
@@ -52,9 +52,9 @@ from streamtrain.config import Settings  # noqa: E402
 from streamtrain.data import TokenBudget, collate, plan_batches  # noqa: E402
 from streamtrain.data.randomness import SeededRandomness  # noqa: E402
 from streamtrain.events import EventLimits, decode_batch  # noqa: E402
-from streamtrain.model import SensorModel, build_model, forecast_loss, naive_last_value_loss  # noqa: E402
+from streamtrain.model.network import SensorModel, build_model, forecast_loss, naive_last_value_loss  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
-from streamtrain.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
 
 BENCH = "dp"
 
@@ -91,7 +91,9 @@ def make_ours(model: SensorModel, args: argparse.Namespace, train_size: int) -> 
     return DPEngine(model, optimizer, config, TokenBudget(args.dp_token_budget, max_sequences=args.max_micro_batch))
 
 
-def make_opacus(model: SensorModel, args: argparse.Namespace, train: list[np.ndarray]) -> Callable[[list[np.ndarray]], None]:
+def make_opacus(
+    model: SensorModel, args: argparse.Namespace, train: list[np.ndarray]
+) -> Callable[[list[np.ndarray]], None]:
     from opacus import PrivacyEngine
 
     whole = collate(train)
@@ -198,7 +200,9 @@ def run(args: argparse.Namespace) -> list[Row]:
 def utility(args: argparse.Namespace) -> list[Row]:
     """Part 2: held-out loss over the last value's, DP (service defaults) vs non-DP, along the stream."""
     torch.set_num_threads(args.threads)
-    settings = Settings(dp="on", shuffle="crypto", learning_rate=args.utility_lr or Settings.model_fields["learning_rate"].default)
+    settings = Settings(
+        dp="on", shuffle="crypto", learning_rate=args.utility_lr or Settings.model_fields["learning_rate"].default
+    )
     fleet = SensorFleet(SimulationConfig(rate=args.rate, sensors=16, seed=args.seed + 7, max_len=settings.max_len))
     limits = EventLimits.from_settings(settings)
     torch.manual_seed(settings.seed)
@@ -207,13 +211,17 @@ def utility(args: argparse.Namespace) -> list[Row]:
     config = DPConfig.from_settings(settings)
     engine = DPEngine(private_model, torch.optim.AdamW(private_model.parameters(), lr=settings.learning_rate,
                       weight_decay=settings.weight_decay), config, settings.dp_token_budget)  # fmt: skip
-    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    plain_optimizer = torch.optim.AdamW(
+        plain_model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
+    )
     budget = TokenBudget(settings.token_budget, max_sequences=settings.max_batch_sequences)
     rng = np.random.default_rng(args.seed)
 
     def arrivals(count: int, now: float, first_offset: int) -> list[np.ndarray]:
         raw = fleet.generate_batch(count, now=now)
-        events = decode_batch(raw.values, limits, now + 2.0, [0] * count, list(range(first_offset, first_offset + count))).events
+        events = decode_batch(
+            raw.values, limits, now + 2.0, [0] * count, list(range(first_offset, first_offset + count))
+        ).events
         return events, [events.values[a : a + n] for a, n in zip(events.starts, events.lengths, strict=True)]
 
     held_events, held = arrivals(512, 9_000.0, 0)
@@ -231,7 +239,9 @@ def utility(args: argparse.Namespace) -> list[Row]:
     def plain_step(items: list[np.ndarray]) -> None:
         lengths = np.array([len(v) for v in items])
         target_tokens = max(1, int((lengths - 1).sum()))
-        for group in plan_batches(lengths, budget, SeededRandomness(int(rng.integers(1 << 30))), pool_size=len(items)).batches:
+        for group in plan_batches(
+            lengths, budget, SeededRandomness(int(rng.integers(1 << 30))), pool_size=len(items)
+        ).batches:
             batch = collate([items[i] for i in group])
             x_norm = engine.norm.normalize(batch.values).float() * batch.mask[..., None]
             per_sample = forecast_loss(plain_model(x_norm, batch.mask), x_norm, batch.mask, reduction="per_sample")
@@ -265,8 +275,19 @@ def utility(args: argparse.Namespace) -> list[Row]:
                             ratio(private_model) * naive, naive, "<= 0.9x at 10 min, eps <= 8" if step == marks[-1] else ""))  # fmt: skip
             rows.append(Row(BENCH, f"stream {minutes:.1f} min (step {step}): non-DP holdout_loss vs last value",
                             ratio(plain_model) * naive, naive))  # fmt: skip
-            print(f"# utility step {step}/{args.utility_steps} after {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    rows.append(Row(BENCH, "epsilon per event (cap, DP defaults) vs target", engine.epsilon_cap, config.target_epsilon, "<= 1.0x"))
+            print(
+                f"# utility step {step}/{args.utility_steps} after {time.perf_counter() - started:.0f}s",
+                file=sys.stderr,
+            )
+    rows.append(
+        Row(
+            BENCH,
+            "epsilon per event (cap, DP defaults) vs target",
+            engine.epsilon_cap,
+            config.target_epsilon,
+            "<= 1.0x",
+        )
+    )
     return rows
 
 
@@ -289,7 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-micro-batch", type=int, default=128, help="sequences per micro-batch, both")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--utility-steps", type=int, default=1200, help="part 2: DP clock steps (2 Hz: 1200 = 10 min); 0 skips")
+    parser.add_argument(
+        "--utility-steps", type=int, default=1200, help="part 2: DP clock steps (2 Hz: 1200 = 10 min); 0 skips"
+    )
     parser.add_argument("--utility-lr", type=float, default=None, help="part 2: learning rate (default: the service's)")
     parser.add_argument("--rate", type=float, default=100.0, help="part 2: simulated events per second")
     parser.add_argument("--skip-timing", action="store_true", help="run part 2 only")

@@ -43,9 +43,9 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.data.collate import collate  # noqa: E402
 from streamtrain.events import EventBatch, EventLimits, SensorEvent, decode_batch  # noqa: E402
-from streamtrain.model import SensorModel  # noqa: E402
+from streamtrain.model.network import SensorModel  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
-from streamtrain.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
 
 BENCH = "dp_audit"
 CANARY_PARTITION = 1  # canaries and background come from different partitions of the audit stream
@@ -141,7 +141,9 @@ def head(model: SensorModel) -> torch.Tensor:
 def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
     started = time.perf_counter()
     torch.manual_seed(args.seed)  # the initial model is public
-    rng = np.random.default_rng(seed)  # the auditor's randomness (which canaries go in); the mechanism's is the OS CSPRNG
+    rng = np.random.default_rng(
+        seed
+    )  # the auditor's randomness (which canaries go in); the mechanism's is the OS CSPRNG
     m = args.canaries
     model = SensorModel(1, n_classes=m, d_model=args.d_model, n_heads=2, n_layers=1, max_len=64)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -158,7 +160,9 @@ def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
     direction = torch.cat([hidden(model, engine, args.canary_length), torch.ones(1, dtype=torch.float64)])
     direction /= direction.norm()  # where a canary's own class row moves when it is trained on (public: initial model)
     before = head(model)
-    fleet = SensorFleet(SimulationConfig(sensors=16, seed=seed, length_median=args.canary_length, length_sigma=0.3, max_len=64))
+    fleet = SensorFleet(
+        SimulationConfig(sensors=16, seed=seed, length_median=args.canary_length, length_sigma=0.3, max_len=64)
+    )
     limits = EventLimits(max_len=64)
     rounds = args.crashes + 1 if variant == "readmit" else 1
     now, offset, step = 1000.0, 0, 0
@@ -168,7 +172,9 @@ def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
         for k in range(args.eligible_steps):
             background = args.background if k else max(0, min(args.background, args.admit_per_step - inserted.size))
             fleet_batch = fleet.generate_batch(background, now=now)
-            stream = decode_batch(fleet_batch.values, limits, now + 2, [0] * background, list(range(offset, offset + background)))
+            stream = decode_batch(
+                fleet_batch.values, limits, now + 2, [0] * background, list(range(offset, offset + background))
+            )
             offset += background
             engine.admit(stream.events, now=now + 0.1)
             if k == 0:
@@ -206,7 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--expected-units", type=float, default=1e4)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--d-model", type=int, default=8)
-    parser.add_argument("--crashes", type=int, default=599, help="readmit variant: restarts without the admission record")
+    parser.add_argument(
+        "--crashes", type=int, default=599, help="readmit variant: restarts without the admission record"
+    )
     parser.add_argument("--k", type=int, nargs="+", default=[25, 50, 100, 200], help="guess counts tried")
     parser.add_argument("--beta", type=float, default=0.05, help="1 - confidence of the lower bound")
     parser.add_argument("--seed", type=int, default=0)
@@ -220,7 +228,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for variant, result in results.items():
         target = "< claimed" if variant == "dp" else "> claimed (the audit can fail)"
-        rows.append(Row(BENCH, f"empirical epsilon lower bound, {variant} vs claimed epsilon", result.lower_bound, claimed, target))
+        rows.append(
+            Row(
+                BENCH,
+                f"empirical epsilon lower bound, {variant} vs claimed epsilon",
+                result.lower_bound,
+                claimed,
+                target,
+            )
+        )
         rows.append(Row(BENCH, f"{variant}: correct of {result.guesses} guesses (k={result.best_k}, {result.canaries_in} canaries in)",
                         float(result.correct), float(result.guesses)))  # fmt: skip
     emit(rows, args.json)

@@ -43,10 +43,10 @@ from _table import Row, emit  # noqa: E402
 from streamtrain.config import load_settings  # noqa: E402
 from streamtrain.events import EventBatch, EventLimits, decode_batch  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.model import RunningNorm  # noqa: E402
-from streamtrain.quality import DriftMonitor, score_events  # noqa: E402
-from streamtrain.simulate import SensorFleet, SimulationConfig  # noqa: E402
-from streamtrain.train import Trainer  # noqa: E402
+from streamtrain.model.network import RunningNorm  # noqa: E402
+from streamtrain.quality.monitor import DriftMonitor, score_events  # noqa: E402
+from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.training.trainer import Trainer  # noqa: E402
 from streamtrain.window import RecencyWindow  # noqa: E402
 
 LAGS = 8
@@ -72,7 +72,9 @@ class Stream:
 
 def _decode(fleet: SensorFleet, n: int, elapsed: float, now: float) -> EventBatch:
     batch = fleet.generate_batch(n, now=now, elapsed_s=elapsed)
-    return decode_batch(batch.values, EventLimits(max_len=512, channels=fleet.config.channels), now + 10, [0] * n, list(range(n))).events
+    return decode_batch(
+        batch.values, EventLimits(max_len=512, channels=fleet.config.channels), now + 10, [0] * n, list(range(n))
+    ).events
 
 
 def simulated(name: str, args: argparse.Namespace, drift: str, skewed: bool = False) -> Stream:
@@ -102,7 +104,7 @@ def simulated(name: str, args: argparse.Namespace, drift: str, skewed: bool = Fa
 
 
 def _subset(batch: EventBatch, rows: np.ndarray) -> EventBatch:
-    from streamtrain.quality import _rows
+    from streamtrain.quality.monitor import _rows
 
     return _rows(batch, rows)
 
@@ -116,7 +118,10 @@ def real(name: str, args: argparse.Namespace) -> Stream:
     from streamtrain.events import SensorEvent
 
     for start in range(0, len(windows), per_chunk):
-        items = [SensorEvent("room", float(ts[i]), windows[i], -1) for i in range(start, min(start + per_chunk, len(windows)))]
+        items = [
+            SensorEvent("room", float(ts[i]), windows[i], -1)
+            for i in range(start, min(start + per_chunk, len(windows)))
+        ]
         chunks.append(EventBatch.from_events(items, channels=series.values.shape[1]))
         regimes.append(0)
     tick = float(np.median(np.diff(series.ts))) * per_chunk
@@ -128,7 +133,9 @@ def real(name: str, args: argparse.Namespace) -> Stream:
 # ------------------------------------------------------------------ arms
 
 
-def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, reset_on_drift: bool = False) -> np.ndarray:
+def trainer_arm(
+    stream: Stream, args: argparse.Namespace, half_life_s: float, reset_on_drift: bool = False
+) -> np.ndarray:
     """Per-chunk (sse, naive_sse, steps) of one window kind, scored before training."""
     overrides: dict[str, Any] = dict(
         channels=stream.channels, d_model=32, n_heads=2, n_layers=1, max_len=512, token_budget=args.token_budget,
@@ -149,7 +156,9 @@ def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, re
         served = trainer.published
         values = [chunk.event(j).values for j in range(len(chunk))]
         if served is not None and values:
-            s = score_events(served.served, served.norm, values, None, 4096, units)  # what serves: the chosen forecaster
+            s = score_events(
+                served.served, served.norm, values, None, 4096, units
+            )  # what serves: the chosen forecaster
             out[i] = s.sse.sum(), s.naive_sse.sum(), s.steps.sum()
             if detector is not None:
                 for e in (s.sse[s.steps > 0] / s.steps[s.steps > 0]).tolist():
@@ -172,7 +181,7 @@ def trainer_arm(stream: Stream, args: argparse.Namespace, half_life_s: float, re
 
 class _Naive(torch.nn.Module):
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> Any:
-        from streamtrain.model import ModelOutput
+        from streamtrain.model.network import ModelOutput
 
         return ModelOutput(forecast=x_norm * mask[..., None], logits=None)
 
@@ -374,7 +383,7 @@ def plot(results: list[tuple[Stream, dict[str, np.ndarray]]], path: Path, width:
 def scoring_cost(seconds: float = 3.0) -> list[Row]:
     """What test-then-train scoring costs with the default model and event shape (one thread)."""
     from streamtrain.config import Settings
-    from streamtrain.model import build_model
+    from streamtrain.model.network import build_model
 
     settings = Settings()
     fleet = SensorFleet(SimulationConfig(seed=1, length_median=32))
@@ -390,19 +399,35 @@ def scoring_cost(seconds: float = 3.0) -> list[Row]:
     cap = settings.quality_max_events_per_s
     return [
         Row("drift/scoring", "seconds per scored event (default model, 32-step events)", per_event),
-        Row("drift/scoring", f"core share at 5k events/s with the default cap ({cap:g}/s)", per_event * min(cap, 5000.0), 0.10, "<= 0.1 of a core"),
+        Row(
+            "drift/scoring",
+            f"core share at 5k events/s with the default cap ({cap:g}/s)",
+            per_event * min(cap, 5000.0),
+            0.10,
+            "<= 0.1 of a core",
+        ),
         Row("drift/scoring", "share of events scored at 5k events/s", min(cap, 5000.0) / 5000.0),
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--streams", default="abrupt,recurring,skewed,occupancy", help="comma separated: abrupt, recurring, skewed, occupancy, water_flow")
+    parser.add_argument(
+        "--streams",
+        default="abrupt,recurring,skewed,occupancy",
+        help="comma separated: abrupt, recurring, skewed, occupancy, water_flow",
+    )
     parser.add_argument("--duration-s", type=float, default=180.0, help="event seconds of each simulated stream")
     parser.add_argument("--rate", type=float, default=40.0, help="simulated events per event-second")
-    parser.add_argument("--capacity", type=int, default=1200, help="window capacity W of every arm (events), simulated streams")
-    parser.add_argument("--real-capacity", type=int, default=96, help="window capacity W on the real series (~480 events)")
-    parser.add_argument("--steps-per-tick", type=int, default=4, help="training steps after each tick of events (every arm)")
+    parser.add_argument(
+        "--capacity", type=int, default=1200, help="window capacity W of every arm (events), simulated streams"
+    )
+    parser.add_argument(
+        "--real-capacity", type=int, default=96, help="window capacity W on the real series (~480 events)"
+    )
+    parser.add_argument(
+        "--steps-per-tick", type=int, default=4, help="training steps after each tick of events (every arm)"
+    )
     parser.add_argument("--token-budget", type=int, default=1024)
     parser.add_argument("--sampling", default=None, help="pass policy (the SAMPLING setting), when the service has one")
     parser.add_argument("--seed", type=int, default=0)
@@ -420,7 +445,10 @@ def main() -> None:
         else:
             stream = real(name, args)
         width = 5 if stream.simulated else 4
-        curves, timings = run_stream(stream, argparse.Namespace(**{**vars(args), "capacity": args.capacity if stream.simulated else args.real_capacity}))
+        curves, timings = run_stream(
+            stream,
+            argparse.Namespace(**{**vars(args), "capacity": args.capacity if stream.simulated else args.real_capacity}),
+        )
         results.append((stream, curves))
         rows.extend(rows_for(stream, curves, width))
         rows.extend(Row(f"drift/{stream.name}", f"{arm} seconds", t) for arm, t in timings.items())

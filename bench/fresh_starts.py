@@ -130,7 +130,9 @@ def main() -> int:
     parser.add_argument("--starts", type=int, default=20)
     parser.add_argument("--events", type=int, default=1000, help="messages the simulator sends per start")
     parser.add_argument("--rate", type=float, default=200.0, help="simulator events/s (run-local's default)")
-    parser.add_argument("--catch-up-s", type=float, default=60.0, help="after the simulator: time to read every message")
+    parser.add_argument(
+        "--catch-up-s", type=float, default=60.0, help="after the simulator: time to read every message"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the work directory (logs) here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import load_settings
-from streamtrain.ingest import Ingestor, ensure_topics
+from streamtrain.ingest.ingestor import Ingestor, ensure_topics
 from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
@@ -38,7 +38,9 @@ def preload(bootstrap: str, topic: str, count: int, partitions: int, seed: int =
     for i, length in enumerate(lengths.tolist()):
         sensor = f"sensor-{i % 64}"
         values = np.round(rng.standard_normal(length), 4).tolist()
-        producer.send(topic, key=sensor.encode(), value=orjson.dumps({"sensor_id": sensor, "ts": now, "values": values}))
+        producer.send(
+            topic, key=sensor.encode(), value=orjson.dumps({"sensor_id": sensor, "ts": now, "values": values})
+        )
     producer.flush()
     producer.close()
 
@@ -71,8 +73,12 @@ def bare_poll_rate(bootstrap: str, topic: str, count: int, max_records: int) -> 
 
 def ingest_rate(bootstrap: str, topic: str, count: int, max_records: int, capacity: int) -> float:
     settings = load_settings(
-        kafka_bootstrap=bootstrap, topic=topic, group_id=f"ours-{uuid.uuid4().hex[:6]}",
-        poll_max_records=max_records, window_capacity=capacity, half_life_s=3600.0,
+        kafka_bootstrap=bootstrap,
+        topic=topic,
+        group_id=f"ours-{uuid.uuid4().hex[:6]}",
+        poll_max_records=max_records,
+        window_capacity=capacity,
+        half_life_s=3600.0,
     )
     window = RecencyWindow(capacity, settings.half_life_s, rng=np.random.default_rng(0))
     ingestor = Ingestor(settings, window, Metrics())

@@ -7,7 +7,7 @@ Two measurements, each with the service's defaults (window 100k items, poll batc
   ``PASS_MAX_ITEMS`` subset of it, while the ingest thread inserts poll batches. The
   window lock is instrumented: we report how long one snapshot holds it (p50, max), and
   the ingest thread's ``insert_batch`` latency (p99) with and without snapshots running.
-* **checkpoint**: a :class:`streamtrain.service.Service` (no broker: the ingest thread is
+* **checkpoint**: a :class:`streamtrain.runtime.service.Service` (no broker: the ingest thread is
   played by a loop that takes the service's ``apply_lock`` and inserts a batch, as
   ``Ingestor._apply`` does) trains on its window while checkpoints are written. We report
   how long ingest waits for ``apply_lock`` (p99, max) against the mean training step.
@@ -124,7 +124,7 @@ def snapshot_rows(capacity: int, pass_items: int, inserts: int, seed: int) -> li
 
 
 def checkpoint_rows(capacity: int, checkpoints: int, seed: int) -> list[Row]:
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as directory:
@@ -181,7 +181,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=100_000, help="window items (WINDOW_CAPACITY)")
     parser.add_argument("--pass-items", type=int, default=8192, help="PASS_MAX_ITEMS")
-    parser.add_argument("--inserts", type=int, default=200, help="poll batches inserted (half alone, half with snapshots)")
+    parser.add_argument(
+        "--inserts", type=int, default=200, help="poll batches inserted (half alone, half with snapshots)"
+    )
     parser.add_argument("--checkpoints", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")

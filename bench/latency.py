@@ -1,6 +1,6 @@
 """Event-to-trained latency at 5k events/s, and publish-to-serving delay.
 
-A :class:`streamtrain.service.Service` runs in this process against the local broker on a
+A :class:`streamtrain.runtime.service.Service` runs in this process against the local broker on a
 unique topic, with its HTTP app served by uvicorn on a thread. ``--producers`` producer
 processes send ``--rate`` events/s between them, paced in 20 ms ticks, from pre-encoded
 bodies (lognormal lengths, ``--length-median``, sigma 0.8, clipped to 4..512) into which
@@ -160,7 +160,9 @@ def feed(window: Any, rate: float, start_at: float, duration_s: float, median: f
 @dataclass
 class Observations:
     inserts: list[tuple[float, np.ndarray]] = field(default_factory=list)
-    steps: list[tuple[float, int, np.ndarray, int, int]] = field(default_factory=list)  # end, step, ts, real, padded tokens
+    steps: list[tuple[float, int, np.ndarray, int, int]] = field(
+        default_factory=list
+    )  # end, step, ts, real, padded tokens
     fresh_ts: list[np.ndarray] = field(default_factory=list)
     publishes: list[tuple[int, int, float]] = field(default_factory=list)  # version, step, published_at
     answers: list[tuple[float, int]] = field(default_factory=list)  # answered at, model_version
@@ -194,7 +196,9 @@ def instrument(service: Any, seen: Observations) -> None:
     def recording_step(batch: Any) -> Any:
         report = step(batch)
         if report.applied:
-            seen.steps.append((time.time(), report.step, batch.ts.numpy().copy(), report.real_tokens, report.padded_tokens))
+            seen.steps.append(
+                (time.time(), report.step, batch.ts.numpy().copy(), report.real_tokens, report.padded_tokens)
+            )
         return report
 
     def recording_publish() -> Any:
@@ -259,9 +263,9 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     import uvicorn
 
     from streamtrain.config import load_settings
-    from streamtrain.ingest import ensure_topics
+    from streamtrain.ingest.ingestor import ensure_topics
+    from streamtrain.runtime.service import Service
     from streamtrain.serve.app import create_app
-    from streamtrain.service import Service
 
     topic = f"bench-latency-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="bench-latency-") as workdir:
@@ -293,8 +297,17 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
         processes = [
             context.Process(
                 target=produce,
-                args=(args.bootstrap, topic, per_producer, start_at, duration, i, args.producers, args.length_median,
-                      results),
+                args=(
+                    args.bootstrap,
+                    topic,
+                    per_producer,
+                    start_at,
+                    duration,
+                    i,
+                    args.producers,
+                    args.length_median,
+                    results,
+                ),
             )
             for i in range(args.producers)
         ]
@@ -331,8 +344,8 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     """:func:`run_once` with a feeder thread in place of Kafka, the producers and ingest."""
     import uvicorn
 
+    from streamtrain.runtime.service import Service
     from streamtrain.serve.app import create_app
-    from streamtrain.service import Service
 
     service = Service(settings)
     seen = Observations()
@@ -371,9 +384,7 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
 
 
-def analyse(
-    seen: Observations, begin: float, end: float, label: str, produced_rate: float
-) -> RunResult:
+def analyse(seen: Observations, begin: float, end: float, label: str, produced_rate: float) -> RunResult:
     in_interval = lambda ts: (ts >= begin) & (ts < end)  # noqa: E731
 
     insert_ts = np.concatenate([ts for _, ts in seen.inserts]) if seen.inserts else np.zeros(0)
@@ -460,14 +471,20 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=5000.0, help="events/s, all producers together")
     parser.add_argument("--producers", type=int, default=2, help="producer processes")
     parser.add_argument("--length-median", type=float, default=48.0, help="median event length (sigma 0.8)")
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
-                        help="runs separated by ';', each 'default' or service settings NAME=VALUE separated by ','")
+    parser.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="runs separated by ';', each 'default' or service settings NAME=VALUE separated by ','",
+    )
     parser.add_argument("--warmup-s", type=float, default=6.0, help="sent but not measured")
     parser.add_argument("--measure-s", type=float, default=20.0, help="events sent in this interval are measured")
     parser.add_argument("--tail-s", type=float, default=6.0, help="sent after the interval, not measured")
     parser.add_argument("--producer-start-s", type=float, default=3.0, help="lead time for producer processes")
-    parser.add_argument("--in-process", action="store_true",
-                        help="no broker: events fed straight into the window (the trainer's part of the latency)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no broker: events fed straight into the window (the trainer's part of the latency)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 

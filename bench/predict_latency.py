@@ -16,7 +16,7 @@ bodies pre-encoded so client work stays small, and times each request.
 
 Baselines, on the same request batches, in this process, with the same model size and
 thread count and no training going on: the bare forward
-(:func:`streamtrain.model.predict`) one call at a time, and the same forward called
+(:func:`streamtrain.model.network.predict`) one call at a time, and the same forward called
 from ``--concurrency`` threads at once (what the cores can do for that many callers).
 The server-side mean (the predict middleware's histogram, per phase) splits client and
 network time from server time.
@@ -37,7 +37,7 @@ model and token budget, docs/accelerators.md); the bare forward is then the GPU 
 
 ``--in-process`` needs no broker (the GPU machine has none): the same FastAPI app
 (:func:`streamtrain.serve.app.create_app`, with its predict batcher) over a
-:class:`~streamtrain.service.Service` in this process, served by uvicorn on a thread, HTTP
+:class:`~streamtrain.runtime.service.Service` in this process, served by uvicorn on a thread, HTTP
 over loopback as before; the trainer thread trains meanwhile on events a feeder thread
 inserts straight into the window at ``--stream-rate`` (no Kafka, no ingest thread, no
 prequential scoring). The load generator and the baselines are unchanged.
@@ -73,7 +73,7 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.device import describe  # noqa: E402
-from streamtrain.model import RunningNorm, build_model, plan_predict_batches, predict  # noqa: E402
+from streamtrain.model.network import RunningNorm, build_model, plan_predict_batches, predict  # noqa: E402
 
 BENCH = "predict_latency"
 INSTANCES = 32
@@ -100,7 +100,9 @@ Body = tuple[bytes, dict[str, str]]
 
 
 def encode(batch: Sequence[np.ndarray]) -> Body:
-    return orjson.dumps({"instances": [{"values": a[:, 0].tolist()} for a in batch]}), {"content-type": "application/json"}
+    return orjson.dumps({"instances": [{"values": a[:, 0].tolist()} for a in batch]}), {
+        "content-type": "application/json"
+    }
 
 
 def encode_oip(batch: Sequence[np.ndarray], binary: bool) -> Body:
@@ -111,7 +113,11 @@ def encode_oip(batch: Sequence[np.ndarray], binary: bool) -> Body:
         values[i, : len(a)] = a
     tensors = [("values", "FP32", values), ("lengths", "INT64", lengths)]
     if not binary:
-        body = {"inputs": [{"name": n, "datatype": t, "shape": list(a.shape), "data": a.ravel().tolist()} for n, t, a in tensors]}
+        body = {
+            "inputs": [
+                {"name": n, "datatype": t, "shape": list(a.shape), "data": a.ravel().tolist()} for n, t, a in tensors
+            ]
+        }
         return orjson.dumps(body), {"content-type": "application/json"}
     header = orjson.dumps({
         "inputs": [{"name": n, "datatype": t, "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
@@ -168,9 +174,7 @@ class Stack:
         log = open(self.log, "ab")  # noqa: SIM115 - lives as long as the process
         self.processes.append(subprocess.Popen(self.serve_args, env=self.env, stdout=log, stderr=subprocess.STDOUT))
         self._wait(lambda: self._get("/healthz") is not None, timeout_s, "health")
-        self.processes.append(
-            subprocess.Popen(self.simulate_args, env=self.env, stdout=subprocess.DEVNULL, stderr=log)
-        )
+        self.processes.append(subprocess.Popen(self.simulate_args, env=self.env, stdout=subprocess.DEVNULL, stderr=log))
         self._wait(lambda: self.client.get("/readyz").status_code == 200, timeout_s, "readiness")
         self._wait(lambda: self.model()["training"]["live_step"] >= 5, timeout_s, "5 training steps")
 
@@ -231,12 +235,14 @@ class InProcessStack(Stack):
     def __init__(self, stream_rate: float, workdir: Path, overrides: dict[str, str]) -> None:
         import uvicorn
 
+        from streamtrain.runtime.service import Service
         from streamtrain.serve.app import create_app
-        from streamtrain.service import Service
 
         self.port = _free_port()
         self.log = workdir / "serve.log"
-        self.settings = load_settings(checkpoint_dir=workdir / "ckpt", http_host="127.0.0.1", log_level="WARNING", **overrides)
+        self.settings = load_settings(
+            checkpoint_dir=workdir / "ckpt", http_host="127.0.0.1", log_level="WARNING", **overrides
+        )
         self.service = Service(self.settings)
         self.stream_rate = stream_rate
         self.server = uvicorn.Server(
@@ -353,7 +359,7 @@ def bare_latencies(
 
 
 def predict_padding_share(batches: list[list[np.ndarray]], token_budget: int) -> float:
-    """Share of pad positions in the micro-batches :func:`streamtrain.model.predict` runs."""
+    """Share of pad positions in the micro-batches :func:`streamtrain.model.network.predict` runs."""
     real = padded = 0
     for batch in batches:
         lengths = np.array([len(a) for a in batch], dtype=np.int64)
@@ -378,16 +384,28 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2, help="alternating measurement phases per route")
     parser.add_argument("--routes", default=",".join(ROUTES), help=f"comma separated, of {', '.join(ROUTES)}")
-    parser.add_argument("--lengths", choices=["lognormal", "fixed"], default="lognormal",
-                        help="lognormal mix (median 48) or every instance 48 steps")
+    parser.add_argument(
+        "--lengths",
+        choices=["lognormal", "fixed"],
+        default="lognormal",
+        help="lognormal mix (median 48) or every instance 48 steps",
+    )
     parser.add_argument("--bare-calls", type=int, default=48, help="bare forward calls per baseline")
     parser.add_argument("--stream-rate", type=float, default=200.0, help="events/s the simulator sends meanwhile")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the bare forward (the service: 1)")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a service setting, e.g. --set predict_concurrency=1 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a service setting, e.g. --set predict_concurrency=1 (repeatable)",
+    )
     parser.add_argument("--device", default="cpu", help="DEVICE of the service and the bare forward (cpu, cuda, ...)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="no broker: the app over a Service in this process, events fed into its window")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no broker: the app over a Service in this process, events fed into its window",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -427,7 +445,9 @@ def main() -> None:
                     run = runs[route]
                     sum_before, count_before = stack.server_latency()
                     phase_started = time.perf_counter()
-                    latencies, seen = http_latencies(stack.port, ROUTES[route], bodies[route], per_phase, args.concurrency)
+                    latencies, seen = http_latencies(
+                        stack.port, ROUTES[route], bodies[route], per_phase, args.concurrency
+                    )
                     run.seconds += time.perf_counter() - phase_started
                     sum_after, count_after = stack.server_latency()
                     run.latencies += latencies
@@ -445,8 +465,11 @@ def main() -> None:
     floor_p50 = args.concurrency * single_p50 / cores
     floor_p99 = args.concurrency * single_p99 / cores
     shape = f"{INSTANCES} x {'48' if args.lengths == 'fixed' else 'lognormal(48)'} x 1"
-    settings_tag = "".join(f", {o}" for o in args.set) + (f", {settings.device}" if settings.device != "cpu" else "") + (
-        ", in-process" if args.in_process else "")
+    settings_tag = (
+        "".join(f", {o}" for o in args.set)
+        + (f", {settings.device}" if settings.device != "cpu" else "")
+        + (", in-process" if args.in_process else "")
+    )
     rows: list[Row] = []
     p50s: dict[str, tuple[float, float]] = {}
     for route in routes:

@@ -25,17 +25,21 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import load_settings  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
-from streamtrain.service import Service  # noqa: E402
+from streamtrain.runtime.service import Service  # noqa: E402
 
 
 def filled_service(window: int, holdout_share: float, seed: int = 0) -> Service:
     rng = np.random.default_rng(seed)
-    service = Service(load_settings(kafka_bootstrap="127.0.0.1:9", checkpoint_dir=tempfile.mkdtemp(), holdout_share=holdout_share))
+    service = Service(
+        load_settings(kafka_bootstrap="127.0.0.1:9", checkpoint_dir=tempfile.mkdtemp(), holdout_share=holdout_share)
+    )
     now, sent = time.time(), 0
     while len(service.window) < min(window, service.settings.window_capacity):
         lengths = np.clip(rng.lognormal(np.log(48), 0.5, 5000).astype(int), 2, 512)
         items = [
-            SensorEvent(f"s{(sent + i) % 50}", now - 1e5 + sent + i, np.cumsum(rng.normal(size=n))[:, None].astype(np.float32))
+            SensorEvent(
+                f"s{(sent + i) % 50}", now - 1e5 + sent + i, np.cumsum(rng.normal(size=n))[:, None].astype(np.float32)
+            )
             for i, n in enumerate(lengths.tolist())
         ]
         sent += len(items)
@@ -65,8 +69,13 @@ def main() -> None:
     plain = filled_service(args.window, 0.0)
     on, off = timed_publications(gated, args.repeats), timed_publications(plain, args.repeats)
     rows = [
-        Row("publish", f"seconds per publication, gate on (window {len(gated.window)}, holdout {len(gated.trainer.quality.holdout)})",
-            float(np.median(on)), float(np.median(off)), "PUBLISH_MAX_SHARE bounds its share of the trainer"),  # fmt: skip
+        Row(
+            "publish",
+            f"seconds per publication, gate on (window {len(gated.window)}, holdout {len(gated.trainer.quality.holdout)})",
+            float(np.median(on)),
+            float(np.median(off)),
+            "PUBLISH_MAX_SHARE bounds its share of the trainer",
+        ),  # fmt: skip
         Row("publish", "seconds per publication, gate on, fastest", float(np.min(on)), float(np.min(off))),
         Row("publish", "publication interval at PUBLISH_MAX_SHARE=0.1 (s)", max(2.0, float(np.median(on)) / 0.1)),
     ]

@@ -113,7 +113,7 @@ def run_policy(name: str, policy: SamplingPolicy, args: argparse.Namespace) -> O
         outcome.window_hhi.append(float(facts["window_sensor_hhi"]))
         outcome.label_deviation.append(plan.diagnostics.label_deviation)
         outcome.padding_share.append(plan.diagnostics.padding_share)
-        rank = (np.argsort(np.argsort(snapshot.lengths, kind="stable")) / max(len(snapshot) - 1, 1))
+        rank = np.argsort(np.argsort(snapshot.lengths, kind="stable")) / max(len(snapshot) - 1, 1)
         replayed = np.setdiff1d(selection.index, selection.fresh, assume_unique=True)
         outcome.replay_length_rank.append(float(rank[replayed].mean()) if replayed.size else math.nan)
     return outcome
@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         "sensor_balanced_T2": make_policy("sensor_balanced", sensor_temperature=2.0),
         "sensor_balanced_Tinf": make_policy("sensor_balanced", sensor_temperature=math.inf),
         "stratified": make_policy("stratified"),
-        "curriculum": make_policy("curriculum", curriculum_strength=3.0, curriculum_half_life_steps=args.curriculum_half_life),
+        "curriculum": make_policy(
+            "curriculum", curriculum_strength=3.0, curriculum_half_life_steps=args.curriculum_half_life
+        ),
     }
     outcomes = {name: run_policy(name, policy, args) for name, policy in policies.items()}
     uniform = outcomes["uniform"]
@@ -162,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
     rows = [
-        Row(BENCH, "uniform/sensor_top_share", uniform.mean("top_share"), uniform.mean("window_top_share"), "~1x window"),
+        Row(
+            BENCH, "uniform/sensor_top_share", uniform.mean("top_share"), uniform.mean("window_top_share"), "~1x window"
+        ),
     ]
     for name, o in outcomes.items():
         if name == "uniform":

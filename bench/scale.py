@@ -3,7 +3,7 @@
 Every arm trains the service's default model (``Settings()``: d_model 64, 2 layers,
 token budget 8192) with the service's pipeline per rank (a local
 :class:`~streamtrain.data.WindowBatchDataset` behind a depth-1
-:class:`~streamtrain.data.Prefetcher`) through :class:`streamtrain.parallel.DataParallelStep`,
+:class:`~streamtrain.data.Prefetcher`) through :class:`streamtrain.distributed.data_parallel.DataParallelStep`,
 one torch thread per rank, on one synthetic stream: lognormal lengths (median 48,
 sigma 0.8, 4..512) in ``--partitions`` partitions; rank ``r`` keeps the partitions
 ``p mod N == r`` in its window share. Ranks are real processes launched as torchrun
@@ -45,20 +45,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.config import load_settings  # noqa: E402
-from streamtrain.data import Prefetcher, WindowBatchDataset  # noqa: E402
-from streamtrain.distributed import Collectives, DistContext, StepSignals, free_port  # noqa: E402
-from streamtrain.events import EventBatch  # noqa: E402
-from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.parallel import DataParallelStep  # noqa: E402
-from streamtrain.scale_out import join_trainer_state, split_trainer_state  # noqa: E402
-from streamtrain.sharded_checkpoint import (  # noqa: E402
+from streamtrain.checkpoint.shards import (  # noqa: E402
     DistributedCheckpointer,
     ShardedCheckpointStore,
     read_manifest,
     restore_share,
 )
-from streamtrain.train import Trainer, build_budget  # noqa: E402
+from streamtrain.config import load_settings  # noqa: E402
+from streamtrain.data import Prefetcher, WindowBatchDataset  # noqa: E402
+from streamtrain.distributed.data_parallel import DataParallelStep  # noqa: E402
+from streamtrain.distributed.launch import Collectives, DistContext, StepSignals, free_port  # noqa: E402
+from streamtrain.distributed.lockstep import join_trainer_state, split_trainer_state  # noqa: E402
+from streamtrain.events import EventBatch  # noqa: E402
+from streamtrain.metrics import Metrics  # noqa: E402
+from streamtrain.training.trainer import Trainer, build_budget  # noqa: E402
 from streamtrain.window import RecencyWindow  # noqa: E402
 
 BENCH = "scale"
@@ -91,7 +91,9 @@ def rank_window(batch: EventBatch, ctx: DistContext, capacity: int, partitions: 
     owned = np.isin(batch.partitions, ctx.owned_partitions(partitions))
     index = np.flatnonzero(owned)
     starts = batch.starts
-    flat = np.concatenate([batch.values[s : s + n] for s, n in zip(starts[index].tolist(), batch.lengths[index].tolist())])
+    flat = np.concatenate(
+        [batch.values[s : s + n] for s, n in zip(starts[index].tolist(), batch.lengths[index].tolist())]
+    )
     mine = EventBatch(
         sensor_ids=batch.sensor_ids[index],
         ts=batch.ts[index],
@@ -128,7 +130,12 @@ def worker(args: argparse.Namespace) -> None:
         )
         # a local plan over this rank's own window (seeded per rank), as the service will run it
         dataset = WindowBatchDataset(
-            window.snapshot, build_budget(settings), pool_size=settings.pool_size, seed=args.seed + ctx.rank, rank=0, world_size=1
+            window.snapshot,
+            build_budget(settings),
+            pool_size=settings.pool_size,
+            seed=args.seed + ctx.rank,
+            rank=0,
+            world_size=1,
         )
         with Prefetcher(dataset, depth=settings.prefetch_depth, name="bench-prefetch") as batches:
             for step in range(2):  # warm-up, not timed
@@ -187,7 +194,9 @@ def pure_allreduce_seconds(collectives: Collectives, model: torch.nn.Module, rep
     return collectives_max(collectives, float(np.median(times)))
 
 
-def checkpoint_times(args: argparse.Namespace, ctx: DistContext, collectives: Collectives, settings: object) -> dict[str, float]:
+def checkpoint_times(
+    args: argparse.Namespace, ctx: DistContext, collectives: Collectives, settings: object
+) -> dict[str, float]:
     window = rank_window(stream(args.ckpt_items, args.partitions, args.seed + 1), ctx, args.ckpt_items, args.partitions)
     trainer = Trainer(settings, window, Metrics())  # type: ignore[arg-type]
     store = ShardedCheckpointStore(Path(args.ckpt_dir), keep=1)
@@ -214,7 +223,12 @@ def checkpoint_times(args: argparse.Namespace, ctx: DistContext, collectives: Co
     trainer.load_state_dict(join_trainer_state(trainer, share.common["trainer"], share.rank_state))
     restore_s = collectives_max(collectives, time.perf_counter() - started)
     size = sum(p.stat().st_size for p in result.path.iterdir())
-    return {"ckpt_write_s": write_s, "ckpt_restore_s": restore_s, "ckpt_bytes": float(size), "ckpt_path": str(result.path)}  # type: ignore[dict-item]
+    return {
+        "ckpt_write_s": write_s,
+        "ckpt_restore_s": restore_s,
+        "ckpt_bytes": float(size),
+        "ckpt_path": str(result.path),
+    }  # type: ignore[dict-item]
 
 
 def collectives_max(collectives: Collectives, seconds: float) -> float:
@@ -298,7 +312,11 @@ def main() -> None:
             target = ">= 1.7x (idle 2-core)" if w == 2 and worlds[0] == 1 else ""
             rows += [
                 Row(tag, f"real tokens/s vs {worlds[0]} rank(s)", r["tokens_per_s"], base["tokens_per_s"], target),
-                Row(tag, "collectives share of step time (agree + all-reduce, incl. waiting for the slower rank)", r["comm_share"]),
+                Row(
+                    tag,
+                    "collectives share of step time (agree + all-reduce, incl. waiting for the slower rank)",
+                    r["comm_share"],
+                ),
                 Row(tag, f"gradient all-reduce alone, ms ({r['gradient_kb']:.0f} KiB)", r["allreduce_ms"]),
                 Row(tag, "gradient all-reduce alone, share of mean step time", r["allreduce_share"]),
                 Row(tag, "data-wait share of step time", r["wait_share"]),
@@ -308,20 +326,38 @@ def main() -> None:
                     r["cpu_s_per_ktok"],
                     base["cpu_s_per_ktok"],
                 ),
-                Row(tag, "steps (global tokens per step)", r["steps"], None, f"{r['tokens'] / max(r['steps'], 1):.0f} tokens/step"),
+                Row(
+                    tag,
+                    "steps (global tokens per step)",
+                    r["steps"],
+                    None,
+                    f"{r['tokens'] / max(r['steps'], 1):.0f} tokens/step",
+                ),
             ]
         ckpts = {}
         if args.ckpt_items <= 0:
             ckpt_worlds = []
         for w in ckpt_worlds:
-            ckpts[w] = launch(w, args, root / f"ckpt-{w}.json", tokens=0, ckpt_items=args.ckpt_items, ckpt_dir=root / f"ckpt-{w}")
+            ckpts[w] = launch(
+                w, args, root / f"ckpt-{w}.json", tokens=0, ckpt_items=args.ckpt_items, ckpt_dir=root / f"ckpt-{w}"
+            )
         base_ckpt = ckpts[ckpt_worlds[0]] if ckpt_worlds else {}
         for w in ckpt_worlds:
             c = ckpts[w]
             tag = f"{BENCH}[checkpoint {args.ckpt_items} items, ranks={w}]"
             rows += [
-                Row(tag, f"write s (all shards + manifest) vs {ckpt_worlds[0]} rank(s)", c["ckpt_write_s"], base_ckpt["ckpt_write_s"]),
-                Row(tag, f"restore s (same ranks) vs {ckpt_worlds[0]} rank(s)", c["ckpt_restore_s"], base_ckpt["ckpt_restore_s"]),
+                Row(
+                    tag,
+                    f"write s (all shards + manifest) vs {ckpt_worlds[0]} rank(s)",
+                    c["ckpt_write_s"],
+                    base_ckpt["ckpt_write_s"],
+                ),
+                Row(
+                    tag,
+                    f"restore s (same ranks) vs {ckpt_worlds[0]} rank(s)",
+                    c["ckpt_restore_s"],
+                    base_ckpt["ckpt_restore_s"],
+                ),
                 Row(tag, "checkpoint MB", c["ckpt_bytes"] / 1e6),
             ]
         for w in ckpt_worlds:

@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _malloc import CHOICES, malloc_env  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.ingest import ensure_topics  # noqa: E402
-from streamtrain.simulate import SimulationConfig, run_simulation  # noqa: E402
+from streamtrain.ingest.ingestor import ensure_topics  # noqa: E402
+from streamtrain.tools.simulate import SimulationConfig, run_simulation  # noqa: E402
 
 # Error counters the service exposes; in a soak on a valid stream each must stay at 0.
 SERVICE_ERROR_METRICS = {
@@ -216,7 +216,11 @@ class _PredictLoad:
 
     def _body(self) -> dict[str, Any]:
         lengths = self.rng.integers(1, self.max_len + 1, self.batch)
-        return {"instances": [{"values": np.round(np.cumsum(self.rng.standard_normal(int(n))), 4).tolist()} for n in lengths]}
+        return {
+            "instances": [
+                {"values": np.round(np.cumsum(self.rng.standard_normal(int(n))), 4).tolist()} for n in lengths
+            ]
+        }
 
     def _run(self) -> None:
         next_at = time.monotonic()
@@ -225,7 +229,11 @@ class _PredictLoad:
             started = time.perf_counter()
             try:
                 response = self.client.post("/v1/predict", json=body)
-                failure = None if response.status_code == 200 and len(response.json()["predictions"]) == self.batch else f"predict_{response.status_code}"
+                failure = (
+                    None
+                    if response.status_code == 200 and len(response.json()["predictions"]) == self.batch
+                    else f"predict_{response.status_code}"
+                )
             except httpx.HTTPError as err:
                 failure = f"predict_{type(err).__name__}"
             elapsed = time.perf_counter() - started
@@ -282,12 +290,15 @@ def run_soak(config: SoakConfig) -> SoakReport:
     producer = threading.Thread(target=produce, name="producer", daemon=True)
     helpers = [
         multiprocessing.get_context("spawn").Process(
-            target=_produce_in_process, args=(sim_config.model_copy(update={"seed": config.seed + i}), config.duration_s + 600, sent_by_helpers),
+            target=_produce_in_process,
+            args=(sim_config.model_copy(update={"seed": config.seed + i}), config.duration_s + 600, sent_by_helpers),
             daemon=True,
         )
         for i in range(1, config.producers)
     ]
-    load = _PredictLoad(f"http://127.0.0.1:{service.port}", config.predict_rps, config.predict_batch, config.max_len, config.seed)
+    load = _PredictLoad(
+        f"http://127.0.0.1:{service.port}", config.predict_rps, config.predict_batch, config.max_len, config.seed
+    )
     samples: list[Sample] = []
     errors: Counter[str] = Counter()
     all_latencies: list[tuple[float, float]] = []
@@ -412,8 +423,8 @@ def _summarize(
     middle = config.warmup_s + (config.duration_s - config.warmup_s) / 2
     first = [x for t, x in latencies if config.warmup_s <= t < middle]
     second = [x for t, x in latencies if t >= middle]
-    p99_first = (_p99_ms(first) or math.nan)
-    p99_second = (_p99_ms(second) or math.nan)
+    p99_first = _p99_ms(first) or math.nan
+    p99_second = _p99_ms(second) or math.nan
     data_path = out_dir / f"soak-{stamp}.json"
     plot_path = out_dir / f"soak-{stamp}.png"
     report = SoakReport(
@@ -436,7 +447,9 @@ def _summarize(
         plot=plot_path,
         data=data_path,
     )
-    data_path.write_text(json.dumps({**asdict(report), "plot": str(plot_path), "data": str(data_path)}, indent=1, default=str))
+    data_path.write_text(
+        json.dumps({**asdict(report), "plot": str(plot_path), "data": str(data_path)}, indent=1, default=str)
+    )
     _plot(report, config, plot_path)
     return report
 
@@ -494,7 +507,7 @@ def report_rows(report: SoakReport, max_rss_growth: float, max_p99_drift: float)
 def budget_failures(report: SoakReport, max_rss_growth: float, max_p99_drift: float) -> list[str]:
     failures = []
     if report.error_total:
-        failures.append(f"errors: {({k: v for k, v in report.errors.items() if v})}")
+        failures.append(f"errors: { ({k: v for k, v in report.errors.items() if v}) }")
     if not report.rss_growth < max_rss_growth:
         failures.append(f"RSS grew {report.rss_growth:.1%} after warm-up (budget {max_rss_growth:.0%})")
     if not report.p99_drift < max_p99_drift:
@@ -513,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup-s", type=float, default=None,
         help="default: until the window is full (1.2 x capacity / rate), at least 20 s or 10%% of the run",
     )  # fmt: skip
-    parser.add_argument("--rate", type=float, default=None, help="events per second into Kafka (default 1000; 5000 --realistic)")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="events per second into Kafka (default 1000; 5000 --realistic)"
+    )
     parser.add_argument(
         "--realistic", action="store_true",
         help="5,000 events/s of median length 48 into the service's default model, batching and passes",
@@ -535,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     fill_s = 1.2 * args.window_capacity / rate
     if args.duration_s is None:
         args.duration_s = (args.warmup_s if args.warmup_s is not None else max(fill_s, 20.0)) + 120.0
-    warmup = args.warmup_s if args.warmup_s is not None else max(fill_s, 20.0 if args.duration_s <= 200 else 0.1 * args.duration_s)
+    warmup = (
+        args.warmup_s
+        if args.warmup_s is not None
+        else max(fill_s, 20.0 if args.duration_s <= 200 else 0.1 * args.duration_s)
+    )
     if warmup >= args.duration_s:
         parser.error(
             f"the warm-up ({warmup:.0f} s: the window of {args.window_capacity} fills in {fill_s:.0f} s at {rate:g}/s) "

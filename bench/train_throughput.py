@@ -1,12 +1,12 @@
 """Real tokens trained per second: token-budget buckets vs fixed-size random batches.
 
-Both arms train the same :class:`~streamtrain.model.SensorModel` (same settings, same
-initial weights, :meth:`streamtrain.train.Trainer.train_step`: norm update, loss,
+Both arms train the same :class:`~streamtrain.model.network.SensorModel` (same settings, same
+initial weights, :meth:`streamtrain.training.trainer.Trainer.train_step`: norm update, loss,
 backward, clipping, optimizer step) from the same window until the same number of real
 (unpadded) tokens has been trained:
 
 * ours: the trainer's own dataset (``Trainer.dataset``: bounded passes of
-  ``PASS_MAX_ITEMS``, token-budget batches of :func:`streamtrain.train.build_budget`) behind
+  ``PASS_MAX_ITEMS``, token-budget batches of :func:`streamtrain.training.trainer.build_budget`) behind
   a :class:`~streamtrain.data.Prefetcher` of the service's ``PREFETCH_DEPTH`` (default 1):
   exactly the trainer thread's pipeline, with the service's default settings;
 * fixed: shuffled epochs cut into batches of a fixed size, collated with
@@ -65,7 +65,7 @@ from streamtrain.data.prefetch import DevicePrefetcher, pin_batch  # noqa: E402
 from streamtrain.device import describe, is_cuda  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.train import Trainer  # noqa: E402
+from streamtrain.training.trainer import Trainer  # noqa: E402
 from streamtrain.window import RecencyWindow, WindowSnapshot  # noqa: E402
 
 BENCH = "train_throughput"
@@ -360,10 +360,16 @@ def main() -> None:
     parser.add_argument("--threads", default="1", help="torch intra-op thread counts, comma separated (e.g. 1,2)")
     parser.add_argument("--items", type=int, default=20_000, help="window size")
     parser.add_argument("--segments", type=int, default=4, help="interleaved segments per arm")
-    parser.add_argument("--device", default="cpu", help="DEVICE: cpu, cuda, cuda:N or auto (a GPU brings the GPU profile)")
-    parser.add_argument("--amp", choices=["bf16", "off"], default=None, help="AMP (default: the device's, off on the CPU)")
+    parser.add_argument(
+        "--device", default="cpu", help="DEVICE: cpu, cuda, cuda:N or auto (a GPU brings the GPU profile)"
+    )
+    parser.add_argument(
+        "--amp", choices=["bf16", "off"], default=None, help="AMP (default: the device's, off on the CPU)"
+    )
     parser.add_argument("--arms", default="ours,fixed", help="which arms to run: ours, fixed or both")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="any other setting (repeatable)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="any other setting (repeatable)"
+    )
     parser.add_argument("--profile-steps", type=int, default=30, help="steps of ours under torch.profiler (CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -416,13 +422,27 @@ def main() -> None:
                     arm.steps / (arm.wait_seconds + arm.step_seconds)),
             ]  # fmt: skip
             if is_cuda(device):
-                rows.append(Row(tag, f"pin ms/batch, producer thread ({arm.name})", 1e3 * clock.pin_seconds / max(1, clock.batches)))
+                rows.append(
+                    Row(
+                        tag,
+                        f"pin ms/batch, producer thread ({arm.name})",
+                        1e3 * clock.pin_seconds / max(1, clock.batches),
+                    )
+                )
         if ours is not None:
-            rows.append(Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates)))
+            rows.append(
+                Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates))
+            )
             if is_cuda(device):
                 busy, how = profiled_busy_share(ours, args.profile_steps)
                 rows.append(Row(tag, f"GPU busy share ({how})", busy, None, ">= 0.90"))
-                rows.append(Row(tag, "GPU utilization, NVML mean over the timed segments", utilization if utilization is not None else math.nan))
+                rows.append(
+                    Row(
+                        tag,
+                        "GPU utilization, NVML mean over the timed segments",
+                        utilization if utilization is not None else math.nan,
+                    )
+                )
         rows += [
             Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
             Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),

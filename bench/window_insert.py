@@ -86,7 +86,9 @@ class VectorizedReservoir:
             "keys": keys, "ts": batch.ts, "labels": batch.labels, "lengths": batch.lengths, "starts": batch.starts,
             "chunks": np.full(len(batch), len(self.chunks) - 1), "sensor_ids": batch.sensor_ids,
         }  # fmt: skip
-        columns = incoming if self.columns is None else {k: np.concatenate([v, incoming[k]]) for k, v in self.columns.items()}
+        columns = (
+            incoming if self.columns is None else {k: np.concatenate([v, incoming[k]]) for k, v in self.columns.items()}
+        )
         if columns["keys"].size > self.capacity:
             top = np.argpartition(columns["keys"], columns["keys"].size - self.capacity)[-self.capacity :]
             columns = {k: v[top] for k, v in columns.items()}
@@ -134,19 +136,29 @@ def main() -> None:
             for _ in range(args.rounds)
         )
         vector_rate = max(
-            run_rounds(lambda: VectorizedReservoir(args.capacity, half_life, seed=1), fill_batches, batches, len(measured))
+            run_rounds(
+                lambda: VectorizedReservoir(args.capacity, half_life, seed=1), fill_batches, batches, len(measured)
+            )
             for _ in range(args.rounds)
         )
         ours_rate = max(
             run_rounds(
                 lambda: RecencyWindow(args.capacity, half_life, rng=np.random.default_rng(1)),
-                fill_batches, batches, len(measured),
+                fill_batches,
+                batches,
+                len(measured),
             )
             for _ in range(args.rounds)
         )
         rows.append(Row(f"window_insert[{label}]", "events/s, ours vs per-item heapq", ours_rate, heap_rate))
         rows.append(
-            Row(f"window_insert[{label}]", "events/s, ours vs vectorized concat+argpartition", ours_rate, vector_rate, "> 1x")
+            Row(
+                f"window_insert[{label}]",
+                "events/s, ours vs vectorized concat+argpartition",
+                ours_rate,
+                vector_rate,
+                "> 1x",
+            )
         )
     emit(rows, args.json)
 

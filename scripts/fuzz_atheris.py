@@ -53,7 +53,9 @@ def _event_like(fdp: atheris.FuzzedDataProvider) -> bytes:
     """A JSON event whose fields are mostly right, so the deep rules get exercised."""
     steps = fdp.ConsumeIntInRange(0, LIMITS.max_len + 2)
     width = fdp.ConsumeIntInRange(1, 3)
-    values = [[_number(fdp) for _ in range(width)] if width > 1 or fdp.ConsumeBool() else _number(fdp) for _ in range(steps)]
+    values = [
+        [_number(fdp) for _ in range(width)] if width > 1 or fdp.ConsumeBool() else _number(fdp) for _ in range(steps)
+    ]
     event: dict[str, object] = {
         "sensor_id": fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 8)),
         "ts": NOW + fdp.ConsumeFloatInRange(-1e6, 1e3) if fdp.ConsumeBool() else _number(fdp),
@@ -118,7 +120,9 @@ def _predict_body(fdp: atheris.FuzzedDataProvider) -> bytes:
     for _ in range(fdp.ConsumeIntInRange(0, 4)):
         width = fdp.ConsumeIntInRange(1, 3)
         steps = fdp.ConsumeIntInRange(0, PREDICT_MAX_LEN + 2)
-        instances.append({"values": [[_number(fdp) for _ in range(width)] if width > 1 else _number(fdp) for _ in range(steps)]})
+        instances.append(
+            {"values": [[_number(fdp) for _ in range(width)] if width > 1 else _number(fdp) for _ in range(steps)]}
+        )
     try:
         return orjson.dumps({"instances": instances})
     except (OverflowError, TypeError):

@@ -34,7 +34,9 @@ def pick(rows: list[dict[str, Any]], metric_part: str, run: str | None = None) -
     return None
 
 
-def figure(label: str, row: dict[str, Any] | None, target: str = "", key: str = "value", ok: Any = None) -> dict[str, Any]:
+def figure(
+    label: str, row: dict[str, Any] | None, target: str = "", key: str = "value", ok: Any = None
+) -> dict[str, Any]:
     value = None if row is None else row.get(key)
     missing = value is None or (isinstance(value, float) and math.isnan(value))
     verdict = "" if ok is None or missing else ("met" if ok(value) else "NOT met")
@@ -49,7 +51,11 @@ def fmt(value: Any) -> str:
 
 
 def summarize(out: Path, status_file: Path, mode: str, seconds: int, broker: str) -> str:
-    status = dict(line.split() for line in status_file.read_text().splitlines() if line.strip()) if status_file.exists() else {}
+    status = (
+        dict(line.split() for line in status_file.read_text().splitlines() if line.strip())
+        if status_file.exists()
+        else {}
+    )
     tests = (out / "tests.txt").read_text() if (out / "tests.txt").exists() else ""
     closing = [line for line in tests.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     train = read_rows(out / "train_throughput.jsonl")

@@ -34,7 +34,7 @@ MODULES=(
   "bucketing|src/streamtrain/data/bucketing.py|tests/unit/data/test_bucketing.py tests/unit/data/test_policies.py"
   "admissions|src/streamtrain/privacy/admissions.py|tests/unit/privacy/test_dp_admissions.py"
   "window|src/streamtrain/window.py|tests/unit/test_window.py tests/unit/test_window_mutants.py"
-  "checkpoint|src/streamtrain/checkpoint.py|tests/unit/test_checkpoint.py"
+  "checkpoint|src/streamtrain/checkpoint/store.py|tests/unit/test_checkpoint.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

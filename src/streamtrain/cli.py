@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from streamtrain import __version__
-from streamtrain.allocator import malloc_in_use
 from streamtrain.config import ENV_PREFIX, SettingsError, load_settings
+from streamtrain.runtime.allocator import malloc_in_use
 
 log = logging.getLogger("streamtrain")
 
@@ -70,8 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, **overrides)
         _setup_logging(settings.log_level)
         # heavy imports (torch) after the settings check
-        from streamtrain.distributed import DistContext
-        from streamtrain.service import Service
+        from streamtrain.distributed.launch import DistContext
+        from streamtrain.runtime.service import Service
 
         ctx = DistContext.from_env()  # torchrun's WORLD_SIZE, RANK, ...; unset: one process
         port = ctx.http_port(settings.http_port, explicit=_port_given_to_the_process(args))
@@ -92,14 +92,14 @@ def _serve(args: argparse.Namespace) -> int:
     if (allocator := malloc_in_use()) == "glibc":  # after the refusals above: those stay one line
         log.warning(
             "malloc: glibc; RSS will settle well above what the service uses "
-            "(run with LD_PRELOAD=\"$(deploy/jemalloc.sh)\", as the image does; docs/operations.md, Memory)"
+            '(run with LD_PRELOAD="$(deploy/jemalloc.sh)", as the image does; docs/operations.md, Memory)'
         )
     else:
         log.info("malloc: %s", allocator)
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
-    from streamtrain.distributed import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
-    from streamtrain.service import IncompatibleCheckpoint
+    from streamtrain.distributed.launch import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
+    from streamtrain.runtime.service import IncompatibleCheckpoint
 
     server: uvicorn.Server | None = None
 
@@ -154,7 +154,7 @@ EXPORT_FORMATS = ("triton-pytorch", "triton-onnx", "onnx", "exported-program")
 def _export(args: argparse.Namespace) -> int:
     import os
 
-    from streamtrain.export import (
+    from streamtrain.tools.export import (
         ExportError,
         bundle_from_checkpoint,
         describe,
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default from HTTP_PORT, 8000)")
     serve.set_defaults(func=_serve)
 
-    from streamtrain.simulate import add_cli as add_simulate
+    from streamtrain.tools.simulate import add_cli as add_simulate
 
     add_simulate(commands)
     _add_export(commands)

@@ -21,8 +21,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from streamtrain import kafka_security
 from streamtrain.device import check_device_spec, resolve_device
+from streamtrain.ingest import security as kafka_security
 
 ENV_PREFIX = "STREAMTRAIN_"
 
@@ -70,16 +70,25 @@ class Settings(BaseSettings):
     )
     topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
     topic_replication_factor: int | None = Field(
-        None, ge=1, le=32767, description="Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's default.replication.factor"
+        None,
+        ge=1,
+        le=32767,
+        description="Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's default.replication.factor",
     )
     poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
     max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
     decode_workers: int = Field(1, ge=0, le=64, description="Processes that decode poll batches (0 = ingest thread)")
     ingest_stall_timeout_s: float = Field(
-        15.0, ge=1.0, le=3600.0, description="The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it"
+        15.0,
+        ge=1.0,
+        le=3600.0,
+        description="The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it",
     )
     dlq_send_attempts: int = Field(
-        5, ge=1, le=1000, description="Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes instead (at once when the .dlq refuses the record itself)"
+        5,
+        ge=1,
+        le=1000,
+        description="Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes instead (at once when the .dlq refuses the record itself)",
     )
     dlq_stand_in_bytes: int = Field(
         1024, ge=0, le=1 << 20, description="Bytes of the original value (and key) a dead-letter stand-in keeps"
@@ -90,19 +99,23 @@ class Settings(BaseSettings):
         "PLAINTEXT", description="How every Kafka client connects: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL"
     )
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = Field(
-        None, description="SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (token from KAFKA_SASL_PASSWORD_FILE, re-read when it changes)"
+        None,
+        description="SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (token from KAFKA_SASL_PASSWORD_FILE, re-read when it changes)",
     )
     kafka_sasl_username: str | None = Field(None, min_length=1, description="SASL user name (PLAIN, SCRAM)")
     kafka_sasl_password: SecretStr | None = Field(
         None, description="SASL password (PLAIN, SCRAM); never logged or shown"
     )
     kafka_sasl_password_file: Path | None = Field(
-        None, description="File holding the SASL password (a mounted secret, read at every connect) or, with OAUTHBEARER, the token"
+        None,
+        description="File holding the SASL password (a mounted secret, read at every connect) or, with OAUTHBEARER, the token",
     )
     kafka_ssl_cafile: Path | None = Field(
         None, description="PEM file of the CA(s) that sign the brokers' certificates; unset = the system trust store"
     )
-    kafka_ssl_certfile: Path | None = Field(None, description="Client certificate (PEM) for mutual TLS; needs KAFKA_SSL_KEYFILE")
+    kafka_ssl_certfile: Path | None = Field(
+        None, description="Client certificate (PEM) for mutual TLS; needs KAFKA_SSL_KEYFILE"
+    )
     kafka_ssl_keyfile: Path | None = Field(None, description="Client private key (PEM) for mutual TLS")
     kafka_ssl_check_hostname: bool = Field(True, description="Verify the broker's host name against its certificate")
 
@@ -112,7 +125,10 @@ class Settings(BaseSettings):
     max_predict_batch: int = Field(256, ge=1, le=10_000, description="Instances per /v1/predict request")
     max_request_bytes: int = Field(8 << 20, ge=1024, description="Request bodies above this answer 413")
     predict_concurrency: int = Field(
-        2, ge=1, le=256, description="Predict worker threads (forwards at once); waiting requests merge into their next forward"
+        2,
+        ge=1,
+        le=256,
+        description="Predict worker threads (forwards at once); waiting requests merge into their next forward",
     )
     predict_queue: int = Field(32, ge=0, le=10_000, description="Predict requests that may wait; beyond: 503")
     predict_merge_instances: int = Field(
@@ -135,10 +151,15 @@ class Settings(BaseSettings):
     pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
     pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
     pass_max_items: int = Field(
-        8192, ge=0, description="Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"
+        8192,
+        ge=0,
+        description="Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding",
     )
     min_batches_per_pass: int = Field(
-        16, ge=1, le=100_000, description="A pass over a window smaller than this many token budgets is cut into this many smaller batches (more steps per replay)"
+        16,
+        ge=1,
+        le=100_000,
+        description="A pass over a window smaller than this many token budgets is cut into this many smaller batches (more steps per replay)",
     )
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
@@ -148,10 +169,15 @@ class Settings(BaseSettings):
         description="Which items a bounded pass replays: uniform, sensor_balanced (per-sensor quotas), stratified (label mix of the window in every batch) or curriculum (short items first, annealed)",
     )
     sensor_temperature: float = Field(
-        2.0, gt=0, description="sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal shares"
+        2.0,
+        gt=0,
+        description="sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal shares",
     )
     curriculum_strength: float = Field(
-        3.0, ge=0, allow_inf_nan=False, description="curriculum: initial bias beta against long items, weights exp(-beta * length rank in [0, 1])"
+        3.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="curriculum: initial bias beta against long items, weights exp(-beta * length rank in [0, 1])",
     )
     curriculum_half_life_steps: float = Field(
         500.0, gt=0, description="curriculum: training steps over which beta halves (inf = never anneal)"
@@ -170,7 +196,10 @@ class Settings(BaseSettings):
     min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
     publish_max_share: float = Field(
-        0.1, gt=0, le=1, description="Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower publication waits longer than PUBLISH_INTERVAL_S"
+        0.1,
+        gt=0,
+        le=1,
+        description="Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower publication waits longer than PUBLISH_INTERVAL_S",
     )
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
@@ -182,13 +211,18 @@ class Settings(BaseSettings):
         description="Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY predict forwards",
     )
     train_nice: int = Field(
-        10, ge=0, le=19, description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first"
+        10,
+        ge=0,
+        le=19,
+        description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first",
     )
     device: str = Field(
-        "auto", description="Where the model trains and predicts: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)"
+        "auto",
+        description="Where the model trains and predicts: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)",
     )
     amp: Literal["bf16", "off"] = Field(
-        "off", description="Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on in the GPU profile; refused with DP=on"
+        "off",
+        description="Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on in the GPU profile; refused with DP=on",
     )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
@@ -196,7 +230,9 @@ class Settings(BaseSettings):
 
     # --- Learning quality ----------------------------------------------------------------------
     quality_max_events_per_s: float = Field(
-        100.0, ge=0, description="Events a second the serving model scores before training on them (a random sample beyond); 0 = prequential scoring off"
+        100.0,
+        ge=0,
+        description="Events a second the serving model scores before training on them (a random sample beyond); 0 = prequential scoring off",
     )
     quality_half_life_events: float = Field(
         2000.0, gt=0, description="Half-life, in scored events, of the fading prequential averages in /v1/model quality"
@@ -204,38 +240,67 @@ class Settings(BaseSettings):
     drift_detector: Literal["adwin", "page_hinkley", "off"] = Field(
         "adwin", description="River drift detector on the prequential error: adwin, page_hinkley or off"
     )
-    drift_adwin_delta: float = Field(0.002, gt=0, lt=1, description="ADWIN confidence delta (smaller: fewer, surer detections)")
+    drift_adwin_delta: float = Field(
+        0.002, gt=0, lt=1, description="ADWIN confidence delta (smaller: fewer, surer detections)"
+    )
     drift_ph_threshold: float = Field(
-        100.0, gt=0, description="Page-Hinkley threshold on the cumulative change of the error relative to its earlier level"
+        100.0,
+        gt=0,
+        description="Page-Hinkley threshold on the cumulative change of the error relative to its earlier level",
     )
     drift_reaction: Literal["none", "reset_optimizer"] = Field(
         "none", description="What a detected drift does to training: none, or reset_optimizer (clear AdamW's moments)"
     )
     holdout_share: float = Field(
-        0.1, ge=0, description="Share of fresh events kept out of training to gate publishing and choose the forecaster (0 = gate off, the network serves unchecked); must be below 1; 0 by default with DP=on, where any other value is refused"
+        0.1,
+        ge=0,
+        description="Share of fresh events kept out of training to gate publishing and choose the forecaster (0 = gate off, the network serves unchecked); must be below 1; 0 by default with DP=on, where any other value is refused",
     )
-    holdout_capacity: int = Field(256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores")
-    holdout_min_events: int = Field(32, ge=1, description="Held-out events needed before the gate can hold a candidate back")
+    holdout_capacity: int = Field(
+        256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores"
+    )
+    holdout_min_events: int = Field(
+        32, ge=1, description="Held-out events needed before the gate can hold a candidate back"
+    )
     holdout_block_events: int = Field(
-        1, ge=1, le=1_000_000, description="A sensor's consecutive events are held out in blocks of this many; a block longer than the overlap of consecutive events (sliding windows) also keeps its overlapping neighbours out of training, so no held-out reading is trained on"
+        1,
+        ge=1,
+        le=1_000_000,
+        description="A sensor's consecutive events are held out in blocks of this many; a block longer than the overlap of consecutive events (sliding windows) also keeps its overlapping neighbours out of training, so no held-out reading is trained on",
     )
     publish_gate_tolerance: float = Field(
-        0.05, ge=0, description="A candidate network is held back when its holdout MSE exceeds (1 + this) x the reference network's (the best that passed the gate)"
+        0.05,
+        ge=0,
+        description="A candidate network is held back when its holdout MSE exceeds (1 + this) x the reference network's (the best that passed the gate)",
     )
     linear_max_order: int = Field(
-        24, ge=1, le=64, description="Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel on the holdout"
+        24,
+        ge=1,
+        le=64,
+        description="Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel on the holdout",
     )
     linear_fit_items: int = Field(
-        4096, ge=1, le=1_000_000, description="Window items (a random sample) the linear forecaster is fitted on at each publication"
+        4096,
+        ge=1,
+        le=1_000_000,
+        description="Window items (a random sample) the linear forecaster is fitted on at each publication",
     )
     max_replays_per_event: float = Field(
-        32.0, ge=0, allow_inf_nan=False, description="Mean times each event may be trained on; a trainer faster than its stream then idles (0 = no limit)"
+        32.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Mean times each event may be trained on; a trainer faster than its stream then idles (0 = no limit)",
     )
     auto_rollback: bool = Field(
-        True, description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN"
+        True,
+        description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN",
     )
-    rollback_min_events: int = Field(100, ge=1, description="Scored events each version needs before an automatic rollback")
-    rollback_margin: float = Field(0.1, ge=0, description="Skill drop (1 - mse/naive units) that triggers an automatic rollback")
+    rollback_min_events: int = Field(
+        100, ge=1, description="Scored events each version needs before an automatic rollback"
+    )
+    rollback_margin: float = Field(
+        0.1, ge=0, description="Skill drop (1 - mse/naive units) that triggers an automatic rollback"
+    )
 
     # --- Checkpoints ---------------------------------------------------------------------------
     checkpoint_dir: Path = Field(Path("var/checkpoints"), description="Where checkpoints go")
@@ -244,7 +309,10 @@ class Settings(BaseSettings):
 
     # --- Scale-out (WORLD_SIZE > 1, docs/scale-out.md) -----------------------------------------
     dist_timeout_s: float = Field(
-        60.0, gt=0, le=3600.0, description="Scale-out: deadline of every collective; a rank that dies or hangs makes the others exit (status 17) within it"
+        60.0,
+        gt=0,
+        le=3600.0,
+        description="Scale-out: deadline of every collective; a rank that dies or hangs makes the others exit (status 17) within it",
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Scale-out: torch.distributed backend; auto = NCCL when training on CUDA, gloo on CPU"
@@ -259,20 +327,27 @@ class Settings(BaseSettings):
     dp_eligible_steps: int = Field(100, description="K: steps an admitted record stays eligible")
     dp_admit_per_step: int = Field(64, description="R: records admitted per public-clock step")
     dp_step_rate_hz: float = Field(2.0, description="Public clock: DP steps per second")
-    dp_delta: float = Field(1e-12, description="delta of the per-unit guarantee (refused when delta x DP_EXPECTED_UNITS > 0.01)")
-    dp_target_epsilon: float = Field(8.0, description="Per-unit epsilon the configuration must not exceed (sensor unit: over its life)")
+    dp_delta: float = Field(
+        1e-12, description="delta of the per-unit guarantee (refused when delta x DP_EXPECTED_UNITS > 0.01)"
+    )
+    dp_target_epsilon: float = Field(
+        8.0, description="Per-unit epsilon the configuration must not exceed (sensor unit: over its life)"
+    )
     dp_expected_batch_size: float | None = Field(
         None, description="Public divisor of the noisy gradient sum (default: sum_j R*q_j)"
     )
     dp_unit: Literal["event", "sensor"] = Field(
         "event", description="Privacy unit: event (each event) or sensor (all of a sensor's events, lifetime budget)"
     )
-    dp_sensor_events: int = Field(4, description="Sensor unit: b, most events of one sensor in the DP window (clipped together)")
+    dp_sensor_events: int = Field(
+        4, description="Sensor unit: b, most events of one sensor in the DP window (clipped together)"
+    )
     dp_expected_units: float = Field(
         1e10, description="Privacy units (events or sensors) the deployment will admit over its whole life; sizes delta"
     )
     dp_admission_dir: Path | None = Field(
-        None, description="Where the per-partition admission record lives (default CHECKPOINT_DIR/dp-admissions); shared by replicas"
+        None,
+        description="Where the per-partition admission record lives (default CHECKPOINT_DIR/dp-admissions); shared by replicas",
     )
     dp_norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
     dp_norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")
@@ -315,7 +390,9 @@ class Settings(BaseSettings):
     @classmethod
     def _holdout_leaves_training_data(cls, value: float) -> float:
         if value >= 1:
-            raise ValueError("must be below 1: a share of 1 or more would train on nothing; use e.g. 0.02, or 0 for no gate")
+            raise ValueError(
+                "must be below 1: a share of 1 or more would train on nothing; use e.g. 0.02, or 0 for no gate"
+            )
         return value
 
     @field_validator("kafka_bootstrap")

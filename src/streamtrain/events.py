@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from collections.abc import Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -109,7 +109,12 @@ class EventBatch:
 
     def event(self, i: int) -> SensorEvent:
         start = int(self.starts[i])
-        return SensorEvent(str(self.sensor_ids[i]), float(self.ts[i]), self.values[start : start + int(self.lengths[i])], int(self.labels[i]))
+        return SensorEvent(
+            str(self.sensor_ids[i]),
+            float(self.ts[i]),
+            self.values[start : start + int(self.lengths[i])],
+            int(self.labels[i]),
+        )
 
     @classmethod
     def from_events(
@@ -320,7 +325,9 @@ def decode_batch(
     if converted is not None:
         data, lengths, valid = converted
         for k in np.flatnonzero(~valid).tolist():
-            rejections.append((positions[k], Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32")))
+            rejections.append(
+                (positions[k], Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32"))
+            )
     else:
         data, lengths, valid = _convert_each(values_lists, limits, rejections, positions)
     if not valid.all():

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from streamtrain.events import REASONS
-from streamtrain.forecasters import FORECASTER_KINDS
+from streamtrain.model.forecasters import FORECASTER_KINDS
 
 disable_created_metrics()  # no *_created series: dashboards never use them
 
@@ -56,7 +56,9 @@ class _ModelInfoCollector(Collector):
     def collect(self):  # type: ignore[override]
         kept, serving, published_at = self._source()
         info = GaugeMetricFamily(
-            "streamtrain_model_info", "Kept model versions: 1 for the one that serves, 0 for the others", labels=["version"]
+            "streamtrain_model_info",
+            "Kept model versions: 1 for the one that serves, 0 for the others",
+            labels=["version"],
         )
         for version in kept:
             info.add_metric([str(version)], 1.0 if version == serving else 0.0)
@@ -106,12 +108,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         # Ingest
-        self.events_consumed = Counter(
-            "streamtrain_events_consumed", "Messages read from Kafka", registry=registry
-        )
-        self.events_accepted = Counter(
-            "streamtrain_events_accepted", "Events put into the window", registry=registry
-        )
+        self.events_consumed = Counter("streamtrain_events_consumed", "Messages read from Kafka", registry=registry)
+        self.events_accepted = Counter("streamtrain_events_accepted", "Events put into the window", registry=registry)
         self.events_rejected = Counter(
             "streamtrain_events_rejected", "Messages refused, by reason", ["reason"], registry=registry
         )
@@ -168,14 +166,10 @@ class Metrics:
         self.window_size = Gauge("streamtrain_window_size", "Items in the window", registry=registry)
         self.window_capacity = Gauge("streamtrain_window_capacity", "Most items the window holds", registry=registry)
         self.window_tokens = Gauge("streamtrain_window_tokens", "Sum of lengths in the window", registry=registry)
-        self.window_evicted = Counter(
-            "streamtrain_window_evicted", "Items pushed out of the window", registry=registry
-        )
+        self.window_evicted = Counter("streamtrain_window_evicted", "Items pushed out of the window", registry=registry)
         # Training
         self.train_steps = Counter("streamtrain_train_steps", "Optimizer steps", registry=registry)
-        self.train_tokens = Counter(
-            "streamtrain_train_tokens", "Real (unpadded) tokens trained on", registry=registry
-        )
+        self.train_tokens = Counter("streamtrain_train_tokens", "Real (unpadded) tokens trained on", registry=registry)
         self.train_padding_tokens = Counter(
             "streamtrain_train_padding_tokens", "Pad positions in trained batches", registry=registry
         )
@@ -264,9 +258,7 @@ class Metrics:
             registry=registry,
         )
         # Checkpoints
-        self.checkpoints_written = Counter(
-            "streamtrain_checkpoints_written", "Checkpoints written", registry=registry
-        )
+        self.checkpoints_written = Counter("streamtrain_checkpoints_written", "Checkpoints written", registry=registry)
         self.checkpoint_failures = Counter(
             "streamtrain_checkpoint_failures", "Checkpoint writes that failed", registry=registry
         )
@@ -285,7 +277,10 @@ class Metrics:
             "streamtrain_predict_requests", "Predict requests by HTTP status", ["code"], registry=registry
         )
         self.predict_latency = Histogram(
-            "streamtrain_predict_latency_seconds", "Predict request latency", buckets=_LATENCY_BUCKETS, registry=registry
+            "streamtrain_predict_latency_seconds",
+            "Predict request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
         )
 
     def watch_window_age(self, source: Callable[[], tuple[float, float]]) -> None:

@@ -202,7 +202,9 @@ def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.cumsum(steps, out=steps)
 
 
-def gather_tokens(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def gather_tokens(
+    flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
     """Readings of items ``(starts, lengths)`` of ``flat`` back to back (into ``out`` if given)."""
     return np.take(flat, token_positions(starts, lengths), axis=0, out=out)
 
@@ -434,7 +436,9 @@ class RecencyWindow:
         k = rows.shape[0]
         lengths = batch.lengths[rows]
         # the rows' readings, copied into storage of the window's own (chunk_array)
-        chunk = gather_tokens(batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels))
+        chunk = gather_tokens(
+            batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels)
+        )
         starts = np.zeros(k, dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         self._chunk_arrays.append(chunk)
@@ -508,7 +512,9 @@ class RecencyWindow:
             row_chunks, row_lengths = chunk_ids[rows], lengths[rows]
             bounds = np.flatnonzero(np.diff(row_chunks)) + 1
             pieces = [
-                gather_tokens(self._chunk_arrays[int(row_chunks[group[0]])], cols["starts"][rows[group]], row_lengths[group])
+                gather_tokens(
+                    self._chunk_arrays[int(row_chunks[group[0]])], cols["starts"][rows[group]], row_lengths[group]
+                )
                 for group in np.split(np.arange(rows.size), bounds)
             ]  # one gather per sparse chunk: only live readings are copied
             new_starts = np.zeros(rows.size, dtype=np.int64)
@@ -691,7 +697,10 @@ class RecencyWindow:
             self._evicted_at_start = self.accepted_total - self._n
             self.version = int(state.get("version", 0))
             rng_state = state.get("rng_state")
-            if rng_state is not None and rng_state.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]:
+            if (
+                rng_state is not None
+                and rng_state.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]
+            ):
                 self._rng.bit_generator.state = rng_state
 
 

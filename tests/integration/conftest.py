@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kafka_helpers import Broker, free_port
 from kafka.admin import KafkaAdminClient, NewTopic
+from kafka_helpers import Broker, free_port
 
 BOOTSTRAP = os.environ.get("STREAMTRAIN_TEST_KAFKA", "127.0.0.1:9092")
 
@@ -54,9 +54,7 @@ def make_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
 
     def create(partitions: int = 1, prefix: str = "it") -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics(
-            [NewTopic(name, partitions, 1), NewTopic(f"{name}.dlq", partitions, 1)], timeout_ms=15000
-        )
+        admin.create_topics([NewTopic(name, partitions, 1), NewTopic(f"{name}.dlq", partitions, 1)], timeout_ms=15000)
         created.extend([name, f"{name}.dlq"])
         return name
 

@@ -17,7 +17,9 @@ from kafka.admin import KafkaAdminClient
 REPO = Path(__file__).resolve().parents[2]
 
 
-def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]], partition: int | None = None) -> None:
+def produce(
+    bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]], partition: int | None = None
+) -> None:
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=4 << 20)
     for key, value in messages:
         producer.send(topic, key=key, value=value, partition=partition)
@@ -27,8 +29,12 @@ def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes
 
 def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list[Any]:
     consumer = KafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
-        group_id=None, max_partition_fetch_bytes=8 << 20,
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        group_id=None,
+        max_partition_fetch_bytes=8 << 20,
     )
     records: list[Any] = []
     deadline = time.monotonic() + timeout_s
@@ -65,8 +71,13 @@ class Broker:
         return f"127.0.0.1:{self.port}"
 
     def _run(self, command: str) -> None:
-        subprocess.run([str(REPO / "deploy" / "kafka.sh"), command], env=self.env, check=True, timeout=180,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [str(REPO / "deploy" / "kafka.sh"), command],
+            env=self.env,
+            check=True,
+            timeout=180,
+            stdout=subprocess.DEVNULL,
+        )
 
     def up(self) -> None:
         self._run("up")
@@ -144,7 +155,9 @@ def assert_window_holds_exactly(window: Any, placed: dict[tuple[int, int], Any])
     assert len(pairs) == len(set(pairs)), f"{len(pairs) - len(set(pairs))} duplicates in the window"
     valid = {po: label for po, label in placed.items() if isinstance(label, int)}
     missing, extra = set(valid) - set(pairs), set(pairs) - set(valid)
-    assert not missing and not extra, f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})"
+    assert not missing and not extra, (
+        f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})"
+    )
     firsts = [float(v[0, 0]) for v in snapshot.values]
     wrong = [(po, valid[po]) for po, first in zip(pairs, firsts) if first != valid[po]]
     assert not wrong, f"items with another event's readings: {wrong[:5]}"

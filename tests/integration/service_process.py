@@ -69,7 +69,10 @@ class ServiceProcess:
         """Start the process without waiting for it (ranks of one group must all be started first)."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "streamtrain.cli", "serve"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
         _STARTED.append(self.process)

@@ -22,10 +22,10 @@ from kafka.future import Future
 from kafka_helpers import Placements, assert_window_holds_exactly, topic_exists, wait_for
 
 from streamtrain.config import Settings, load_settings
-from streamtrain.dead_letters import DeadLetterOutbox
-from streamtrain.ingest import Ingestor
+from streamtrain.ingest.dead_letters import DeadLetterOutbox
+from streamtrain.ingest.ingestor import Ingestor
+from streamtrain.ingest.topics import forbid_topic_auto_creation
 from streamtrain.metrics import Metrics
-from streamtrain.topics import forbid_topic_auto_creation
 from streamtrain.window import RecencyWindow
 
 pytestmark = pytest.mark.integration
@@ -92,7 +92,9 @@ def headers_of(record: Any) -> dict[str, str]:
 
 
 def max_message_bytes(admin: KafkaAdminClient, topic: str) -> int:
-    described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})], config_filter="all")
+    described = admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})], config_filter="all"
+    )
     return int(described["topic"][topic]["max.message.bytes"]["value"])
 
 
@@ -107,21 +109,27 @@ def assert_whole_dead_letters(records: list[Any], sent: dict[tuple[int, int], by
         assert headers["reason"] == reason and headers["source_topic"] == topic and "stand_in_cause" not in headers
     assert sorted(seen) == sorted(sent)
     for identity, value in sent.items():
-        assert hashlib.sha256(seen[identity].value).digest() == hashlib.sha256(value).digest() and len(seen[identity].value) == len(value)
+        assert hashlib.sha256(seen[identity].value).digest() == hashlib.sha256(value).digest() and len(
+            seen[identity].value
+        ) == len(value)
 
 
 def test_messages_up_to_a_16_mb_topic_limit_reach_the_dlq_whole_and_ingest_goes_on(
     kafka_bootstrap: str, admin: KafkaAdminClient, topic_name: str
 ) -> None:
     topic = topic_name
-    admin.create_topics({topic: {"num_partitions": 2, "configs": {"max.message.bytes": str(LIMIT)}}}, wait_for_metadata=True)
+    admin.create_topics(
+        {topic: {"num_partitions": 2, "configs": {"max.message.bytes": str(LIMIT)}}}, wait_for_metadata=True
+    )
     ingestor, window = start(settings_for(kafka_bootstrap, topic))  # it creates the .dlq: the source's limit + headroom
     stream = Placements(kafka_bootstrap, topic, max_request_size=LIMIT + (1 << 20))
     try:
         wait_for(lambda: topic_exists(kafka_bootstrap, f"{topic}.dlq"), 60, "the .dlq")
         assert max_message_bytes(admin, f"{topic}.dlq") == LIMIT + 64 * 1024
         exact = bytes(range(256)) * ((LIMIT - BATCH_OVERHEAD) // 256) + b"x" * ((LIMIT - BATCH_OVERHEAD) % 256)
-        probe = KafkaProducer(bootstrap_servers=kafka_bootstrap, max_request_size=LIMIT + (1 << 20), enable_idempotence=False)
+        probe = KafkaProducer(
+            bootstrap_servers=kafka_bootstrap, max_request_size=LIMIT + (1 << 20), enable_idempotence=False
+        )
         with pytest.raises(MessageSizeTooLargeError):  # one byte more is refused: this one is exactly the limit
             probe.send(topic, value=exact + b"!", partition=0).get(timeout=60)
         probe.close()
@@ -145,10 +153,15 @@ def test_messages_up_to_a_16_mb_topic_limit_reach_the_dlq_whole_and_ingest_goes_
     assert_whole_dead_letters(read_dlq(kafka_bootstrap, topic, 3), sent, topic, "too_large")
 
 
-def test_a_dlq_too_small_for_a_message_gets_its_stand_in(kafka_bootstrap: str, admin: KafkaAdminClient, topic_name: str) -> None:
+def test_a_dlq_too_small_for_a_message_gets_its_stand_in(
+    kafka_bootstrap: str, admin: KafkaAdminClient, topic_name: str
+) -> None:
     topic = topic_name
     admin.create_topics(
-        {topic: {"num_partitions": 1}, f"{topic}.dlq": {"num_partitions": 1, "configs": {"max.message.bytes": "200000"}}},
+        {
+            topic: {"num_partitions": 1},
+            f"{topic}.dlq": {"num_partitions": 1, "configs": {"max.message.bytes": "200000"}},
+        },
         wait_for_metadata=True,
     )
     metrics = Metrics()
@@ -182,7 +195,11 @@ def test_a_dlq_too_small_for_a_message_gets_its_stand_in(kafka_bootstrap: str, a
     }  # fmt: skip
     assert stand_in.value == original[:1024] and stand_in.key == b"key-1"
     whole = records[str(small_offset)]
-    assert whole.value == b"\x00not json" and headers_of(whole)["reason"] == "decode" and "stand_in_cause" not in headers_of(whole)
+    assert (
+        whole.value == b"\x00not json"
+        and headers_of(whole)["reason"] == "decode"
+        and "stand_in_cause" not in headers_of(whole)
+    )
 
 
 class HookedProducer:
@@ -229,7 +246,11 @@ def test_failed_dead_letter_sends_block_checkpoints_until_they_land_then_a_delet
             stream.events(10)
             value = b"\x00poison-" + str(i).encode()
             stream.send(None, value, f"poison-{i}")
-        first = {po: b"\x00poison-" + label.split("-")[1].encode() for po, label in stream.placed.items() if isinstance(label, str)}
+        first = {
+            po: b"\x00poison-" + label.split("-")[1].encode()
+            for po, label in stream.placed.items()
+            if isinstance(label, str)
+        }
         wait_for(lambda: window.next_offsets == stream.end_offsets(), 60, "ingest past the poison")
         assert_window_holds_exactly(window, stream.placed)
         mark = ingestor.dead_letter_mark()
@@ -252,7 +273,10 @@ def test_failed_dead_letter_sends_block_checkpoints_until_they_land_then_a_delet
                   if isinstance(label, str) and int(label.split("-")[1]) >= 6}  # fmt: skip
         wait_for(lambda: window.next_offsets == stream.end_offsets(), 60, "ingest past the poison")
         assert ingestor.flush_dead_letters(timeout_s=90)
-        assert outbox.metrics.registry.get_sample_value("streamtrain_dead_letters_failed_total") > failed and len(producers) >= 2  # failed, repaired, resent
+        assert (
+            outbox.metrics.registry.get_sample_value("streamtrain_dead_letters_failed_total") > failed
+            and len(producers) >= 2
+        )  # failed, repaired, resent
         assert topic_exists(kafka_bootstrap, f"{topic}.dlq")
         assert max_message_bytes(admin, f"{topic}.dlq") == max_message_bytes(admin, topic) + 64 * 1024
         assert_whole_dead_letters(read_dlq(kafka_bootstrap, topic, 4), second, topic, "decode")

@@ -76,7 +76,9 @@ def test_sigkill_at_the_worst_moments_never_admits_an_event_twice(
     starts: list[tuple[int, int, int]] = []
     with BackgroundProducer(stream, burst=8, interval_s=0.04):  # ~200 events/s, more than R = 16 per step admits
         for cycle, moment in enumerate(moments):
-            service = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / f"serve{cycle}.log", pipe_output=True, **DP)
+            service = FaultyService(
+                kafka_bootstrap, topic, ckpt, tmp_path / f"serve{cycle}.log", pipe_output=True, **DP
+            )
             started.append(service)
             service.start()
             lines = resumed_lines(service.log_text())
@@ -108,7 +110,9 @@ def test_sigkill_at_the_worst_moments_never_admits_an_event_twice(
     started.append(final)
     final.start()
     starts.append(resumed_lines(final.log_text())[-1])
-    wait_for(lambda: operator(final)["record_synced_step"] > starts[-1][2] + K, 60, "a durable record after the last start")
+    wait_for(
+        lambda: operator(final)["record_synced_step"] > starts[-1][2] + K, 60, "a durable record after the last start"
+    )
     dp = final.get("/v1/model")["dp"]
     assert 0 < dp["epsilon"] <= dp["epsilon_cap"] <= dp["target_epsilon"]
     final.terminate()
@@ -156,7 +160,7 @@ def test_sensor_unit_bounds_each_sensor_end_to_end(
     stream.close()
     assert dp["unit"] == "sensor" and dp["horizon"] == "lifetime" and dp["sensor_events"] == b
     lifetime = int(dp["max_groups_per_sensor"])
-    assert 1 <= lifetime and dp["epsilon"] <= dp["epsilon_cap"] <= 8.0
+    assert lifetime >= 1 and dp["epsilon"] <= dp["epsilon_cap"] <= 8.0
     counted = participation(ckpt / "dp-admissions", ckpt / "dp-clock.jsonl")
     groups: dict[str, dict[int, int]] = {}  # sensor -> admission step -> events
     for event, at in counted.admissions.items():

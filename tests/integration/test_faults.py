@@ -33,9 +33,9 @@ from kafka_helpers import Broker, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from service_process import ServiceProcess
 
-from streamtrain.checkpoint import CheckpointStore, LoadedCheckpoint, read_checkpoint
+from streamtrain.checkpoint.store import CheckpointStore, LoadedCheckpoint, read_checkpoint
 from streamtrain.config import load_settings
-from streamtrain.ingest import Ingestor
+from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
@@ -131,11 +131,16 @@ class FaultyService(ServiceProcess):
     def spawn(self) -> FaultyService:
         if not self.pipe_output:
             log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-            self.process = subprocess.Popen([sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
             log.close()
             return self
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "streamtrain.cli", "serve"],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
         self._copier = threading.Thread(target=self._copy_output, daemon=True)
         self._copier.start()
@@ -211,7 +216,9 @@ def assert_window_exact(loaded: LoadedCheckpoint, placed: dict[tuple[int, int], 
     expected = {po for po in placed if po[1] < covered.get(po[0], 0)}
     missing, extra = expected - set(pairs), set(pairs) - expected
     assert not missing, f"{len(missing)} produced events missing from the window, e.g. {sorted(missing)[:5]}"
-    assert not extra, f"{len(extra)} window items that were never produced (or lie beyond its offsets): {sorted(extra)[:5]}"
+    assert not extra, (
+        f"{len(extra)} window items that were never produced (or lie beyond its offsets): {sorted(extra)[:5]}"
+    )
     wrong = [(po, placed[po], int(i)) for po, i in zip(pairs, ids.tolist()) if placed[po] != int(i)]
     assert not wrong, f"items whose readings belong to another event: {wrong[:5]}"
     ends: dict[int, int] = {}
@@ -225,7 +232,12 @@ def assert_window_exact(loaded: LoadedCheckpoint, placed: dict[tuple[int, int], 
 
 def wait_covered(service: FaultyService, stream: IdentifiedStream, timeout_s: float = 90) -> None:
     ends = {str(p): o for p, o in stream.end_offsets().items()}
-    wait_for(lambda: service.get("/v1/window")["next_offsets"] == ends, timeout_s, f"the window to cover {ends}", interval=0.25)
+    wait_for(
+        lambda: service.get("/v1/window")["next_offsets"] == ends,
+        timeout_s,
+        f"the window to cover {ends}",
+        interval=0.25,
+    )
 
 
 def newest_valid(directory: Path) -> tuple[str, int] | None:
@@ -263,9 +275,13 @@ def test_broker_outage_keeps_serving_and_loses_nothing(private_broker: Broker, t
     admin.create_topics([NewTopic(topic, 2, 1), NewTopic(f"{topic}.dlq", 2, 1)], timeout_ms=15000)
     admin.close()
     ckpt = tmp_path / "ckpt"
-    service = FaultyService(private_broker.bootstrap, topic, ckpt, tmp_path / "serve.log", checkpoint_interval_s=1, **SETTINGS)
+    service = FaultyService(
+        private_broker.bootstrap, topic, ckpt, tmp_path / "serve.log", checkpoint_interval_s=1, **SETTINGS
+    )
     # The producer buffers while the broker is away and delivers once it is back.
-    stream = IdentifiedStream(private_broker.bootstrap, topic, delivery_timeout_ms=300_000, max_block_ms=300_000, request_timeout_ms=10_000)
+    stream = IdentifiedStream(
+        private_broker.bootstrap, topic, delivery_timeout_ms=300_000, max_block_ms=300_000, request_timeout_ms=10_000
+    )
     with service:
         stream.send(300)
         stream.flush()
@@ -329,7 +345,9 @@ def kill_during_checkpoint_write(service: FaultyService, directory: Path, timeou
             os.kill(service.pid, signal.SIGSTOP)
             # SIGSTOP is asynchronous: until the process is seen stopped, its writer may
             # still finish (rename the temp file) after we looked.
-            wait_for(lambda: all_threads_stopped(service.pid), 10, "every thread of the service to stop", interval=0.001)
+            wait_for(
+                lambda: all_threads_stopped(service.pid), 10, "every thread of the service to stop", interval=0.001
+            )
             temps = [name for name in os.listdir(directory) if name.endswith(ours)]
             if temps:
                 stop_and_kill(service)
@@ -339,7 +357,9 @@ def kill_during_checkpoint_write(service: FaultyService, directory: Path, timeou
     raise AssertionError(f"no checkpoint write caught in {timeout_s}s")
 
 
-def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, make_topic: Any, tmp_path: Path) -> None:
+def test_sigkill_at_random_moments_keeps_the_window_exact(
+    kafka_bootstrap: str, make_topic: Any, tmp_path: Path
+) -> None:
     topic = make_topic(partitions=3)
     ckpt = tmp_path / "ckpt"
     stream = IdentifiedStream(kafka_bootstrap, topic)
@@ -385,7 +405,9 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, 
 
     # far below the 45 s session timeout a killed dynamic member would hold the partitions
     assert max(resumed_s) < 25, resumed_s
-    final = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / "serve-final.log", group_instance_id="replica-0", **settings)
+    final = FaultyService(
+        kafka_bootstrap, topic, ckpt, tmp_path / "serve-final.log", group_instance_id="replica-0", **settings
+    )
     with final:
         expected = newest_valid(ckpt)
         assert restored_line(final) == expected and final.get("/v1/model")["step"] >= expected[1] >= steps[-1]
@@ -398,7 +420,9 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(kafka_bootstrap: str, 
     stream.close()
 
 
-def test_a_rebalance_in_the_middle_of_a_backlog_neither_duplicates_nor_skips(kafka_bootstrap: str, make_topic: Any, tmp_path: Path) -> None:
+def test_a_rebalance_in_the_middle_of_a_backlog_neither_duplicates_nor_skips(
+    kafka_bootstrap: str, make_topic: Any, tmp_path: Path
+) -> None:
     """A second member joins and leaves the group while batches are in flight to the
     window (a rolling deploy's overlap): every partition must go on exactly where its
     last polled batch ended, not where the window's applied offsets stand."""
@@ -454,7 +478,9 @@ def wrong_checksum(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(kafka_bootstrap: str, make_topic: Any, tmp_path: Path) -> None:
+def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(
+    kafka_bootstrap: str, make_topic: Any, tmp_path: Path
+) -> None:
     topic = make_topic(partitions=2)
     ckpt = tmp_path / "ckpt"
     stream = IdentifiedStream(kafka_bootstrap, topic)
@@ -490,7 +516,9 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(kafka_bootstrap:
     with second:
         log = second.log_text()
         for path, (_, reason) in damage.items():
-            line = next((ln for ln in log.splitlines() if "skipping corrupt checkpoint" in ln and path.name in ln), None)
+            line = next(
+                (ln for ln in log.splitlines() if "skipping corrupt checkpoint" in ln and path.name in ln), None
+            )
             assert line is not None and reason in line, (path.name, log[-3000:])
         assert restored_line(second) == (good.path.name, good.step)
         assert second.metric("streamtrain_checkpoints_corrupt_total") == 3
@@ -523,7 +551,9 @@ def test_unwritable_or_full_checkpoint_dir_is_counted_retried_and_reported(
 
         def failing_phase(expected_error: str) -> None:
             failures = service.metric("streamtrain_checkpoint_failures_total")
-            wait_for(lambda: service.metric("streamtrain_checkpoint_failures_total") >= failures + 2, 30, "retried failures")
+            wait_for(
+                lambda: service.metric("streamtrain_checkpoint_failures_total") >= failures + 2, 30, "retried failures"
+            )
             status, reasons = service.readiness()
             assert status == 200, reasons  # still ready: it ingests, trains and serves
             failing = [r for r in reasons if r.startswith("checkpoint_failing")]
@@ -540,8 +570,16 @@ def test_unwritable_or_full_checkpoint_dir_is_counted_retried_and_reported(
 
         def recovers() -> None:
             written = service.metric("streamtrain_checkpoints_written_total")
-            wait_for(lambda: service.metric("streamtrain_checkpoints_written_total") > written, 30, "a checkpoint after the fix")
-            wait_for(lambda: not any(r.startswith("checkpoint_failing") for r in service.readiness()[1]), 10, "the reason to clear")
+            wait_for(
+                lambda: service.metric("streamtrain_checkpoints_written_total") > written,
+                30,
+                "a checkpoint after the fix",
+            )
+            wait_for(
+                lambda: not any(r.startswith("checkpoint_failing") for r in service.readiness()[1]),
+                10,
+                "the reason to clear",
+            )
 
         # unwritable: the directory is replaced by a regular file
         ckpt.rename(aside)

@@ -33,7 +33,14 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> N
     assert {p.name for p in tmp_path.iterdir()} == FILES  # the 8 files the device tool brings back, nothing else
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mode"] == "dry" and set(summary["steps"].values()) == {"0"}
-    assert list(summary["steps"]) == ["tests", "train-bf16", "train-float32", "train-bf16-budget-131072", "predict", "latency"]
+    assert list(summary["steps"]) == [
+        "tests",
+        "train-bf16",
+        "train-float32",
+        "train-bf16-budget-131072",
+        "predict",
+        "latency",
+    ]
     figures = {f["figure"]: f for f in summary["figures"]}
     assert figures["GPU tests (test_device, test_model, test_predict_batcher)"]["verdict"] == "met"
     for run in ("bf16", "float32", "bf16-budget-131072"):

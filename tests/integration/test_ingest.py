@@ -7,21 +7,22 @@ import time
 
 import orjson
 import pytest
+from kafka_helpers import consume_all, produce, wait_for
 
 from streamtrain.config import load_settings
 from streamtrain.events import REASONS
-from streamtrain.ingest import Ingestor
+from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
-
-from kafka_helpers import consume_all, produce, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def valid(i: int, now: float) -> tuple[bytes, bytes]:
     sensor = f"sensor-{i % 5}"
-    return sensor.encode(), orjson.dumps({"sensor_id": sensor, "ts": now - 1, "values": [float(i), 0.5, 1.5][: 1 + i % 3]})
+    return sensor.encode(), orjson.dumps(
+        {"sensor_id": sensor, "ts": now - 1, "values": [float(i), 0.5, 1.5][: 1 + i % 3]}
+    )
 
 
 def invalid_messages(now: float) -> list[tuple[bytes, bytes, str]]:
@@ -40,8 +41,15 @@ def invalid_messages(now: float) -> list[tuple[bytes, bytes, str]]:
 
 def make_ingestor(bootstrap: str, topic: str, capacity: int = 10_000) -> tuple[Ingestor, RecencyWindow]:
     settings = load_settings(
-        kafka_bootstrap=bootstrap, topic=topic, group_id=f"g-{topic}", max_len=32, n_classes=3,
-        max_message_bytes=4096, window_capacity=capacity, half_life_s=math.inf, topic_partitions=3,
+        kafka_bootstrap=bootstrap,
+        topic=topic,
+        group_id=f"g-{topic}",
+        max_len=32,
+        n_classes=3,
+        max_message_bytes=4096,
+        window_capacity=capacity,
+        half_life_s=math.inf,
+        topic_partitions=3,
     )
     window = RecencyWindow(capacity, math.inf, channels=1)
     return Ingestor(settings, window, Metrics()), window
@@ -108,8 +116,14 @@ def test_many_poll_batches_through_the_decode_worker_land_once(kafka_bootstrap: 
     now = time.time()
     produce(kafka_bootstrap, topic, [valid(i, now) for i in range(12_000)])
     settings = load_settings(
-        kafka_bootstrap=kafka_bootstrap, topic=topic, group_id=f"g-{topic}", max_len=32,
-        window_capacity=20_000, half_life_s=math.inf, poll_max_records=700, decode_workers=1,
+        kafka_bootstrap=kafka_bootstrap,
+        topic=topic,
+        group_id=f"g-{topic}",
+        max_len=32,
+        window_capacity=20_000,
+        half_life_s=math.inf,
+        poll_max_records=700,
+        decode_workers=1,
     )
     window = RecencyWindow(20_000, math.inf)
     ingestor = Ingestor(settings, window, Metrics())

@@ -159,9 +159,14 @@ def test_scram_over_tls_ingests_and_dead_letters_end_to_end(broker: SecureBroker
         rejected = sum(window["rejected_total"].values())
         assert window["seen_total"] == 400 and rejected > 0
         assert window["accepted_total"] + window.get("held_out_total", 0) + rejected == 400
-        letters = wait_for(lambda: (d := _dead_letters(broker)) and len(d) >= rejected and d, 60, "dead letters in the .dlq")
+        letters = wait_for(
+            lambda: (d := _dead_letters(broker)) and len(d) >= rejected and d, 60, "dead letters in the .dlq"
+        )
         assert len(letters) == rejected
-        assert all({"reason", "source_topic", "source_partition", "source_offset"} <= {k for k, _ in r.headers} for r in letters)
+        assert all(
+            {"reason", "source_topic", "source_partition", "source_offset"} <= {k for k, _ in r.headers}
+            for r in letters
+        )
         service.wait_ready()
         assert wait_for(lambda: list((tmp_path / "ck-scram").glob("*.stck")), 30, "a checkpoint")
         _record(service)
@@ -173,7 +178,9 @@ def test_mutual_tls_ingests(broker: SecureBroker, tmp_path: Path) -> None:
     with _service(broker, tmp_path, "mtls", broker.mutual_tls("svc")) as service:
         before = wait_for(lambda: service.client.get("/v1/window").json(), 30, "the window")["seen_total"]
         _simulate(broker, 200, seed=2)
-        wait_for(lambda: service.get("/v1/window")["seen_total"] >= before + 200, 90, "200 new events read over mutual TLS")
+        wait_for(
+            lambda: service.get("/v1/window")["seen_total"] >= before + 200, 90, "200 new events read over mutual TLS"
+        )
         service.wait_ready()
         _record(service)
     SEEN.append(service.log_path.read_text())
@@ -183,8 +190,12 @@ def test_wrong_password_is_a_readiness_reason_once_logged_and_recovers(broker: S
     password_file = tmp_path / "svc.password"
     password_file.write_text("not-the-password-4711\n")
     with _service(broker, tmp_path, "wrong", broker.scram("svc", password_file)) as service:
-        reasons = wait_for(lambda: [r for r in _reasons(service) if r.startswith("kafka_auth_failed:")], 60, "kafka_auth_failed")
-        assert reasons == ["kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"]
+        reasons = wait_for(
+            lambda: [r for r in _reasons(service) if r.startswith("kafka_auth_failed:")], 60, "kafka_auth_failed"
+        )
+        assert reasons == [
+            "kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"
+        ]
         time.sleep(15)  # several retries: still running, still one line
         assert service.process is not None and service.process.poll() is None
         assert service.client.get("/healthz").status_code == 200
@@ -209,11 +220,15 @@ def test_wrong_password_is_a_readiness_reason_once_logged_and_recovers(broker: S
 
 
 @pytest.mark.parametrize("how", ["scram", "mutual_tls"])
-def test_a_denied_principal_reads_nothing_and_is_told_what_is_missing(broker: SecureBroker, tmp_path: Path, how: str) -> None:
+def test_a_denied_principal_reads_nothing_and_is_told_what_is_missing(
+    broker: SecureBroker, tmp_path: Path, how: str
+) -> None:
     security = broker.scram("denied") if how == "scram" else broker.mutual_tls("denied")
     with _service(broker, tmp_path, f"denied-{how}", security) as service:
         reasons = wait_for(
-            lambda: [r for r in _reasons(service) if r.startswith("kafka_authorization_failed:")], 60, "kafka_authorization_failed"
+            lambda: [r for r in _reasons(service) if r.startswith("kafka_authorization_failed:")],
+            60,
+            "kafka_authorization_failed",
         )
         assert reasons[0].startswith(f"kafka_authorization_failed: CREATE on topic {TOPIC} "), reasons
         assert "an operator creates it" in reasons[0] and "3 partitions" in reasons[0]
@@ -226,7 +241,9 @@ def test_a_denied_principal_reads_nothing_and_is_told_what_is_missing(broker: Se
     SEEN.append(service.log_path.read_text())
 
 
-def test_no_secret_in_any_log_response_metric_or_checkpoint(broker: SecureBroker, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_no_secret_in_any_log_response_metric_or_checkpoint(
+    broker: SecureBroker, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     secrets = [broker.password(user) for user in ("admin", "svc", "sim", "denied")] + ["not-the-password-4711"]
     key_marker = "PRIVATE KEY"
     assert len(SEEN) >= 10, "the tests above ran first and recorded what the services said"
@@ -255,10 +272,14 @@ def test_a_real_prometheus_fires_ingest_stalled_when_the_broker_stops(private_br
 
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.fail("prometheus not found: install Debian's prometheus package (apt-get install prometheus; .ci/run does)")
+        pytest.fail(
+            "prometheus not found: install Debian's prometheus package (apt-get install prometheus; .ci/run does)"
+        )
     private_broker.up()
     with ServiceProcess(private_broker.bootstrap, "alerts", tmp_path / "ck", tmp_path / "service.log") as service:
-        wait_for(lambda: "streamtrain_kafka_connected 1.0" in service.client.get("/metrics").text, 60, "a broker connection")
+        wait_for(
+            lambda: "streamtrain_kafka_connected 1.0" in service.client.get("/metrics").text, 60, "a broker connection"
+        )
         port = free_port()
         config = tmp_path / "prometheus.yml"
         config.write_text(
@@ -288,18 +309,29 @@ def test_a_real_prometheus_fires_ingest_stalled_when_the_broker_stops(private_br
                     alerts = api.get("/api/v1/alerts").json()["data"]["alerts"]
                 except (httpx.HTTPError, KeyError, ValueError):
                     return []
-                return [a for a in alerts if a["labels"]["alertname"] == "StreamtrainIngestStalled" and a["state"] == state]
+                return [
+                    a for a in alerts if a["labels"]["alertname"] == "StreamtrainIngestStalled" and a["state"] == state
+                ]
 
             wait_for(lambda: query("streamtrain_kafka_connected == 1"), 60, "Prometheus scraping the service")
             assert not alert("pending") and not alert("firing")
             private_broker.down()
             wait_for(lambda: alert("pending"), 90, "StreamtrainIngestStalled pending")
             try:
-                (firing,) = wait_for(lambda: alert("firing"), 240, "StreamtrainIngestStalled firing (after its `for: 2m`)")
+                (firing,) = wait_for(
+                    lambda: alert("firing"), 240, "StreamtrainIngestStalled firing (after its `for: 2m`)"
+                )
             except AssertionError as late:
-                seen = {e: query(e) for e in ("up", "changes(streamtrain_kafka_connected[5m])", "streamtrain_kafka_connected")}
-                raise AssertionError(f"{late}; Prometheus saw {seen}, alerts {api.get('/api/v1/alerts').text}") from None
-            assert firing["labels"]["instance"] == f"127.0.0.1:{service.port}" and firing["labels"]["severity"] == "page"
+                seen = {
+                    e: query(e)
+                    for e in ("up", "changes(streamtrain_kafka_connected[5m])", "streamtrain_kafka_connected")
+                }
+                raise AssertionError(
+                    f"{late}; Prometheus saw {seen}, alerts {api.get('/api/v1/alerts').text}"
+                ) from None
+            assert (
+                firing["labels"]["instance"] == f"127.0.0.1:{service.port}" and firing["labels"]["severity"] == "page"
+            )
             assert firing["annotations"]["runbook_url"] == "docs/operations.md#streamtrainingeststalled"
             assert service.client.get("/healthz").status_code == 200  # stalled, not dead
         finally:

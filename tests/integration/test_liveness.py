@@ -24,7 +24,7 @@ from kafka_helpers import Broker, Placements, assert_window_holds_exactly, topic
 from service_process import ServiceProcess
 
 from streamtrain.config import Settings, load_settings
-from streamtrain.ingest import Ingestor, keep_rejoin_pending, subscribed_consumer
+from streamtrain.ingest.ingestor import Ingestor, keep_rejoin_pending, subscribed_consumer
 from streamtrain.metrics import Metrics
 from streamtrain.window import RecencyWindow
 
@@ -111,12 +111,18 @@ def test_a_rejoin_whose_waiter_gave_up_is_lost_unless_kept_pending(
     consumer.subscribe([topic], listener=listener)
     coordinator = consumer._coordinator
     try:
-        wait_for(lambda: consumer.poll(timeout_ms=200) is not None and consumer.assignment(), 60, "the first assignment")
+        wait_for(
+            lambda: consumer.poll(timeout_ms=200) is not None and consumer.assignment(), 60, "the first assignment"
+        )
         partitions = 1
         for _ in range(3):  # establish the race: the waiter gives up while JoinGroup is in flight
             partitions += 1
             admin.create_partitions({topic: NewPartitions(partitions)})
-            wait_for(lambda: len(coordinator._metadata_snapshot.get(topic, ())) == partitions, 30, "the leader to see the new partitions")
+            wait_for(
+                lambda: len(coordinator._metadata_snapshot.get(topic, ())) == partitions,
+                30,
+                "the leader to see the new partitions",
+            )
             consumer.poll(timeout_ms=1)  # rejoin starts: partitions revoked, JoinGroup sent, waiter gives up after 1 ms
             if coordinator._join_task is not None and not coordinator._join_task.is_done:
                 break
@@ -206,7 +212,7 @@ def test_partitions_added_after_a_static_member_restarted_are_assigned(
     member that did watch the topic for new partitions. Found by bench/chaos.py: after a
     SIGKILL, partitions added to the topic waited for the next membership change."""
     if not fixed:
-        monkeypatch.setattr("streamtrain.ingest.rejoin_on_partition_changes", lambda consumer: None)
+        monkeypatch.setattr("streamtrain.ingest.ingestor.rejoin_on_partition_changes", lambda consumer: None)
     topic = fresh_topics("static")
     settings = ingest_settings(kafka_bootstrap, topic, topic_partitions=1, group_instance_id=f"static-{topic}")
     first, _ = start_ingestor(settings)
@@ -224,7 +230,9 @@ def test_partitions_added_after_a_static_member_restarted_are_assigned(
             stream.events(40, partition=partition)
         if not fixed:  # metadata is refreshed every 10 s; twice that and still nothing
             time.sleep(25)
-            assert ingestor.assigned == {0}, "kafka-python assigns added partitions now: drop rejoin_on_partition_changes"
+            assert ingestor.assigned == {0}, (
+                "kafka-python assigns added partitions now: drop rejoin_on_partition_changes"
+            )
             return
         wait_for(lambda: window.next_offsets == stream.end_offsets(), 60, "every partition ingested")
         assert ingestor.assigned == {0, 1, 2}
@@ -345,11 +353,17 @@ def test_a_restarted_coordinator_loses_and_doubles_nothing(private_broker: Broke
 # the real service process, on a topic that does not exist yet
 
 
-def test_serve_creates_its_topics_and_ingests(kafka_bootstrap: str, fresh_topics: Any, admin: KafkaAdminClient, tmp_path: Path) -> None:
+def test_serve_creates_its_topics_and_ingests(
+    kafka_bootstrap: str, fresh_topics: Any, admin: KafkaAdminClient, tmp_path: Path
+) -> None:
     topic = fresh_topics("serve")
     service = ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log", max_len=16)
     with service:
-        wait_for(lambda: topic_exists(kafka_bootstrap, topic) and topic_exists(kafka_bootstrap, f"{topic}.dlq"), 60, "the topics")
+        wait_for(
+            lambda: topic_exists(kafka_bootstrap, topic) and topic_exists(kafka_bootstrap, f"{topic}.dlq"),
+            60,
+            "the topics",
+        )
         stream = Placements(kafka_bootstrap, topic)
         stream.events(300)
         stream.send(b"bad", b"not json", "decode")
@@ -360,7 +374,12 @@ def test_serve_creates_its_topics_and_ingests(kafka_bootstrap: str, fresh_topics
         assert window["accepted_total"] == 300 and window["rejected_total"]["decode"] == 1
         assert window["next_offsets"] == {str(p): o for p, o in stream.end_offsets().items()}
         assert 0 <= window["last_record_age_s"] < 60
-        assert window["ingest_restarts_total"] == {"unassigned": 0, "no_fetch_progress": 0, "no_heartbeat": 0, "error": 0}
+        assert window["ingest_restarts_total"] == {
+            "unassigned": 0,
+            "no_fetch_progress": 0,
+            "no_heartbeat": 0,
+            "error": 0,
+        }
         wait_for(lambda: service.get("/v1/window")["dead_letters_pending"] == 0, 30, "the dead letter acknowledged")
         ready = httpx.get(f"http://127.0.0.1:{service.port}/readyz").json()
         assert ready == {"status": "ok", "reasons": []}
@@ -368,14 +387,17 @@ def test_serve_creates_its_topics_and_ingests(kafka_bootstrap: str, fresh_topics
         assert 'streamtrain_ingest_restarts_total{reason="unassigned"} 0.0' in metrics
         assert 'streamtrain_dead_letters_written_total{form="raw"} 1.0' in metrics
         stream.close()
-    # it says which malloc it runs on (streamtrain.allocator)
+    # it says which malloc it runs on (streamtrain.runtime.allocator)
     assert "malloc: " in (tmp_path / "serve.log").read_text()
     # the topics it created: the broker's replication default, a .dlq that takes what the topic takes
     described = admin.describe_topics([topic, f"{topic}.dlq"])
     assert [len(t["partitions"]) for t in described] == [3, 3]
     assert {len(p["replica_nodes"]) for t in described for p in t["partitions"]} == {1}  # this broker's default
     limits = admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": None}) for name in (topic, f"{topic}.dlq")],
+        [
+            ConfigResource(ConfigResourceType.TOPIC, name, {"max.message.bytes": None})
+            for name in (topic, f"{topic}.dlq")
+        ],
         config_filter="all",
     )["topic"]
     source, dlq = (int(limits[name]["max.message.bytes"]["value"]) for name in (topic, f"{topic}.dlq"))

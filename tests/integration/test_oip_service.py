@@ -34,7 +34,7 @@ import tritonclient.http as triton
 from kafka.admin import KafkaAdminClient, NewTopic
 from service_process import ServiceProcess
 
-from streamtrain.simulate import SimulationConfig, run_simulation
+from streamtrain.tools.simulate import SimulationConfig, run_simulation
 
 pytestmark = pytest.mark.integration
 
@@ -118,10 +118,14 @@ def v1_predict(service: ServiceProcess, values: np.ndarray, lengths: np.ndarray)
 
 def assert_same(outputs: dict[str, Any], reference: dict[str, Any], tolerance: float = 1e-6) -> None:
     for name in ("next", "anomaly_score", "probs"):
-        np.testing.assert_allclose(np.asarray(outputs[name]), reference[name], rtol=tolerance, atol=tolerance, err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(outputs[name]), reference[name], rtol=tolerance, atol=tolerance, err_msg=name
+        )
 
 
-def test_tritonclient_json_and_binary_equal_v1_predict(service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray]) -> None:
+def test_tritonclient_json_and_binary_equal_v1_predict(
+    service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     values, lengths = batch
     reference = v1_predict(service, values, lengths)
     client = triton.InferenceServerClient(url=f"127.0.0.1:{service.port}", network_timeout=60.0)
@@ -146,7 +150,9 @@ def test_tritonclient_json_and_binary_equal_v1_predict(service: ServiceProcess, 
 
 
 @pytest.mark.timeout(1500)
-def test_kserve_client_json_and_binary_equal_v1_predict(service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray]) -> None:
+def test_kserve_client_json_and_binary_equal_v1_predict(
+    service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray]
+) -> None:
     values, lengths = batch
     python = kserve_python()
     reference = v1_predict(service, values, lengths)
@@ -167,7 +173,10 @@ def test_export_from_the_running_service_answers_as_it_does(service: ServiceProc
                                                             tmp_path: Path) -> None:  # fmt: skip
     values, lengths = batch
     reference = v1_predict(service, values, lengths)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}, "STREAMTRAIN_ADMIN_TOKEN": TOKEN}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")},
+        "STREAMTRAIN_ADMIN_TOKEN": TOKEN,
+    }
     url = f"http://127.0.0.1:{service.port}"
 
     def export(fmt: str, out: Path, *extra: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.simulate import SimulationConfig, run_simulation
+from streamtrain.tools.simulate import SimulationConfig, run_simulation
 
 pytestmark = pytest.mark.integration
 

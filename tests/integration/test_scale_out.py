@@ -28,13 +28,13 @@ from kafka.admin import KafkaAdminClient, NewPartitions
 from kafka_helpers import Placements, assert_window_holds_exactly, free_port, wait_for
 from service_process import FAST_MODEL, ServiceProcess, wait_until
 
-from streamtrain.checkpoint import CheckpointStore
+from streamtrain.checkpoint.shards import DistributedCheckpointer, ShardedCheckpointStore
+from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.config import load_settings
-from streamtrain.distributed import Collectives, DistContext
-from streamtrain.export import fetch_bundle
-from streamtrain.ingest import Ingestor
+from streamtrain.distributed.launch import Collectives, DistContext
+from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
-from streamtrain.sharded_checkpoint import DistributedCheckpointer, ShardedCheckpointStore
+from streamtrain.tools.export import fetch_bundle
 from streamtrain.window import RecencyWindow
 
 pytestmark = pytest.mark.integration
@@ -57,7 +57,15 @@ class Group:
     """``world`` ranks of one service; ``plain``: one process without WORLD_SIZE (as before scale-out)."""
 
     def __init__(
-        self, world: int, bootstrap: str, topic: str, checkpoint_dir: Path, logs: Path, *, plain: bool = False, **settings: Any
+        self,
+        world: int,
+        bootstrap: str,
+        topic: str,
+        checkpoint_dir: Path,
+        logs: Path,
+        *,
+        plain: bool = False,
+        **settings: Any,
     ) -> None:
         master = free_port()
         self.world = world
@@ -125,12 +133,16 @@ def assert_ownership(ranks: list[Any], partitions: int) -> None:
         f"ranks to consume {owned}",
     )
     for rank, window in enumerate(windows):
-        assert {int(p) for p in window["next_offsets"]} <= set(owned[rank]), f"rank {rank} holds {window['next_offsets']}"
+        assert {int(p) for p in window["next_offsets"]} <= set(owned[rank]), (
+            f"rank {rank} holds {window['next_offsets']}"
+        )
 
 
 def assert_checkpoint_exact(checkpoint_dir: Path, topic: str, placements: Placements) -> Any:
     """The newest checkpoint (either kind) holds every event sent once, with its own readings."""
-    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(checkpoint_dir), Collectives(DistContext()), topic=topic)
+    checkpointer = DistributedCheckpointer(
+        ShardedCheckpointStore(checkpoint_dir), Collectives(DistContext()), topic=topic
+    )
     share = checkpointer.restore(partition_count=None, legacy=CheckpointStore(checkpoint_dir))
     assert share is not None
     window = RecencyWindow(10**6, math.inf)
@@ -162,7 +174,9 @@ def assert_one_model(ranks: list[Any], min_step: int = 20) -> None:
         assert bundle.norm.state_dict()["count"] == bundles[0].norm.state_dict()["count"]
     rng = np.random.default_rng(3)
     values = rng.normal(size=(4, 6, 1)).round(3).astype(np.float32)
-    body = {"inputs": [{"name": "values", "shape": list(values.shape), "datatype": "FP32", "data": values.ravel().tolist()}]}
+    body = {
+        "inputs": [{"name": "values", "shape": list(values.shape), "datatype": "FP32", "data": values.ravel().tolist()}]
+    }
     answers = []
     for r in ranks:
         response = r.client.post(f"/v2/models/streamtrain/versions/{version}/infer", json=body)
@@ -206,7 +220,9 @@ def adjacent_free_ports() -> int:
         return port
 
 
-def test_torchrun_two_ranks_train_one_model_over_three_partitions(kafka_bootstrap: str, make_topic: Any, tmp_path: Path) -> None:
+def test_torchrun_two_ranks_train_one_model_over_three_partitions(
+    kafka_bootstrap: str, make_topic: Any, tmp_path: Path
+) -> None:
     """The README's launch: torchrun, one config file, rank r on HTTP_PORT + LOCAL_RANK."""
     topic = make_topic(partitions=3)
     port = adjacent_free_ports()
@@ -222,7 +238,9 @@ def test_torchrun_two_ranks_train_one_model_over_three_partitions(kafka_bootstra
         "checkpoint_dir": checkpoint_dir,
     }
     config = tmp_path / "rank.toml"
-    config.write_text("".join(f'{name} = "{value}"\n' for name, value in settings.items()))  # pydantic parses the strings
+    config.write_text(
+        "".join(f'{name} = "{value}"\n' for name, value in settings.items())
+    )  # pydantic parses the strings
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}
     # torchrun itself exits non-zero when it is signalled, whatever its ranks did: each rank
     # runs the CLI's main() and leaves its exit status in a file, to be checked below.
@@ -258,7 +276,9 @@ def test_torchrun_two_ranks_train_one_model_over_three_partitions(kafka_bootstra
     assert text.count("final checkpoint chk-") == 2, text[-3000:]
     statuses = [(tmp_path / f"exit-rank{rank}").read_text() if (tmp_path / f"exit-rank{rank}").exists() else None
                 for rank in range(2)]  # fmt: skip
-    assert statuses == ["0", "0"], f"SIGTERM through torchrun: each rank exits 0 after the final checkpoint ({text[-3000:]})"
+    assert statuses == ["0", "0"], (
+        f"SIGTERM through torchrun: each rank exits 0 after the final checkpoint ({text[-3000:]})"
+    )
     manifest = newest_manifest(checkpoint_dir)
     assert manifest.world_size == 2 and [s["partitions"] for s in manifest.shards] == [[0, 2], [1]]
     assert_checkpoint_exact(checkpoint_dir, topic, placements)
@@ -317,7 +337,9 @@ def test_a_killed_rank_stops_the_others_and_a_restart_restores_exactly_once(
     assert newest_manifest(checkpoint_dir).world_size == 2
 
 
-def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(kafka_bootstrap: str, make_topic: Any, tmp_path: Path) -> None:
+def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(
+    kafka_bootstrap: str, make_topic: Any, tmp_path: Path
+) -> None:
     """One checkpoint directory, four partitions: 2 ranks, then one plain process, then 3 ranks."""
     topic = make_topic(partitions=4)
     checkpoint_dir = tmp_path / "ckpt"
@@ -355,7 +377,9 @@ def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(kafka_bootstra
         placements.close()
 
 
-def test_an_owning_rank_resumes_from_its_window_and_picks_up_new_partitions(kafka_bootstrap: str, make_topic: Any) -> None:
+def test_an_owning_rank_resumes_from_its_window_and_picks_up_new_partitions(
+    kafka_bootstrap: str, make_topic: Any
+) -> None:
     """Rank 0 of 2 at the ingest level: only even partitions, from the window's offsets, not the group's."""
     topic = make_topic(partitions=2)
     placements = Placements(kafka_bootstrap, topic)

@@ -15,16 +15,26 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.checkpoint import CheckpointStore
-from streamtrain.simulate import SimulationConfig, run_simulation
+from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.tools.simulate import SimulationConfig, run_simulation
 
 pytestmark = pytest.mark.integration
 
 
 def simulate(bootstrap: str, topic: str, count: int, seed: int = 0, **extra) -> int:
     config = SimulationConfig(
-        bootstrap=bootstrap, topic=topic, rate=0, count=count, sensors=8, length_median=24, length_sigma=0.5,
-        max_len=128, process="ar", seed=seed, progress_interval_s=60, **extra,
+        bootstrap=bootstrap,
+        topic=topic,
+        rate=0,
+        count=count,
+        sensors=8,
+        length_median=24,
+        length_sigma=0.5,
+        max_len=128,
+        process="ar",
+        seed=seed,
+        progress_interval_s=60,
+        **extra,
     )
     report = run_simulation(config)
     assert report.delivery_errors == 0
@@ -45,8 +55,15 @@ def token_counters(metrics_text: str) -> tuple[float, float]:
 def learning_service(kafka_bootstrap, make_topic, tmp_path):
     topic = make_topic(partitions=2)
     service = ServiceProcess(
-        kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log",
-        max_len=128, window_capacity=20000, half_life_s="inf", admin_token="s3cret-token", checkpoint_interval_s=300,
+        kafka_bootstrap,
+        topic,
+        tmp_path / "ckpt",
+        tmp_path / "serve.log",
+        max_len=128,
+        window_capacity=20000,
+        half_life_s="inf",
+        admin_token="s3cret-token",
+        checkpoint_interval_s=300,
     )
     with service:
         valid = simulate(kafka_bootstrap, topic, count=4000, malformed_share=0.05)
@@ -65,9 +82,11 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     first = s.get("/v1/model")["training"]["live_step"]
     pad_before, real_before = token_counters(s.client.get("/metrics").text)  # warm-up passes were tiny
     report = wait_for(
-        lambda: (m := s.get("/v1/model"))["training"]["live_step"] >= first + 40
-        and m["training"]["forecast_loss"] < 0.9 * m["training"]["naive_last_value_loss"]
-        and m,
+        lambda: (
+            (m := s.get("/v1/model"))["training"]["live_step"] >= first + 40
+            and m["training"]["forecast_loss"] < 0.9 * m["training"]["naive_last_value_loss"]
+            and m
+        ),
         150,
         "the forecast beating the last-value baseline",
     )
@@ -77,7 +96,9 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
 
     # no-shuffle inference: answers do not depend on order or company
     rng = np.random.default_rng(1)
-    instances = [{"values": np.round(np.cumsum(rng.standard_normal(int(n))), 3).tolist()} for n in rng.integers(1, 100, 24)]
+    instances = [
+        {"values": np.round(np.cumsum(rng.standard_normal(int(n))), 3).tolist()} for n in rng.integers(1, 100, 24)
+    ]
 
     def ask(batch):
         body = s.client.post("/v1/predict", json={"instances": batch})
@@ -162,11 +183,15 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     for raw in (b'{"instances": [{"values": [1.0, NaN]}]}', b'{"instances": [{"values": [Infinity]}]}', b"{nope"):
         response = s.client.post("/v1/predict", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 422, (raw, response.text)
-    nan_answer = s.client.post("/v1/predict", content=b'{"instances": [{"values": [1.0]}, {"values": [NaN]}]}',
-                               headers={"content-type": "application/json"})
+    nan_answer = s.client.post(
+        "/v1/predict",
+        content=b'{"instances": [{"values": [1.0]}, {"values": [NaN]}]}',
+        headers={"content-type": "application/json"},
+    )
     assert "instances[1]" in nan_answer.json()["detail"] and "non_finite" in nan_answer.json()["detail"]
-    too_big = s.client.post("/v1/predict", content=b"[" + b"1," * (5 << 20) + b"1]",
-                            headers={"content-type": "application/json"})
+    too_big = s.client.post(
+        "/v1/predict", content=b"[" + b"1," * (5 << 20) + b"1]", headers={"content-type": "application/json"}
+    )
     assert too_big.status_code == 413
 
     # admin: bearer token, 401 without, 403 wrong
@@ -203,7 +228,11 @@ def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, ma
         assert window["evicted_total"] == 0
         # the ledger counts each covered message once; this process's counters only what it read
         assert window["seen_total"] == window["accepted_total"] + sum(window["rejected_total"].values())
-        consumed = [line for line in second.client.get("/metrics").text.splitlines() if line.startswith("streamtrain_events_consumed_total ")]
+        consumed = [
+            line
+            for line in second.client.get("/metrics").text.splitlines()
+            if line.startswith("streamtrain_events_consumed_total ")
+        ]
         assert len(consumed) == 1 and float(consumed[0].split()[1]) <= window["seen_total"]
     finally:
         second.terminate()
@@ -215,8 +244,14 @@ def test_a_stop_signal_exits_0_after_the_final_checkpoint(kafka_bootstrap, make_
     topic = make_topic(partitions=2)
     checkpoint_dir = tmp_path / "ckpt"
     service = ServiceProcess(
-        kafka_bootstrap, topic, checkpoint_dir, tmp_path / "serve.log",
-        max_len=128, window_capacity=50000, half_life_s="inf", checkpoint_interval_s=3600,
+        kafka_bootstrap,
+        topic,
+        checkpoint_dir,
+        tmp_path / "serve.log",
+        max_len=128,
+        window_capacity=50000,
+        half_life_s="inf",
+        checkpoint_interval_s=3600,
     ).start()
     sent = simulate(kafka_bootstrap, topic, count=300, seed=3)
     wait_for(lambda: service.get("/v1/window")["size"] == sent, 60, "the window to hold the stream")
@@ -234,7 +269,11 @@ def test_a_final_checkpoint_that_cannot_be_written_exits_1_and_says_so(kafka_boo
     topic = make_topic(partitions=1)
     checkpoint_dir = tmp_path / "ckpt"
     service = ServiceProcess(
-        kafka_bootstrap, topic, checkpoint_dir, tmp_path / "serve.log", checkpoint_interval_s=3600,
+        kafka_bootstrap,
+        topic,
+        checkpoint_dir,
+        tmp_path / "serve.log",
+        checkpoint_interval_s=3600,
     ).start()
     shutil.rmtree(checkpoint_dir, ignore_errors=True)
     checkpoint_dir.write_text("a file where the checkpoint directory was\n")  # every write fails, root or not

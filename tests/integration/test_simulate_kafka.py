@@ -13,7 +13,7 @@ from kafka.admin import KafkaAdminClient
 from kafka_helpers import consume_all
 
 from streamtrain.events import EventLimits, Rejection, SensorEvent, decode_event
-from streamtrain.simulate import SimulationConfig, main, run_simulation
+from streamtrain.tools.simulate import SimulationConfig, main, run_simulation
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,9 @@ PARTITIONS = 3
 @pytest.fixture()
 def topic():
     try:
-        admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP, client_id="test-simulate-admin", request_timeout_ms=10_000)
+        admin = KafkaAdminClient(
+            bootstrap_servers=BOOTSTRAP, client_id="test-simulate-admin", request_timeout_ms=10_000
+        )
     except Exception as exc:  # noqa: BLE001
         pytest.fail(f"no Kafka broker at {BOOTSTRAP} ({exc}); start it with: deploy/kafka.sh up")
     name = f"test-simulate-{uuid.uuid4().hex[:12]}"
@@ -43,8 +45,19 @@ def read_all(topic: str, expected: int, timeout_s: float = 30.0) -> list:
 
 def test_every_simulated_record_reaches_the_topic_keyed_by_sensor(topic):
     cfg = SimulationConfig(
-        bootstrap=BOOTSTRAP, topic=topic, rate=2000.0, count=600, sensors=12, channels=2, n_classes=3,
-        length_median=32, max_len=128, malformed_share=0.15, event_ids=True, seed=7, run_id="it",
+        bootstrap=BOOTSTRAP,
+        topic=topic,
+        rate=2000.0,
+        count=600,
+        sensors=12,
+        channels=2,
+        n_classes=3,
+        length_median=32,
+        max_len=128,
+        malformed_share=0.15,
+        event_ids=True,
+        seed=7,
+        run_id="it",
     )
     report = run_simulation(cfg)
     assert report.sent == 600 and report.delivery_errors == 0, report.first_delivery_error
@@ -57,7 +70,9 @@ def test_every_simulated_record_reaches_the_topic_keyed_by_sensor(topic):
     assert len(partitions_of_key) == 12
     assert all(len(p) == 1 for p in partitions_of_key.values())  # one sensor stays on one partition
 
-    limits = EventLimits(max_len=cfg.max_len, channels=cfg.channels, n_classes=cfg.n_classes, max_message_bytes=cfg.max_message_bytes)
+    limits = EventLimits(
+        max_len=cfg.max_len, channels=cfg.channels, n_classes=cfg.n_classes, max_message_bytes=cfg.max_message_bytes
+    )
     now = time.time()
     outcomes = Counter()
     event_ids = set()
@@ -74,6 +89,8 @@ def test_every_simulated_record_reaches_the_topic_keyed_by_sensor(topic):
 
 
 def test_command_line_entry_point_produces_the_requested_count(topic):
-    code = main(["--bootstrap", BOOTSTRAP, "--topic", topic, "--count", "150", "--rate", "0", "--seed", "3", "--sensors", "4"])
+    code = main(
+        ["--bootstrap", BOOTSTRAP, "--topic", topic, "--count", "150", "--rate", "0", "--seed", "3", "--sensors", "4"]
+    )
     assert code == 0
     assert len(read_all(topic, 150)) == 150

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamtrain.model import ModelOutput, SensorModel
+from streamtrain.model.network import ModelOutput, SensorModel
 
 HEAD_STD = 0.3  # a head of this size moves forecasts by about one step scale: far above any test tolerance
 

@@ -2,7 +2,7 @@
 
 The parent sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT and runs
 ``python dist_worker.py SCENARIO OUT_DIR``; this process joins the gloo group through
-``env://`` (streamtrain.distributed), runs the scenario and writes what it saw to
+``env://`` (streamtrain.distributed.launch), runs the scenario and writes what it saw to
 OUT_DIR/rank{RANK}.* for the parent to check. Not a test module (no ``test_`` prefix).
 """
 
@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamtrain.checkpoint.shards import DistributedCheckpointer, ShardedCheckpointStore
 from streamtrain.config import load_settings
 from streamtrain.data import collate
-from streamtrain.distributed import (
+from streamtrain.distributed.data_parallel import DataParallelStep
+from streamtrain.distributed.launch import (
     Collectives,
     DistContext,
     LockstepError,
@@ -35,14 +37,12 @@ from streamtrain.distributed import (
     StepSignals,
     exit_after_collective_failure,
 )
+from streamtrain.distributed.lockstep import LockstepLoop, check_settings_agree
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm, build_model, predict
-from streamtrain.parallel import DataParallelStep
-from streamtrain.quality import QualityConfig, QualityMonitor
-from streamtrain.scale_out import LockstepLoop, check_settings_agree
-from streamtrain.sharded_checkpoint import DistributedCheckpointer, ShardedCheckpointStore
-from streamtrain.train import Trainer
+from streamtrain.model.network import RunningNorm, build_model, predict
+from streamtrain.quality.monitor import QualityConfig, QualityMonitor
+from streamtrain.training.trainer import Trainer
 from streamtrain.window import RecencyWindow
 
 STEPS = 7
@@ -78,11 +78,15 @@ def double_trainer() -> Trainer:
     return trainer
 
 
-def stream_batch(partitions: list[int], per_partition: int, start: int, rng: np.random.Generator) -> tuple[EventBatch, dict[int, int]]:
+def stream_batch(
+    partitions: list[int], per_partition: int, start: int, rng: np.random.Generator
+) -> tuple[EventBatch, dict[int, int]]:
     events, parts, offsets = [], [], []
     for p in partitions:
         for k in range(per_partition):
-            events.append(SensorEvent(f"s{p}-{k}", 1e9 + k, rng.normal(size=(int(rng.integers(1, 9)), 1)).astype(np.float32)))
+            events.append(
+                SensorEvent(f"s{p}-{k}", 1e9 + k, rng.normal(size=(int(rng.integers(1, 9)), 1)).astype(np.float32))
+            )
             parts.append(p)
             offsets.append(start + k)
     return EventBatch.from_events(events, parts, offsets), {p: start + per_partition for p in partitions}
@@ -249,12 +253,16 @@ LOOP_SETTINGS = {
 
 def walks(seed: int, count: int, low: int = 4, high: int = 32) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32) for n in rng.integers(low, high, count)]
+    return [
+        np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32) for n in rng.integers(low, high, count)
+    ]
 
 
 def gate_models() -> tuple[Any, Any, Any]:
     """(serving, a candidate much worse on random walks, a candidate as good): the same in every process."""
-    settings = load_settings(**{k: v for k, v in LOOP_SETTINGS.items() if k in ("d_model", "n_heads", "n_layers", "max_len")})
+    settings = load_settings(
+        **{k: v for k, v in LOOP_SETTINGS.items() if k in ("d_model", "n_heads", "n_layers", "max_len")}
+    )
     torch.manual_seed(11)
     model = build_model(settings).eval()
     norm = RunningNorm(1)
@@ -313,7 +321,9 @@ def loop_trainer(rank: int, out: Path) -> Trainer:
     settings = load_settings(**LOOP_SETTINGS, checkpoint_dir=out / "unused")
     window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(rank))
     now = time.time()
-    window.insert_batch(EventBatch.from_events([SensorEvent(f"s{rank}-{i}", now - i, v) for i, v in enumerate(walks(900 + rank, 96))]))
+    window.insert_batch(
+        EventBatch.from_events([SensorEvent(f"s{rank}-{i}", now - i, v) for i, v in enumerate(walks(900 + rank, 96))])
+    )
     trainer = Trainer(settings, window, Metrics(), data_seed=100 + rank, min_items=8)
     holdout = walks(700 + rank, 10)
     trainer.quality.holdout.values.extend(holdout)
@@ -347,7 +357,12 @@ def quality(collectives: Collectives, rank: int, out: Path) -> None:
     agreed = []
     for step, ask in enumerate(asks):
         a = collectives.agree(300 + step, StepSignals(rollback=ask.get(rank), reset_optimizer=(step, rank) == (3, 1)))
-        agreed.append({"rollback": None if a.rollback is None else [a.rollback.rank, dataclass_dict(a.rollback.request)], "reset": a.reset_optimizer})
+        agreed.append(
+            {
+                "rollback": None if a.rollback is None else [a.rollback.rank, dataclass_dict(a.rollback.request)],
+                "reset": a.reset_optimizer,
+            }
+        )
     gate = collective_gate(collectives, rank)
 
     trainer = loop_trainer(rank, out)

@@ -11,7 +11,7 @@ import numpy as np
 from streamtrain.config import load_settings
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
-from streamtrain.train import Trainer
+from streamtrain.training.trainer import Trainer
 from streamtrain.window import RecencyWindow
 
 
@@ -28,7 +28,9 @@ def make_small_trainer(events: int = 96, seed: int = 0, **overrides: Any) -> Tra
     window.insert_batch(
         EventBatch.from_events(
             [
-                SensorEvent(f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32))
+                SensorEvent(
+                    f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32)
+                )
                 for i, n in enumerate(rng.integers(4, 32, events))
             ]
         )

@@ -34,7 +34,9 @@ def rules() -> list[dict[str, Any]]:
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("promtool")
     if binary is None:
-        pytest.fail("promtool not found: install Debian's prometheus package (apt-get install prometheus; .ci/run does)")
+        pytest.fail(
+            "promtool not found: install Debian's prometheus package (apt-get install prometheus; .ci/run does)"
+        )
     return subprocess.run([binary, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=120)
 
 
@@ -113,13 +115,18 @@ def prometheus_rule() -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "streamtrain", "labels": {"app.kubernetes.io/name": "streamtrain", "release": "prometheus"}},
+        "metadata": {
+            "name": "streamtrain",
+            "labels": {"app.kubernetes.io/name": "streamtrain", "release": "prometheus"},
+        },
         "spec": {"groups": yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"]},
     }
 
 
 def test_the_k8s_prometheus_rule_is_alerts_yml() -> None:
-    assert yaml.safe_load(K8S_RULE.read_text()) == prometheus_rule(), "regenerate: .venv/bin/python tests/unit/test_alerts.py"
+    assert yaml.safe_load(K8S_RULE.read_text()) == prometheus_rule(), (
+        "regenerate: .venv/bin/python tests/unit/test_alerts.py"
+    )
     kustomization = yaml.safe_load((K8S_RULE.parent / "kustomization.yaml").read_text())
     assert kustomization["resources"] == [K8S_RULE.name]
 

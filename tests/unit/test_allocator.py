@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamtrain.allocator import malloc_in_use
+from streamtrain.runtime.allocator import malloc_in_use
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBC_LINE = "7f0000000000-7f0000001000 r-xp 00000000 fe:00 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
@@ -34,7 +34,7 @@ def test_deploy_jemalloc_gives_a_library_the_process_then_runs_on() -> None:
     if found.returncode != 0:
         pytest.skip(f"no jemalloc on this machine: {found.stderr.strip()}")
     library = found.stdout.strip()
-    probe = "from streamtrain.allocator import malloc_in_use; print(malloc_in_use())"
+    probe = "from streamtrain.runtime.allocator import malloc_in_use; print(malloc_in_use())"
     run = subprocess.run([sys.executable, "-c", probe], env={"LD_PRELOAD": library}, capture_output=True, text=True)
     assert run.stdout.strip() == "jemalloc", run.stderr
     plain = subprocess.run([sys.executable, "-c", probe], env={}, capture_output=True, text=True)

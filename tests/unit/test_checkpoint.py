@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from streamtrain.checkpoint import (
+from streamtrain.checkpoint.store import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAGIC,
@@ -42,7 +42,7 @@ from streamtrain.checkpoint import (
 
 torch.set_num_threads(1)
 
-LOGGER = "streamtrain.checkpoint"
+LOGGER = "streamtrain.checkpoint.store"
 PREFIX = struct.Struct("<8sQQ32s")  # the layout the module docstring documents
 
 
@@ -208,11 +208,16 @@ def test_restored_state_resumes_training_and_random_streams_identically(tmp_path
 
 
 def test_big_ints_and_non_finite_floats_travel_as_tagged_json() -> None:
-    tensors, skeleton = flatten_state({"big": 2**128 + 1, "small": 2**53, "neg": -(2**70), "inf": math.inf, "nan": math.nan})
+    tensors, skeleton = flatten_state(
+        {"big": 2**128 + 1, "small": 2**53, "neg": -(2**70), "inf": math.inf, "nan": math.nan}
+    )
     assert tensors == {}
     text = json.dumps(skeleton, allow_nan=False)  # no bare NaN/Infinity, no 128-bit JSON numbers
     assert '"340282366920938463463374607431768211457"' in text
-    assert_tree_equal(unflatten_state({}, json.loads(text)), {"big": 2**128 + 1, "small": 2**53, "neg": -(2**70), "inf": math.inf, "nan": math.nan})
+    assert_tree_equal(
+        unflatten_state({}, json.loads(text)),
+        {"big": 2**128 + 1, "small": 2**53, "neg": -(2**70), "inf": math.inf, "nan": math.nan},
+    )
 
 
 def test_string_arrays_keep_every_code_point_and_their_shape() -> None:
@@ -262,7 +267,17 @@ NUMPY_DTYPES = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128", ">f4", ">i8", "<M8[ns]", "<U3", "|S4",
 ]  # fmt: skip
-TORCH_DTYPES = [torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex128]
+TORCH_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int16,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex128,
+]
 
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
 numpy_arrays = st.sampled_from(NUMPY_DTYPES).flatmap(lambda dtype: hnp.arrays(np.dtype(dtype), shapes))
@@ -445,7 +460,9 @@ def test_corrupt_newest_falls_back_to_previous_good(
 ) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     reports: list[tuple[Path, str]] = []
-    store = CheckpointStore(tmp_path, keep=5, on_corrupt=lambda path, why: reports.append((path, why)), clock=make_clock())
+    store = CheckpointStore(
+        tmp_path, keep=5, on_corrupt=lambda path, why: reports.append((path, why)), clock=make_clock()
+    )
     good = store.save({"weights": torch.arange(100.0), "step": 1}, step=1)
     bad = store.save({"weights": torch.arange(100.0) * 2, "step": 2}, step=2)
     _corrupt(bad, kind)
@@ -555,18 +572,29 @@ GOOD_PAYLOAD = safetensors.torch.save({"0": torch.ones(2)})
     [
         pytest.param(_torch_save_bytes(), "magic bytes", id="torch.save file"),
         pytest.param(EVIL_PICKLE, "magic bytes", id="bare pickle"),
-        pytest.param(frame(_valid_header(skeleton={"$tensor": "0"}), EVIL_PICKLE), "not valid safetensors", id="pickle payload"),
+        pytest.param(
+            frame(_valid_header(skeleton={"$tensor": "0"}), EVIL_PICKLE), "not valid safetensors", id="pickle payload"
+        ),
         pytest.param(frame(_valid_header(format="torch.save"), EVIL_PICKLE), "unsupported format", id="unknown format"),
         pytest.param(frame(_valid_header(version=2), GOOD_PAYLOAD), "unsupported format", id="unknown version"),
-        pytest.param(frame(_valid_header(skeleton={"$pickle": "0"}), GOOD_PAYLOAD), "no single known", id="unknown tag"),
         pytest.param(
-            frame(_valid_header(skeleton={"$ndarray": "0", "dtype": "|O", "shape": [1]}), safetensors.torch.save({"0": torch.zeros(8, dtype=torch.uint8)})),
+            frame(_valid_header(skeleton={"$pickle": "0"}), GOOD_PAYLOAD), "no single known", id="unknown tag"
+        ),
+        pytest.param(
+            frame(
+                _valid_header(skeleton={"$ndarray": "0", "dtype": "|O", "shape": [1]}),
+                safetensors.torch.save({"0": torch.zeros(8, dtype=torch.uint8)}),
+            ),
             "Python objects",
             id="object dtype smuggled as raw bytes",
         ),
-        pytest.param(frame(_valid_header(skeleton={"$tensor": "1"}), GOOD_PAYLOAD), "does not hold", id="missing tensor"),
+        pytest.param(
+            frame(_valid_header(skeleton={"$tensor": "1"}), GOOD_PAYLOAD), "does not hold", id="missing tensor"
+        ),
         pytest.param(frame(_valid_header(skeleton=None), GOOD_PAYLOAD), "never names", id="unused tensor"),
-        pytest.param(frame(_valid_header(skeleton=[1]), safetensors.torch.save({})), "expected a dict", id="non-dict state"),
+        pytest.param(
+            frame(_valid_header(skeleton=[1]), safetensors.torch.save({})), "expected a dict", id="non-dict state"
+        ),
     ],
 )
 def test_crafted_files_are_refused_without_unpickling(
@@ -643,7 +671,7 @@ def test_bad_arguments_to_save_are_refused(tmp_path: Path) -> None:
 
 def small_service(tmp_path: Path, **overrides: Any) -> Any:
     from streamtrain.config import load_settings
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     values: dict[str, Any] = dict(
         d_model=16, n_heads=2, n_layers=1, max_len=32, token_budget=512, min_window_items=8, warmup_steps=1,
@@ -659,7 +687,9 @@ def feed(service: Any, start: int, n: int, *, ts0: float = 1.7e9, rejected: dict
     channels = service.settings.channels
     rng = np.random.default_rng(start)
     events = [
-        SensorEvent(f"s{i % 5}", ts0 + start + i, rng.standard_normal((int(rng.integers(2, 12)), channels)).astype(np.float32))
+        SensorEvent(
+            f"s{i % 5}", ts0 + start + i, rng.standard_normal((int(rng.integers(2, 12)), channels)).astype(np.float32)
+        )
         for i in range(n)
     ]
     batch = EventBatch.from_events(events, offsets=np.arange(start, start + n))
@@ -673,7 +703,9 @@ def a_training_batch(service: Any) -> Any:
     return collate(snapshot.values[:16], ts=snapshot.ts[:16])
 
 
-def test_restore_with_another_half_life_rekeys_the_window_and_keeps_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_restore_with_another_half_life_rekeys_the_window_and_keeps_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     old = small_service(tmp_path, half_life_s=3600.0)
     for start in range(0, 86_400, 4_320):  # a day of events, one every 20 s
         feed(old, start, 216, ts0=1.7e9 + start * 19)
@@ -694,7 +726,7 @@ def test_restore_with_another_half_life_rekeys_the_window_and_keeps_training(tmp
 
 
 def test_restore_with_other_channels_refuses_with_one_line_and_loads_nothing(tmp_path: Path) -> None:
-    from streamtrain.service import IncompatibleCheckpoint
+    from streamtrain.runtime.service import IncompatibleCheckpoint
 
     old = small_service(tmp_path, channels=1)
     feed(old, 0, 50)
@@ -708,7 +740,9 @@ def test_restore_with_other_channels_refuses_with_one_line_and_loads_nothing(tmp
     assert len(new.window) == 0 and new.trainer.step == 0 and new.published is None
 
 
-def test_serve_with_an_incompatible_checkpoint_exits_2_with_that_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_with_an_incompatible_checkpoint_exits_2_with_that_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from streamtrain import cli
 
     old = small_service(tmp_path, channels=1)
@@ -728,7 +762,7 @@ def test_serve_with_an_incompatible_checkpoint_exits_2_with_that_line(tmp_path: 
 
 
 def test_restore_with_another_model_size_names_every_changed_setting(tmp_path: Path) -> None:
-    from streamtrain.service import IncompatibleCheckpoint
+    from streamtrain.runtime.service import IncompatibleCheckpoint
 
     old = small_service(tmp_path)
     feed(old, 0, 50)
@@ -745,7 +779,12 @@ def test_the_window_ledger_survives_a_restore_and_the_evicted_counter_starts_at_
     new = small_service(tmp_path)
     new.restore()
     stats = new.window.stats()
-    assert (stats.seen_total, stats.accepted_total, stats.rejected_total, stats.evicted_total) == (1020, 1000, {"schema": 20}, 800)
+    assert (stats.seen_total, stats.accepted_total, stats.rejected_total, stats.evicted_total) == (
+        1020,
+        1000,
+        {"schema": 20},
+        800,
+    )
     assert new.window.evicted_since_start == 0  # what streamtrain_window_evicted_total starts from
 
 
@@ -805,7 +844,7 @@ def test_torch_threads_is_the_count_of_every_thread_the_service_starts(tmp_path:
 
 
 def test_restore_across_dp_modes_is_refused_with_one_line(tmp_path: Path) -> None:
-    from streamtrain.service import IncompatibleCheckpoint
+    from streamtrain.runtime.service import IncompatibleCheckpoint
 
     old = small_service(tmp_path)
     feed(old, 0, 50)

@@ -69,7 +69,7 @@ def test_the_example_event_is_valid_and_the_fields_are_those_of_the_format() -> 
     assert fields == ["sensor_id", "ts", "values", "label"]
     for header in ("reason", "source_topic", "source_partition", "source_offset"):
         assert f"`{header}`" in section(1)
-    from streamtrain.dead_letters import CONTRACT_HEADERS
+    from streamtrain.ingest.dead_letters import CONTRACT_HEADERS
 
     assert CONTRACT_HEADERS == ("reason", "source_topic", "source_partition", "source_offset")
 
@@ -79,10 +79,15 @@ def test_the_example_event_is_valid_and_the_fields_are_those_of_the_format() -> 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     settings = load_settings(
-        checkpoint_dir=tmp_path_factory.mktemp("ckpt"), admin_token="t0ken", d_model=16, n_heads=2, n_layers=1, max_len=32
+        checkpoint_dir=tmp_path_factory.mktemp("ckpt"),
+        admin_token="t0ken",
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        max_len=32,
     )
     return Service(settings)
 
@@ -123,14 +128,16 @@ def _same_route(served: tuple[str, str], documented: tuple[str, str]) -> bool:
     (``streamtrain`` or ``{v}``); every other segment must be equal."""
     (method, path), (doc_method, doc_path) = served, documented
     parts, doc_parts = path.split("/"), doc_path.split("/")
-    return method == doc_method and len(parts) == len(doc_parts) and all(
-        a == b or (a.startswith("{") and a.endswith("}")) for a, b in zip(parts, doc_parts)
+    return (
+        method == doc_method
+        and len(parts) == len(doc_parts)
+        and all(a == b or (a.startswith("{") and a.endswith("}")) for a, b in zip(parts, doc_parts))
     )
 
 
 def test_without_an_admin_token_there_are_no_admin_routes(tmp_path: Path) -> None:
+    from streamtrain.runtime.service import Service
     from streamtrain.serve.app import create_app
-    from streamtrain.service import Service
 
     app = create_app(Service(load_settings(checkpoint_dir=tmp_path, d_model=16, n_heads=2, n_layers=1, max_len=32)))
     assert not [path for _, path in app_routes(app) if path.startswith("/v1/admin")]
@@ -144,7 +151,9 @@ def test_window_and_model_answers_have_exactly_the_documented_fields(app: Any) -
     assert set(window) == set(WindowReport.model_fields)
     for name in window:
         assert f"`{name}`" in window_doc, name
-    assert set(Quantiles.model_fields) == set(re.search(r'\{("min".*?)\}', window_doc).group(1).replace('"', "").replace(" ", "").split(","))
+    assert set(Quantiles.model_fields) == set(
+        re.search(r'\{("min".*?)\}', window_doc).group(1).replace('"', "").replace(" ", "").split(",")
+    )
     model_doc = paragraph(section(2), "**`GET /v1/model`** returns")
     model = client.get("/v1/model").json()
     assert set(model) == set(ModelReport.model_fields)
@@ -158,7 +167,10 @@ def test_predict_statuses_are_the_documented_ones(app: Any) -> None:
     too_long = client.post("/v1/predict", json={"instances": [{"values": [1.0]}, {"values": [0.0] * 33}]})
     assert too_long.status_code == 422 and too_long.json()["detail"].startswith("instances[1].values: too_long: ")
     assert client.post("/v1/predict", json={"instances": [{"values": [1.0]}]}).status_code == 503  # no model yet
-    assert client.post("/v1/predict", content=b"x" * (9 << 20), headers={"content-type": "application/json"}).status_code == 413
+    assert (
+        client.post("/v1/predict", content=b"x" * (9 << 20), headers={"content-type": "application/json"}).status_code
+        == 413
+    )
     for code in ("422", "413", "503"):
         assert code in predict_doc
 
@@ -197,13 +209,15 @@ def test_every_metric_of_section_3_is_registered_with_its_type_and_labels() -> N
     for name, (kind, labels) in documented.items():
         assert name in registered, f"{name} is in the contract but the service does not register it"
         assert registered[name] == (kind, labels), name
-    assert set(registered) <= set(documented), f"registered but not in the contract: {set(registered) - set(documented)}"
+    assert set(registered) <= set(documented), (
+        f"registered but not in the contract: {set(registered) - set(documented)}"
+    )
 
 
 def test_prometheus_counters_start_at_zero_with_the_process(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     fresh = Service(load_settings(checkpoint_dir=tmp_path, d_model=16, n_heads=2, n_layers=1, max_len=32))
     for family in text_string_to_metric_families(fresh.metrics.exposition().decode()):
@@ -220,11 +234,15 @@ def test_settings_of_section_4_exist_with_their_defaults() -> None:
     for row in rows:
         name = TICKED.fullmatch(row[0]).group(1)
         assert name.lower() in Settings.model_fields, f"{name} is not a setting"
-        assert row[1].strip("`") == settings_default(name), f"{name}: contract says {row[1]}, Settings says {settings_default(name)}"
+        assert row[1].strip("`") == settings_default(name), (
+            f"{name}: contract says {row[1]}, Settings says {settings_default(name)}"
+        )
 
 
 def test_every_setting_named_anywhere_in_the_contract_exists() -> None:
-    named = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", CONTRACT)) | set(re.findall(r"STREAMTRAIN_([A-Z][A-Z0-9_]+)", CONTRACT))
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]{2,})`", CONTRACT)) | set(
+        re.findall(r"STREAMTRAIN_([A-Z][A-Z0-9_]+)", CONTRACT)
+    )
     for name in {n.removeprefix("STREAMTRAIN_") for n in named}:
         assert name.lower() in Settings.model_fields, name
 
@@ -244,8 +262,12 @@ def test_a_bad_setting_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
     import os
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")} | {"STREAMTRAIN_WINDOW_CAPACITY": "0"}
-    done = subprocess.run([sys.executable, "-m", "streamtrain.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")} | {
+        "STREAMTRAIN_WINDOW_CAPACITY": "0"
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "streamtrain.cli", "serve"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     example = re.search(r"\(`(streamtrain: invalid setting [^`]*): \.\.\.`\)", section(4)).group(1)

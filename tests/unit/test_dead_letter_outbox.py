@@ -19,9 +19,9 @@ from kafka.errors import (
     UnknownTopicOrPartitionError,
 )
 
-import streamtrain.dead_letters as dead_letters
+import streamtrain.ingest.dead_letters as dead_letters
 from streamtrain.config import load_settings
-from streamtrain.dead_letters import CONTRACT_HEADERS, STAND_IN_HEADERS, DeadLetterOutbox
+from streamtrain.ingest.dead_letters import CONTRACT_HEADERS, STAND_IN_HEADERS, DeadLetterOutbox
 from streamtrain.metrics import Metrics
 
 Message = namedtuple("Message", "topic partition offset key value")
@@ -106,7 +106,12 @@ def test_a_dead_letter_goes_unchanged_with_the_four_headers() -> None:
         box.close(1)
     [written] = producer.written
     assert written["topic"] == "events.dlq" and written["key"] == b"k1" and written["value"] == message(1).value
-    assert written["headers"] == {"reason": "schema", "source_topic": "events", "source_partition": "1", "source_offset": "101"}
+    assert written["headers"] == {
+        "reason": "schema",
+        "source_topic": "events",
+        "source_partition": "1",
+        "source_offset": "101",
+    }
     assert sample(metrics, "streamtrain_dead_letters_written_total", form="raw") == 1
     assert box.pending == 0 and sample(metrics, "streamtrain_dead_letters_pending") == 0
 
@@ -132,7 +137,9 @@ def test_a_failed_send_is_kept_and_the_checkpoint_keeps_waiting_until_it_is_ackn
 
 
 def test_a_record_the_dlq_refuses_goes_as_a_bounded_stand_in_at_once() -> None:
-    box, producer, _, metrics = outbox_with(lambda identity, attempt: MessageSizeTooLargeError() if attempt == 0 else None)
+    box, producer, _, metrics = outbox_with(
+        lambda identity, attempt: MessageSizeTooLargeError() if attempt == 0 else None
+    )
     big = Message("events", 2, 7, b"K" * 40, bytes(range(256)) * 100)
     box.start()
     try:
@@ -165,7 +172,9 @@ def test_after_the_allowed_attempts_a_stand_in_goes_instead() -> None:
 
 
 def test_a_stand_in_is_retried_until_acknowledged() -> None:
-    box, producer, _, _ = outbox_with(lambda identity, attempt: TopicAuthorizationFailedError() if attempt < 6 else None)
+    box, producer, _, _ = outbox_with(
+        lambda identity, attempt: TopicAuthorizationFailedError() if attempt < 6 else None
+    )
     box.start()
     try:
         box.submit(message(4), "schema")
@@ -177,7 +186,9 @@ def test_a_stand_in_is_retried_until_acknowledged() -> None:
 
 
 def test_a_missing_dlq_is_created_again_before_the_next_attempt() -> None:
-    box, producer, repairs, _ = outbox_with(lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None)
+    box, producer, repairs, _ = outbox_with(
+        lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None
+    )
     box.configure(16 << 20, 8 << 20)
     box.start()
     try:
@@ -219,7 +230,9 @@ def test_letters_after_the_mark_do_not_hold_up_a_checkpoint() -> None:
 
 def test_the_request_size_follows_the_fetch_limits() -> None:
     sizes: list[int] = []
-    box = DeadLetterOutbox(SETTINGS, Metrics(), producer_factory=lambda size: sizes.append(size) or ScriptedProducer(lambda i, a: None))
+    box = DeadLetterOutbox(
+        SETTINGS, Metrics(), producer_factory=lambda size: sizes.append(size) or ScriptedProducer(lambda i, a: None)
+    )
     box.configure(16 << 20, 1 << 20)
     box.configure(16 << 20, 1 << 20)  # every reconnect configures it again: the same size, the same producer
     box.start()
@@ -250,8 +263,13 @@ ERRORS: dict[str, Callable[[], BaseException | None]] = {
     sizes=st.lists(st.integers(0, 200), min_size=1, max_size=12),
     scripts=st.lists(st.lists(OUTCOMES, max_size=6), min_size=12, max_size=12),
 )
-def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(sizes: list[int], scripts: list[list[str]]) -> None:
-    messages = [Message("events", i % 2, 10 + i, None if i % 5 == 4 else f"k{i}".encode(), bytes([i]) * n) for i, n in enumerate(sizes)]
+def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(
+    sizes: list[int], scripts: list[list[str]]
+) -> None:
+    messages = [
+        Message("events", i % 2, 10 + i, None if i % 5 == 4 else f"k{i}".encode(), bytes([i]) * n)
+        for i, n in enumerate(sizes)
+    ]
 
     def script(identity: tuple[int, int], attempt: int) -> BaseException | None:
         plan = scripts[identity[1] - 10]
@@ -267,7 +285,9 @@ def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(sizes: 
         box.close(1)
     by_identity: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for w in producer.written:
-        by_identity.setdefault((int(w["headers"]["source_partition"]), int(w["headers"]["source_offset"])), []).append(w)
+        by_identity.setdefault((int(w["headers"]["source_partition"]), int(w["headers"]["source_offset"])), []).append(
+            w
+        )
     assert sorted(by_identity) == sorted((m.partition, m.offset) for m in messages)
     for m in messages:
         [w] = by_identity[(m.partition, m.offset)]
@@ -283,7 +303,7 @@ def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(sizes: 
 
 def test_a_checkpoint_is_neither_written_nor_committed_past_an_unacknowledged_dead_letter(tmp_path: Any) -> None:
     """Service level: the old flush forgot a failure, so the next checkpoint (and commit) passed it."""
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     settings = load_settings(kafka_bootstrap="127.0.0.1:9", topic="events", checkpoint_dir=tmp_path / "ckpt", d_model=16,
                              n_heads=2, n_layers=1, token_budget=512, max_len=32)  # fmt: skip

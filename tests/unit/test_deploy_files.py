@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from streamtrain.config import Settings, load_settings
-from streamtrain.simulate import ENV_SETTINGS, load_simulation_config
+from streamtrain.tools.simulate import ENV_SETTINGS, load_simulation_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -178,7 +178,9 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboards(compose):
     assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
     assert providers[0]["options"]["path"] == mounts["./grafana/dashboards"]
     dashboard = json.loads((DEPLOY / "grafana/dashboards/streamtrain.json").read_text())
-    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]} | {p["datasource"]["uid"] for p in dashboard["panels"]}
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]} | {
+        p["datasource"]["uid"] for p in dashboard["panels"]
+    }
     assert uids == {prometheus["uid"]}
 
 
@@ -202,16 +204,28 @@ def test_dashboard_uses_only_spec_metric_names():
         names = METRIC_NAME.findall(expr)
         assert names, f"panel {title!r}: {expr!r} reads no streamtrain metric"
         for name in names:
-            assert base_metric(name) in CONTRACT_METRICS, f"panel {title!r} uses {name}, which docs/contract.md, section 3, does not define"
+            assert base_metric(name) in CONTRACT_METRICS, (
+                f"panel {title!r} uses {name}, which docs/contract.md, section 3, does not define"
+            )
             used.add(base_metric(name))
         assert expr.count("(") == expr.count(")"), f"panel {title!r}: unbalanced parentheses"
     # the panels the operators asked for
     assert {
-        "streamtrain_events_consumed_total", "streamtrain_events_accepted_total", "streamtrain_events_rejected_total",
-        "streamtrain_window_size", "streamtrain_window_capacity", "streamtrain_window_age_seconds",
-        "streamtrain_train_loss", "streamtrain_train_padding_tokens_total", "streamtrain_train_tokens_total",
-        "streamtrain_predict_latency_seconds", "streamtrain_dp_epsilon", "streamtrain_consumer_lag_messages",
-        "streamtrain_model_version", "streamtrain_prequential_mse", "streamtrain_prequential_naive_mse",
+        "streamtrain_events_consumed_total",
+        "streamtrain_events_accepted_total",
+        "streamtrain_events_rejected_total",
+        "streamtrain_window_size",
+        "streamtrain_window_capacity",
+        "streamtrain_window_age_seconds",
+        "streamtrain_train_loss",
+        "streamtrain_train_padding_tokens_total",
+        "streamtrain_train_tokens_total",
+        "streamtrain_predict_latency_seconds",
+        "streamtrain_dp_epsilon",
+        "streamtrain_consumer_lag_messages",
+        "streamtrain_model_version",
+        "streamtrain_prequential_mse",
+        "streamtrain_prequential_naive_mse",
         "streamtrain_drift_detected_total",
     } <= used
 
@@ -234,7 +248,7 @@ def test_dashboard_layout_is_valid():
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24 and pos["h"] > 0
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24 and pos["h"] > 0
         assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
     assert dashboard["uid"] and dashboard["title"]
 
@@ -242,10 +256,10 @@ def test_dashboard_layout_is_valid():
 def test_the_contract_lists_the_metrics_dashboards_rely_on():
     """Runs in every clone: the list is the project's own (docs/contract.md)."""
     assert len(CONTRACT_METRICS) >= 20
-    assert CONTRACT_HISTOGRAMS == {
+    assert {
         "streamtrain_train_step_seconds", "streamtrain_train_batch_sequences",
         "streamtrain_train_sample_age_seconds", "streamtrain_predict_latency_seconds",
-    }  # fmt: skip
+    } == CONTRACT_HISTOGRAMS  # fmt: skip
     assert all(kind in {"counter", "gauge", "histogram"} for kind in CONTRACT_METRICS.values())
     assert all(name.endswith("_total") == (kind == "counter") for name, kind in CONTRACT_METRICS.items())
 
@@ -258,7 +272,9 @@ def manifests() -> dict[str, list[dict[str, Any]]]:
     docs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-            assert isinstance(doc, dict) and doc.get("apiVersion") and doc.get("kind"), f"{path.name}: no apiVersion/kind"
+            assert isinstance(doc, dict) and doc.get("apiVersion") and doc.get("kind"), (
+                f"{path.name}: no apiVersion/kind"
+            )
             assert "namespace" not in doc.get("metadata", {}), f"{path.name}: manifests stay namespace-less"
             docs.setdefault(doc["kind"], []).append(doc | {"_file": path.name})
     return docs
@@ -285,7 +301,9 @@ def test_k8s_trainer_statefulset(manifests):
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert container[probe]["httpGet"]["port"] in ports
-    assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(container["resources"]["limits"])
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(
+        container["resources"]["limits"]
+    )
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     # checkpoints: one claim per replica, mounted where the settings point
     claims = {t["metadata"]["name"] for t in spec["volumeClaimTemplates"]}
@@ -318,7 +336,11 @@ def _strategic_merge(base: Any, patch: Any) -> Any:
     """Kubernetes' strategic merge as far as these manifests use it: maps merge, named lists merge by name."""
     if isinstance(base, dict) and isinstance(patch, dict):
         return {**base, **{k: _strategic_merge(base[k], v) if k in base else v for k, v in patch.items()}}
-    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in base + patch):
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(i, dict) and "name" in i for i in base + patch)
+    ):
         merged = {item["name"]: item for item in base}
         for item in patch:
             merged[item["name"]] = _strategic_merge(merged[item["name"]], item) if item["name"] in merged else item
@@ -382,7 +404,9 @@ def test_k8s_scale_out_overlay_renders_with_kubectl_when_it_is_installed(scale_o
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed; the overlay is checked by the emulation above")
-    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s-scale-out")], capture_output=True, text=True, timeout=120)
+    rendered = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / "k8s-scale-out")], capture_output=True, text=True, timeout=120
+    )
     assert rendered.returncode == 0, rendered.stderr
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered.stdout)}
     trainer = docs[("StatefulSet", "streamtrain-trainer")]
@@ -402,7 +426,11 @@ def test_k8s_configmap_holds_only_real_settings(manifests):
     overrides = {setting_of(k): v for k, v in config["data"].items()}
     settings = Settings(**overrides)  # every value is valid for the service
     assert settings.http_port == 8000
-    shared = {ENV_SETTINGS[k.removeprefix("STREAMTRAIN_")]: v for k, v in config["data"].items() if k.removeprefix("STREAMTRAIN_") in ENV_SETTINGS}
+    shared = {
+        ENV_SETTINGS[k.removeprefix("STREAMTRAIN_")]: v
+        for k, v in config["data"].items()
+        if k.removeprefix("STREAMTRAIN_") in ENV_SETTINGS
+    }
     load_simulation_config(None, environ={}, overrides=shared)  # and for the simulator
 
 
@@ -464,7 +492,7 @@ def test_dockerfile_runs_the_service_unprivileged_with_a_healthcheck():
     cmd = json.loads(by_keyword["CMD"][-1])
     assert cmd[:2] == ["streamtrain", "serve"]
     assert repo_path_of_image_path(config_arg(cmd)).is_file()
-    # the service runs on jemalloc (streamtrain.allocator): installed, linked, preloaded
+    # the service runs on jemalloc (streamtrain.runtime.allocator): installed, linked, preloaded
     assert any("libjemalloc2" in run and "/usr/local/lib/libjemalloc.so.2" in run for run in by_keyword["RUN"])
     assert any(env.startswith("LD_PRELOAD=/usr/local/lib/libjemalloc.so.2") for env in by_keyword["ENV"])
     copied = {shlex.split(rest)[0] for rest in by_keyword["COPY"]}
@@ -506,7 +534,12 @@ def test_the_trainer_run_script_execs_the_service_and_ends_with_its_status(tmp_p
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVICE}")
     fake.chmod(0o755)
     out = tmp_path / "service.json"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_OUT": str(out), "FAKE_STATUS": str(status)}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_OUT": str(out),
+        "FAKE_STATUS": str(status),
+    }
     script = REPO / "services" / "trainer" / "run.sh"
     process = subprocess.Popen([str(script), "--port", "8123"], env=env, stdin=subprocess.DEVNULL)
     started = None
@@ -531,7 +564,11 @@ def test_the_trainer_run_script_execs_the_service_and_ends_with_its_status(tmp_p
 
 
 def test_dockerignore_keeps_the_build_context_small_but_complete():
-    patterns = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
+    patterns = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".venv", ".git"} <= patterns
     copied = {"src", "services", "pyproject.toml", "README.md"}
     assert not copied & patterns
@@ -550,7 +587,12 @@ def test_service_configs_load_and_agree(monkeypatch):
     assert "admin_token" not in tomllib.loads(trainer_toml.read_text())  # secrets stay in the environment
     sim = load_simulation_config(REPO / "services/sensor-sim/sensor-sim.toml", environ={})
     assert (sim.topic, sim.channels, sim.n_classes, sim.max_len, sim.max_message_bytes) == (
-        settings.topic, settings.channels, settings.n_classes, settings.max_len, settings.max_message_bytes)
+        settings.topic,
+        settings.channels,
+        settings.n_classes,
+        settings.max_len,
+        settings.max_message_bytes,
+    )
     assert sim.bootstrap == settings.kafka_bootstrap
     profile = REPO / "services/trainer/low-latency.toml"  # overrides a few keys, defaults for the rest
     assert set(tomllib.loads(profile.read_text())) <= set(Settings.model_fields)
@@ -559,11 +601,14 @@ def test_service_configs_load_and_agree(monkeypatch):
     assert low.topic == Settings().topic
 
 
-@pytest.mark.parametrize(("folder", "command", "config"), [("trainer", "serve", "trainer.toml"), ("sensor-sim", "simulate", "sensor-sim.toml")])
+@pytest.mark.parametrize(
+    ("folder", "command", "config"),
+    [("trainer", "serve", "trainer.toml"), ("sensor-sim", "simulate", "sensor-sim.toml")],
+)
 def test_service_entry_points(folder, command, config):
     script = REPO / "services" / folder / "run.sh"
     assert os.access(script, os.X_OK), f"{script} is not executable"
     text = script.read_text()
     assert text.startswith("#!")
-    assert f"exec streamtrain {command} --config \"$(dirname \"$0\")/{config}\"" in text
+    assert f'exec streamtrain {command} --config "$(dirname "$0")/{config}"' in text
     assert (REPO / "services" / folder / config).is_file() and (REPO / "services" / folder / "README.md").is_file()

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import streamtrain.config as config_module
-from streamtrain.checkpoint import decode_checkpoint, encode_checkpoint
+from device_params import CUDA, DEVICES, needs_cuda
+from streamtrain.checkpoint.store import decode_checkpoint, encode_checkpoint
 from streamtrain.config import GPU_PROFILE, SettingsError, load_settings
 from streamtrain.data.collate import Batch, collate
 from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, StagedBatch, pin_batch, stage_batch
@@ -33,11 +34,9 @@ from streamtrain.device import (
     to_device_async,
 )
 from streamtrain.metrics import Metrics
-from streamtrain.model import predict
-from streamtrain.train import Trainer
+from streamtrain.model.network import predict
+from streamtrain.training.trainer import Trainer
 from streamtrain.window import RecencyWindow
-
-from device_params import CUDA, DEVICES, needs_cuda
 
 torch.set_num_threads(1)
 
@@ -335,7 +334,9 @@ def test_a_checkpoint_loads_on_another_device_and_back_with_the_same_answers(wri
         writer.train_step(batch)
         reader.train_step(batch)
     tolerance = 1e-6 if written_on == loaded_on else 1e-2
-    for a, b in zip(predict(writer.model, writer.norm, items, 512), predict(reader.model, reader.norm, items, 512), strict=True):
+    for a, b in zip(
+        predict(writer.model, writer.norm, items, 512), predict(reader.model, reader.norm, items, 512), strict=True
+    ):
         np.testing.assert_allclose(b.next, a.next, rtol=tolerance, atol=tolerance)
     back = trainer_on(written_on)
     back.load_state_dict(_through_a_checkpoint_file(reader.state_dict()))
@@ -370,4 +371,3 @@ def test_on_a_gpu_training_matches_the_cpu_and_bf16_learns(device: str) -> None:
     assert gpu.evaluate(held_out) == pytest.approx(cpu.evaluate(held_out), rel=1e-2)
     assert bf16.evaluate(held_out) == pytest.approx(cpu.evaluate(held_out), rel=0.05)
     assert cpu.evaluate(held_out) < 0.5 * start
-

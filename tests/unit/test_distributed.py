@@ -15,16 +15,24 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import dist_worker
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dist_worker
 from streamtrain.config import load_settings
 from streamtrain.data import collate
-from streamtrain.distributed import (
+from streamtrain.distributed.data_parallel import (
+    DataParallelStep,
+    LossCounts,
+    Moments,
+    apply_moments,
+    batch_moments,
+    merge_all,
+)
+from streamtrain.distributed.launch import (
     EXIT_COLLECTIVE_FAILURE,
     OWNERSHIP_VERSION,
     Collectives,
@@ -39,16 +47,8 @@ from streamtrain.distributed import (
     resolve_backend,
 )
 from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm
-from streamtrain.parallel import (
-    DataParallelStep,
-    LossCounts,
-    Moments,
-    apply_moments,
-    batch_moments,
-    merge_all,
-)
-from streamtrain.train import Trainer
+from streamtrain.model.network import RunningNorm
+from streamtrain.training.trainer import Trainer
 from streamtrain.window import RecencyWindow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,9 @@ def test_context_reads_torchrun_variables() -> None:
     assert ctx.owned_partitions(10) == [3, 7]
     assert ctx.is_primary is False
     assert ctx.agent_store is False  # a StatefulSet: rank 0 hosts the store
-    assert DistContext.from_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}).agent_store is True  # torchrun's agent does
+    assert (
+        DistContext.from_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "True"}).agent_store is True
+    )  # torchrun's agent does
 
 
 @pytest.mark.parametrize(
@@ -113,14 +115,17 @@ def test_http_port_rule() -> None:
 
 
 def test_rank_device_gives_each_local_rank_its_own_gpu() -> None:
-    from streamtrain.distributed import rank_device
+    from streamtrain.distributed.launch import rank_device
 
     two_local = [DistContext(r, 4, r % 2, 2, "h", 1) for r in range(4)]
     assert [rank_device("cuda:0", ctx, cuda_count=lambda: 2) for ctx in two_local] == [
         (torch.device("cuda", 0), False), (torch.device("cuda", 1), False),
     ] * 2  # fmt: skip
     assert rank_device("cuda:0", two_local[1], cuda_count=lambda: 1) == (torch.device("cuda", 0), True)
-    assert rank_device("cuda:1", DistContext(1, 2, 0, 1, "h", 1), cuda_count=lambda: 2) == (torch.device("cuda", 1), False)
+    assert rank_device("cuda:1", DistContext(1, 2, 0, 1, "h", 1), cuda_count=lambda: 2) == (
+        torch.device("cuda", 1),
+        False,
+    )
     assert rank_device("cpu", two_local[1], cuda_count=lambda: 2) == (torch.device("cpu"), False)
 
 
@@ -135,7 +140,9 @@ def test_backend_choice() -> None:
         assert resolve_backend("auto", "cuda") == "nccl"
         # ranks that share a GPU: NCCL refuses two ranks of one communicator on one GPU
         assert resolve_backend("auto", "cuda", gpus_shared=True) == "gloo"
-        with pytest.raises(DistConfigError, match="^DIST_BACKEND=nccl with more ranks on this host than GPUs.*DIST_BACKEND=gloo"):
+        with pytest.raises(
+            DistConfigError, match="^DIST_BACKEND=nccl with more ranks on this host than GPUs.*DIST_BACKEND=gloo"
+        ):
             resolve_backend("nccl", "cuda", gpus_shared=True)
 
 
@@ -228,7 +235,9 @@ def test_batch_moments_then_apply_is_running_norm_update() -> None:
 
 
 def test_moments_payload_round_trip() -> None:
-    moments = Moments(5, torch.tensor([1.5, -2.0], dtype=torch.float64), torch.tensor([3.0, 4.0], dtype=torch.float64), 2)
+    moments = Moments(
+        5, torch.tensor([1.5, -2.0], dtype=torch.float64), torch.tensor([3.0, 4.0], dtype=torch.float64), 2
+    )
     back = Moments.from_payload(moments.as_payload(), 2)
     assert back.count == 5 and back.clipped == 2
     assert torch.equal(back.mean, moments.mean) and torch.equal(back.m2, moments.m2)
@@ -238,7 +247,9 @@ def test_moments_payload_round_trip() -> None:
 
 def test_loss_counts() -> None:
     batch = collate([np.ones((3, 1), np.float32), np.ones((1, 1), np.float32)], labels=[2, -1])
-    assert LossCounts.of(batch) == LossCounts(real_tokens=4, forecast_targets=2, labelled=1, sequences=2, padded_tokens=6)
+    assert LossCounts.of(batch) == LossCounts(
+        real_tokens=4, forecast_targets=2, labelled=1, sequences=2, padded_tokens=6
+    )
     assert LossCounts.of(None) == LossCounts(0, 0, 0, 0, 0)
 
 
@@ -301,13 +312,17 @@ def test_one_rank_step_under_bf16_autocast_is_trainer_train_step_bit_for_bit(sta
         assert torch.equal(a, b), name
         assert b.dtype == torch.float32  # master weights stay float32
     plain = _trainer()
-    DataParallelStep(Collectives(DistContext()), plain.model, plain.norm, plain.optimizer, grad_clip_norm=1.0).step(batch, step=0)
+    DataParallelStep(Collectives(DistContext()), plain.model, plain.norm, plain.optimizer, grad_clip_norm=1.0).step(
+        batch, step=0
+    )
     assert not torch.equal(next(plain.model.parameters()), next(_trainer().model.parameters()))
 
 
 def test_an_agreed_optimizer_reset_clears_adamw_at_that_step() -> None:
     trainer = _trainer()
-    dp = DataParallelStep(Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0)
+    dp = DataParallelStep(
+        Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0
+    )
     batch = collate([np.arange(12, dtype=np.float32)[:, None]])
     dp.step(batch, step=0)
     assert trainer.optimizer.state
@@ -318,10 +333,10 @@ def test_an_agreed_optimizer_reset_clears_adamw_at_that_step() -> None:
 
 
 def test_rollback_requests_one_wins_per_step() -> None:
-    from streamtrain.distributed import AgreedRollback, RollbackRequest, _winning_rollback
+    from streamtrain.distributed.launch import AgreedRollback, RollbackRequest, _winning_rollback
 
     def row(request: RollbackRequest | None) -> list[float]:
-        from streamtrain.distributed import _rollback_fields
+        from streamtrain.distributed.launch import _rollback_fields
 
         return _rollback_fields(request)
 
@@ -329,11 +344,17 @@ def test_rollback_requests_one_wins_per_step() -> None:
     admin = RollbackRequest(2, "admin")
     assert _winning_rollback(np.array([row(None), row(None)])) is None
     assert _winning_rollback(np.array([row(auto), row(admin)])) == AgreedRollback(1, admin)  # admin first
-    assert _winning_rollback(np.array([row(None), row(auto), row(RollbackRequest(4, "automatic", 6))])) == AgreedRollback(1, auto)
+    assert _winning_rollback(
+        np.array([row(None), row(auto), row(RollbackRequest(4, "automatic", 6))])
+    ) == AgreedRollback(1, auto)
     assert _winning_rollback(np.array([row(RollbackRequest(7)), row(admin)])) == AgreedRollback(0, RollbackRequest(7))
     one = Collectives(DistContext()).agree(0, StepSignals(rollback=auto))
     assert one.rollback == AgreedRollback(0, auto)
-    for bad in ({"version": 0}, {"version": 2, "trigger": "cron"}, {"version": 2, "trigger": "automatic", "from_version": 0}):
+    for bad in (
+        {"version": 0},
+        {"version": 2, "trigger": "cron"},
+        {"version": 2, "trigger": "automatic", "from_version": 0},
+    ):
         with pytest.raises(ValueError):
             RollbackRequest(**bad)  # type: ignore[arg-type]
 
@@ -361,7 +382,9 @@ def test_one_rank_collectives_are_local() -> None:
 
 def test_no_data_anywhere_is_an_idle_step() -> None:
     trainer = _trainer()
-    dp = DataParallelStep(Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0)
+    dp = DataParallelStep(
+        Collectives(DistContext()), trainer.model, trainer.norm, trainer.optimizer, grad_clip_norm=1.0
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     report = dp.step(None, step=0, signals=StepSignals(publish_due=True))
     assert (report.applied, report.skipped_reason, report.agreement.publish) == (False, "no_data", True)
@@ -396,7 +419,9 @@ def _launch(
             PYTHONPATH=python_path,
         )
         log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed with the process
-        processes.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env, stdout=log, stderr=log))
+        processes.append(
+            subprocess.Popen([sys.executable, str(WORKER), scenario, str(out)], env=env, stdout=log, stderr=log)
+        )
     return processes
 
 
@@ -446,7 +471,10 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple
     started = {
         "train": (root / "train", _launch("train", root / "train", timeout_s=60)),
         # rank 1 joins later than DIST_TIMEOUT_S: a slow start is not a failure
-        "kill": (root / "kill", _launch("kill", root / "kill", timeout_s=FAILURE_TIMEOUT_S, late_s=FAILURE_TIMEOUT_S + 2)),
+        "kill": (
+            root / "kill",
+            _launch("kill", root / "kill", timeout_s=FAILURE_TIMEOUT_S, late_s=FAILURE_TIMEOUT_S + 2),
+        ),
         "hang": (root / "hang", _launch("hang", root / "hang", timeout_s=FAILURE_TIMEOUT_S)),
         "quality": (root / "quality", _launch("quality", root / "quality", timeout_s=60)),
     }
@@ -489,7 +517,9 @@ def test_two_ranks_train_one_model(worlds: dict[str, tuple[Path, list[subprocess
     worst_vs_union = max(float(np.abs(params[0][n] - expected[n]).max()) for n in expected)
     assert worst_between_ranks <= 1e-6
     assert worst_vs_union <= 1e-6
-    moved = max(float(np.abs(params[0][n] - dist_worker.double_trainer().model.state_dict()[n].numpy()).max()) for n in expected)
+    moved = max(
+        float(np.abs(params[0][n] - dist_worker.double_trainer().model.state_dict()[n].numpy()).max()) for n in expected
+    )
     assert moved > 1e-3  # the comparison is not vacuous: training moved the weights
     for step, loss in enumerate(losses):
         if not math.isnan(loss):
@@ -547,12 +577,16 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
         assert f"rank {rank}: {32 if rank == 1 else 64}" in s["mismatch"] and "\n" not in s["mismatch"]
 
     # one rollback per step: admin before automatic, then the lowest rank; reset ORed
-    assert seen[0]["agreed"] == seen[1]["agreed"] == [
-        {"rollback": [1, {"version": 2, "trigger": "admin", "from_version": None}], "reset": False},
-        {"rollback": [0, {"version": 3, "trigger": "automatic", "from_version": 5}], "reset": False},
-        {"rollback": [1, {"version": 4, "trigger": "automatic", "from_version": 5}], "reset": False},
-        {"rollback": None, "reset": True},
-    ]
+    assert (
+        seen[0]["agreed"]
+        == seen[1]["agreed"]
+        == [
+            {"rollback": [1, {"version": 2, "trigger": "admin", "from_version": None}], "reset": False},
+            {"rollback": [0, {"version": 3, "trigger": "automatic", "from_version": 5}], "reset": False},
+            {"rollback": [1, {"version": 4, "trigger": "automatic", "from_version": 5}], "reset": False},
+            {"rollback": None, "reset": True},
+        ]
+    )
 
     # the gate and the forecaster judge the union of the holdouts: what one process holding both would decide
     serving, worse, same = dist_worker.gate_models()
@@ -565,7 +599,9 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
             assert [got[k] for k in ("publish", "reason", "holdout_events", "kind")] == [
                 expected[k] for k in ("publish", "reason", "holdout_events", "kind")
             ]
-            assert got["candidate_mse"] == pytest.approx(expected["candidate_mse"], rel=1e-6)  # float32 forwards, batched otherwise
+            assert got["candidate_mse"] == pytest.approx(
+                expected["candidate_mse"], rel=1e-6
+            )  # float32 forwards, batched otherwise
             assert got["serving_mse"] == pytest.approx(expected["serving_mse"], rel=1e-6)
             if expected["coefficients"] is not None:
                 np.testing.assert_allclose(got["coefficients"], expected["coefficients"], rtol=1e-6, atol=1e-9)
@@ -573,7 +609,10 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
     assert seen[0]["gate"]["same"]["kind"] != "network"  # on random walks an untrained network does not serve
     assert seen[0]["gate"]["worse"]["publish"] is False and seen[0]["gate"]["same"]["publish"] is True
     # alone, neither rank's holdout is large enough to judge: each would have let the worse one serve
-    assert all(s["gate"]["worse_alone"]["publish"] is True and "of the 32 events" in s["gate"]["worse_alone"]["reason"] for s in seen)
+    assert all(
+        s["gate"]["worse_alone"]["publish"] is True and "of the 32 events" in s["gate"]["worse_alone"]["reason"]
+        for s in seen
+    )
 
     # the lockstep loop: rank 1's admin rollback and rank 0's automatic one, taken by both at the same ticks
     rollbacks = [s["rollbacks"] for s in seen]

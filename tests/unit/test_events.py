@@ -108,7 +108,7 @@ def test_old_events_only_rejected_when_max_age_set() -> None:
 
 
 def test_batch_keeps_order_positions_and_offsets() -> None:
-    raws = [msg(values=[1.0]), b"junk", msg(values=[2.0, 3.0]), msg(values=[float("nan")]) , None, msg(values=[4.0])]
+    raws = [msg(values=[1.0]), b"junk", msg(values=[2.0, 3.0]), msg(values=[float("nan")]), None, msg(values=[4.0])]
     raws[3] = b'{"sensor_id":"a","ts":1764412000,"values":[NaN]}'
     decoded = decode_batch(raws, LIMITS, NOW, partitions=[0, 0, 1, 1, 2, 2], offsets=[10, 11, 12, 13, 14, 15])
     assert decoded.accepted_positions.tolist() == [0, 2, 5]
@@ -140,7 +140,11 @@ def test_arbitrary_bytes_never_raise(raw: bytes) -> None:
 json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True), st.text(max_size=5)
 )
-json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=20)
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -179,10 +183,13 @@ def test_valid_readings_round_trip_exactly(readings: list[float]) -> None:
 @given(
     obj=st.dictionaries(
         st.sampled_from(["sensor_id", "ts", "values", "label", "other"]),
-        json_value | st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 5)
+        json_value
+        | st.floats(allow_nan=True, allow_infinity=True)
+        | st.integers(-5, 5)
         | st.lists(st.floats(-10, 10), min_size=0, max_size=10),
         max_size=5,
-    ) | json_value,
+    )
+    | json_value,
     limits=st.sampled_from([LIMITS, EventLimits(max_len=4), EventLimits(max_len=8, n_classes=2, max_age_s=3600.0)]),
 )
 def test_fast_header_path_agrees_with_the_full_rules(obj, limits) -> None:
@@ -240,13 +247,37 @@ def test_each_rejection_says_which_rule_in_its_detail(case: tuple[str, bytes], d
     ("raw", "limits", "rejection"),
     [
         (None, LIMITS, Rejection("decode", "message has no value (tombstone)")),
-        (msg(ts=NOW - 7200), EventLimits(max_len=8, max_age_s=3600), Rejection("bad_timestamp", "'ts' is older than max_age_s=3600")),
-        (b'{"sensor_id":"a","ts":1' + b"0" * 400 + b',"values":[1]}', LIMITS, Rejection("non_finite", "'ts' is too large to represent")),
-        (msg(values=[[1, 2], [3, 4, 5]]), LIMITS_C3, Rejection("bad_channels", "every step must be an array of 3 numbers, got 2")),
-        (msg(values=[1, 2, 3]), LIMITS_C3, Rejection("bad_channels", "every step must be an array of 3 numbers, got int")),
+        (
+            msg(ts=NOW - 7200),
+            EventLimits(max_len=8, max_age_s=3600),
+            Rejection("bad_timestamp", "'ts' is older than max_age_s=3600"),
+        ),
+        (
+            b'{"sensor_id":"a","ts":1' + b"0" * 400 + b',"values":[1]}',
+            LIMITS,
+            Rejection("non_finite", "'ts' is too large to represent"),
+        ),
+        (
+            msg(values=[[1, 2], [3, 4, 5]]),
+            LIMITS_C3,
+            Rejection("bad_channels", "every step must be an array of 3 numbers, got 2"),
+        ),
+        (
+            msg(values=[1, 2, 3]),
+            LIMITS_C3,
+            Rejection("bad_channels", "every step must be an array of 3 numbers, got int"),
+        ),
         (msg(values=[[1, 2, "3"]]), LIMITS_C3, Rejection("schema", "'values' must hold only numbers")),
-        (b'{"sensor_id":"a","ts":1764412000,"values":[[1,2,3],[1,2,NaN]]}', LIMITS_C3, Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32")),
-        (b'{"sensor_id":"a","ts":1764412000,"values":[1' + b"0" * 400 + b"]}", LIMITS, Rejection("non_finite", "a value is too large to represent")),
+        (
+            b'{"sensor_id":"a","ts":1764412000,"values":[[1,2,3],[1,2,NaN]]}',
+            LIMITS_C3,
+            Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32"),
+        ),
+        (
+            b'{"sensor_id":"a","ts":1764412000,"values":[1' + b"0" * 400 + b"]}",
+            LIMITS,
+            Rejection("non_finite", "a value is too large to represent"),
+        ),
     ],
 )
 def test_the_rarer_rules_say_why_too(raw: bytes | None, limits: EventLimits, rejection: Rejection) -> None:
@@ -285,7 +316,9 @@ def test_parse_values_names_each_rule() -> None:
 def test_limits_come_from_the_settings() -> None:
     from types import SimpleNamespace
 
-    settings = SimpleNamespace(max_len=9, channels=2, n_classes=4, max_message_bytes=99, max_future_skew_s=7.0, max_age_s=60.0)
+    settings = SimpleNamespace(
+        max_len=9, channels=2, n_classes=4, max_message_bytes=99, max_future_skew_s=7.0, max_age_s=60.0
+    )
     assert EventLimits.from_settings(settings) == EventLimits(9, 2, 4, 99, 7.0, 60.0)
 
 
@@ -308,7 +341,9 @@ def test_a_batch_gives_back_each_event_and_its_columns() -> None:
     empty = EventBatch.from_events([], channels=3)
     assert len(empty) == 0 and empty.values.shape == (0, 3) and empty.values.dtype == np.float32
     assert EventBatch.from_events([]).values.shape == (0, 1)
-    columns = {name: getattr(empty, name).dtype for name in ("sensor_ids", "ts", "labels", "lengths", "partitions", "offsets")}
+    columns = {
+        name: getattr(empty, name).dtype for name in ("sensor_ids", "ts", "labels", "lengths", "partitions", "offsets")
+    }
     assert columns == {"sensor_ids": object, "ts": np.float64, "labels": np.int64, "lengths": np.int64,
                        "partitions": np.int32, "offsets": np.int64}  # fmt: skip
     single = EventBatch.from_events([SensorEvent("c", 3, np.zeros((1, 2), np.float32))])
@@ -363,7 +398,9 @@ def test_integer_timestamps_and_the_edges_of_the_clock_are_accepted() -> None:
 def test_json_that_only_the_standard_library_reads_is_still_judged_by_the_rules() -> None:
     """orjson refuses NaN; the stdlib parse says which rule it breaks, not "decode"."""
     nan_reading = b'{"sensor_id":"a","ts":1764412000,"values":[NaN]}'
-    assert decode_event(nan_reading, LIMITS, NOW) == Rejection("non_finite", "'values' holds NaN or infinity, or overflows float32")
+    assert decode_event(nan_reading, LIMITS, NOW) == Rejection(
+        "non_finite", "'values' holds NaN or infinity, or overflows float32"
+    )
     deep = EventLimits(max_len=8, max_message_bytes=1 << 20)
     assert decode_event(b"[" * 100_000, deep, NOW) == Rejection("decode", "not UTF-8 JSON")  # too deep for either
 

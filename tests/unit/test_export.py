@@ -1,6 +1,6 @@
 """``streamtrain export``: every format answers as the service does.
 
-The service's predictions (:func:`streamtrain.model.predict_arrays`, what /v1/predict and
+The service's predictions (:func:`streamtrain.model.network.predict_arrays`, what /v1/predict and
 OIP infer run) are the reference. The ONNX file runs in onnxruntime, the TorchScript and
 the ExportedProgram in torch, on variable-length batches whose padding holds NaN and
 huge numbers; all must agree to 1e-5, and so must the model files of a Triton repository.
@@ -27,13 +27,17 @@ import onnxruntime as ort
 import pytest
 import torch
 import tritonclient
+from broken_models import head_dropped, randomize_head
 from fastapi.testclient import TestClient
 from google.protobuf import text_format
 
-from streamtrain.checkpoint import CheckpointStore
+from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.cli import main as cli_main
 from streamtrain.config import load_settings
-from streamtrain.export import (
+from streamtrain.model.network import InferenceModel, PredictionArrays, RunningNorm, SensorModel, predict_arrays
+from streamtrain.runtime.service import Service
+from streamtrain.serve.app import create_app
+from streamtrain.tools.export import (
     ExportError,
     ModelBundle,
     bundle_from_checkpoint,
@@ -45,12 +49,7 @@ from streamtrain.export import (
     triton_config,
     write_triton_repository,
 )
-from streamtrain.model import InferenceModel, PredictionArrays, RunningNorm, SensorModel, predict_arrays
-from streamtrain.serve.app import create_app
-from streamtrain.service import Service
-from streamtrain.train import PublishedModel
-
-from broken_models import head_dropped, randomize_head
+from streamtrain.training.trainer import PublishedModel
 
 torch.set_num_threads(1)
 
@@ -115,7 +114,9 @@ def torchscript_runner(path: Path) -> Runner:
 
 def program_runner(path: Path) -> Runner:
     module = torch.export.load(str(path)).module()
-    return lambda values, lengths: [t.detach().numpy() for t in module(torch.from_numpy(values), torch.from_numpy(lengths))]
+    return lambda values, lengths: [
+        t.detach().numpy() for t in module(torch.from_numpy(values), torch.from_numpy(lengths))
+    ]
 
 
 def triton_model_file(bundle: ModelBundle, root: Path, backend: str) -> Path:
@@ -133,7 +134,9 @@ EXPORTS: dict[str, Callable[[ModelBundle, Path], Runner]] = {
 }
 
 
-def assert_export_answers_as_the_service(run: Runner, reference: ModelBundle, cases: list[tuple[list[int], int]]) -> None:
+def assert_export_answers_as_the_service(
+    run: Runner, reference: ModelBundle, cases: list[tuple[list[int], int]]
+) -> None:
     """For each (lengths, seed): the export on garbage-padded values answers as the service on the rows."""
     for lengths, seed in cases:
         values, length_array, rows = padded(reference.model.channels, lengths, seed)
@@ -150,7 +153,9 @@ def test_the_bundle_round_trips_exactly() -> None:
     restored = decode_bundle(encode_bundle(published))
     assert (restored.version, restored.step, restored.published_at) == (5, 42, published.published_at)
     assert restored.model.config == published.model.config
-    for (name, a), (_, b) in zip(published.model.state_dict().items(), restored.model.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        published.model.state_dict().items(), restored.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     assert restored.norm.state_dict().keys() == published.norm.state_dict().keys()
     assert torch.equal(restored.norm.std, published.norm.std) and restored.norm.count == published.norm.count
@@ -210,7 +215,9 @@ def test_exported_program_matches_the_service(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("form", list(EXPORTS))
-def test_each_export_check_fails_on_an_export_that_drops_the_head(bundle: ModelBundle, form: str, tmp_path: Path) -> None:
+def test_each_export_check_fails_on_an_export_that_drops_the_head(
+    bundle: ModelBundle, form: str, tmp_path: Path
+) -> None:
     """The exports are compared on what the head adds: an export without it answers differently."""
     dropped = dataclasses.replace(bundle, model=head_dropped(bundle.model))
     run = EXPORTS[form](dropped, tmp_path)
@@ -317,7 +324,10 @@ def test_export_from_a_checkpoint_through_the_cli(tmp_path: Path, monkeypatch: p
     # refusals: one line, exit 2
     assert cli_main(["export", "--checkpoint-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert cli_main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--version", "1", "--out", str(tmp_path / "r")]) == 2
+    assert (
+        cli_main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--version", "1", "--out", str(tmp_path / "r")])
+        == 2
+    )
     assert "holds version 3, not 1" in capsys.readouterr().err
     assert cli_main(["export", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "r")]) == 2
     assert "admin token" in capsys.readouterr().err

@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_quality_in_service import build_service, feed, train  # noqa: E402
 
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
-from streamtrain.export import decode_bundle, encode_bundle  # noqa: E402
-from streamtrain.forecasters import LAST_VALUE, ServedModel  # noqa: E402
-from streamtrain.model import SensorModel, predict  # noqa: E402
-from streamtrain.quality import QualityConfig, QualityMonitor, score_events  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.service import Service  # noqa: E402
+from streamtrain.model.forecasters import LAST_VALUE, ServedModel  # noqa: E402
+from streamtrain.model.network import SensorModel, predict  # noqa: E402
+from streamtrain.quality.monitor import QualityConfig, QualityMonitor, score_events  # noqa: E402
+from streamtrain.runtime.service import Service  # noqa: E402
 from streamtrain.serve.app import create_app  # noqa: E402
-from streamtrain.train import PublishedModel  # noqa: E402
+from streamtrain.tools.export import decode_bundle, encode_bundle  # noqa: E402
+from streamtrain.training.trainer import PublishedModel  # noqa: E402
 
 
 def ar2_events(rng: np.random.Generator, n: int, now: float, length: int = 24) -> EventBatch:
@@ -112,7 +112,7 @@ def scorable(bias: float, norm: Any, version: int) -> PublishedModel:
 
 
 def test_a_slow_slide_of_candidates_each_a_little_worse_is_stopped_by_the_fixed_reference() -> None:
-    from streamtrain.model import RunningNorm
+    from streamtrain.model.network import RunningNorm
 
     monitor = QualityMonitor(QualityConfig(holdout_share=0.5, holdout_min_events=16), Metrics(), lambda: None)
     monitor.observe(ar2_events(np.random.default_rng(3), 200, 1000.0))
@@ -164,7 +164,9 @@ def test_the_chosen_forecaster_survives_a_checkpoint_and_answers_predict_and_exp
     network = [p.next for p in predict(published.model, published.norm, instances, 4096)]
     assert not np.allclose(expected, network)  # the linear forecast is not the network's
     with TestClient(create_app(service)) as client:
-        answer = client.post("/v1/predict", json={"instances": [{"values": v.ravel().tolist()} for v in instances]}).json()
+        answer = client.post(
+            "/v1/predict", json={"instances": [{"values": v.ravel().tolist()} for v in instances]}
+        ).json()
     np.testing.assert_allclose([p["next"] for p in answer["predictions"]], expected, atol=1e-5)
     bundle = decode_bundle(encode_bundle(published))
     values = torch.zeros(2, 4, 1)
@@ -206,7 +208,7 @@ def sliding(values: np.ndarray, sensor: str, length: int = 24, stride: int = 1) 
 
 @pytest.mark.parametrize("stride", [1, 5])
 def test_no_held_out_reading_of_sliding_windows_is_ever_trained_on(stride: int) -> None:
-    from streamtrain.quality import HoldoutSplitter
+    from streamtrain.quality.monitor import HoldoutSplitter
 
     rng = np.random.default_rng(8)
     items = sliding(rng.normal(size=3000), "a", stride=stride) + sliding(rng.normal(size=3000), "b", stride=stride)
@@ -223,7 +225,7 @@ def test_no_held_out_reading_of_sliding_windows_is_ever_trained_on(stride: int) 
 
 
 def test_events_that_do_not_overlap_are_held_out_in_blocks_without_a_guard() -> None:
-    from streamtrain.quality import HoldoutSplitter
+    from streamtrain.quality.monitor import HoldoutSplitter
 
     rng = np.random.default_rng(9)
     items = [SensorEvent(f"s{i % 10}", 1000.0 + i, rng.normal(size=(30, 1)).astype(np.float32)) for i in range(6400)]
@@ -232,5 +234,7 @@ def test_events_that_do_not_overlap_are_held_out_in_blocks_without_a_guard() -> 
     assert guard.size == 0 and held.size == 640  # one block in ten of every sensor, whatever the phases
     clone = HoldoutSplitter(0.1, 32, "crypto", 0)
     clone.load_state_dict(splitter.state_dict())
-    more = EventBatch.from_events([SensorEvent(f"s{i % 10}", 9000.0 + i, rng.normal(size=(30, 1)).astype(np.float32)) for i in range(640)])
+    more = EventBatch.from_events(
+        [SensorEvent(f"s{i % 10}", 9000.0 + i, rng.normal(size=(30, 1)).astype(np.float32)) for i in range(640)]
+    )
     assert np.array_equal(clone.split(more)[0], splitter.split(more)[0])  # restored phases and counts decide alike

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamtrain.data.collate import collate
-from streamtrain.forecasters import (
+from streamtrain.model.forecasters import (
     LAST_VALUE,
     NETWORK,
     ORDERS,
@@ -24,7 +24,7 @@ from streamtrain.forecasters import (
     held_out_sse,
     ridge_solve,
 )
-from streamtrain.model import SensorModel
+from streamtrain.model.network import SensorModel
 
 
 def lag_matrix(instances: list[np.ndarray], order: int, channel: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +145,9 @@ def computing_network(channels: int = 2, n_classes: int = 0) -> SensorModel:
 @pytest.mark.parametrize("kind", ["last_value", "linear", "network"])
 def test_every_served_kind_answers_an_instance_alike_whatever_its_company_and_padding(kind: str) -> None:
     rng = np.random.default_rng(6)
-    forecaster = {"last_value": LAST_VALUE, "network": NETWORK}.get(kind) or Forecaster("linear", rng.normal(size=(2, 4)))
+    forecaster = {"last_value": LAST_VALUE, "network": NETWORK}.get(kind) or Forecaster(
+        "linear", rng.normal(size=(2, 4))
+    )
     served = ServedModel(computing_network(n_classes=3), forecaster)
     instances = [rng.normal(size=(n, 2)).astype(np.float32) for n in (4, 11, 7)]
     alone = served(collate(instances[:1]).values, collate(instances[:1]).mask)

@@ -30,8 +30,8 @@ import schemathesis
 import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
-from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import (
     content_type_conformance,
@@ -54,8 +54,8 @@ from streamtrain.events import (
     decode_event,
     parse_values,
 )
+from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
-from streamtrain.service import Service
 
 torch.set_num_threads(1)
 
@@ -95,7 +95,11 @@ def valid_events(draw: st.DrawFn, limits: EventLimits) -> dict[str, Any]:
     if limits.channels == 1:
         values: list[Any] = draw(st.lists(number, min_size=steps, max_size=steps))
     else:
-        values = draw(st.lists(st.lists(number, min_size=limits.channels, max_size=limits.channels), min_size=steps, max_size=steps))
+        values = draw(
+            st.lists(
+                st.lists(number, min_size=limits.channels, max_size=limits.channels), min_size=steps, max_size=steps
+            )
+        )
     oldest = NOW - (limits.max_age_s if limits.max_age_s is not None else 1e9)
     event: dict[str, Any] = {
         "sensor_id": draw(st.text(min_size=1, max_size=MAX_SENSOR_ID_CHARS)),
@@ -133,7 +137,9 @@ def broken_events(draw: st.DrawFn, limits: EventLimits) -> tuple[bytes, str]:
         return _encode({**event, "padding": "x" * limits.max_message_bytes}), rule
     if rule == "decode":
         raw = _encode(event)
-        return draw(st.sampled_from([b"\xff" + raw, raw[: at % len(raw)], _encode([event]), _encode(event["values"])])), rule
+        return draw(
+            st.sampled_from([b"\xff" + raw, raw[: at % len(raw)], _encode([event]), _encode(event["values"])])
+        ), rule
     if rule == "schema":
         broken = draw(
             st.sampled_from(
@@ -167,7 +173,9 @@ def broken_events(draw: st.DrawFn, limits: EventLimits) -> tuple[bytes, str]:
     if rule == "empty":
         return _encode({**event, "values": []}), rule
     if rule == "too_long":
-        return _encode({**event, "values": (event["values"] * (limits.max_len + 1))[: limits.max_len + 1 + at % 5]}), rule
+        return _encode(
+            {**event, "values": (event["values"] * (limits.max_len + 1))[: limits.max_len + 1 + at % 5]}
+        ), rule
     if rule == "bad_channels":
         if limits.channels == 1:
             return _encode({**event, "values": [[v] for v in event["values"]]}), rule
@@ -222,7 +230,9 @@ def test_one_broken_rule_gives_exactly_that_reason(data: st.DataObject, limits: 
 
 @FUZZ
 @given(data=st.data(), limits=st.sampled_from(LIMITS))
-def test_a_mixed_poll_batch_decodes_exactly_as_its_messages_one_by_one(data: st.DataObject, limits: EventLimits) -> None:
+def test_a_mixed_poll_batch_decodes_exactly_as_its_messages_one_by_one(
+    data: st.DataObject, limits: EventLimits
+) -> None:
     raws = data.draw(st.lists(messages(limits), min_size=1, max_size=12))
     offsets = np.arange(len(raws), dtype=np.int64) * 7 + 3
     partitions = np.arange(len(raws), dtype=np.int32) % 3
@@ -286,7 +296,9 @@ def build_service(tmp: Path, **overrides: Any) -> Service:
 
 
 @pytest.fixture(scope="module", params=sorted(APP_SETTINGS))
-def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Service]]:
+def api(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TestClient, Service]]:
     service = build_service(tmp_path_factory.mktemp("fuzz-ckpt"), **APP_SETTINGS[request.param])
     with TestClient(create_app(service), raise_server_exceptions=False) as client:
         yield client, service
@@ -340,7 +352,9 @@ def test_predict_answers_200_or_422_naming_the_instance_never_5xx(api: tuple[Tes
     @FUZZ
     @given(body=predict_bodies(s.channels, s.max_len, s.max_predict_batch))
     def check(body: Any) -> None:
-        response = client.post("/v1/predict", content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"})
+        response = client.post(
+            "/v1/predict", content=json.dumps(body, allow_nan=True), headers={"content-type": "application/json"}
+        )
         status, names = expected_outcome(body, s.channels, s.max_len, s.max_predict_batch)
         if status == 200 and response.status_code == 422 and "forecast overflows" in response.text:
             # allowed only for readings far outside any sensor's range (float32 extremes)
@@ -358,7 +372,9 @@ def test_predict_answers_200_or_422_naming_the_instance_never_5xx(api: tuple[Tes
             assert len(prediction["next"]) == s.channels and all(map(math.isfinite, prediction["next"]))
             assert math.isfinite(prediction["anomaly_score"]) and prediction["anomaly_score"] >= 0
             if s.n_classes:
-                assert len(prediction["probs"]) == s.n_classes and math.isclose(sum(prediction["probs"]), 1, rel_tol=1e-6)
+                assert len(prediction["probs"]) == s.n_classes and math.isclose(
+                    sum(prediction["probs"]), 1, rel_tol=1e-6
+                )
             else:
                 assert "probs" not in prediction
 
@@ -371,7 +387,9 @@ def test_extreme_but_finite_readings_never_answer_nan(api: tuple[TestClient, Ser
     c = service.settings.channels
     for value in (3.0e38, -1.35e28, 1e20, 65504.0):
         step = value if c == 1 else [value] * c
-        response = client.post("/v1/predict", json={"instances": [{"values": [0.5] if c == 1 else [[0.5] * c]}, {"values": [step, step]}]})
+        response = client.post(
+            "/v1/predict", json={"instances": [{"values": [0.5] if c == 1 else [[0.5] * c]}, {"values": [step, step]}]}
+        )
         if response.status_code == 200:
             for prediction in response.json()["predictions"]:
                 assert None not in prediction["next"] and all(map(math.isfinite, prediction["next"]))
@@ -420,7 +438,9 @@ def test_openapi_operations_have_no_server_errors(tmp_path: Path) -> None:
     }  # fmt: skip
     for operation in operations:
         declared = set(operation.definition.raw.get("responses", {}))
-        takes_input = any(len(part) for part in (operation.body, operation.query, operation.headers, operation.path_parameters))
+        takes_input = any(
+            len(part) for part in (operation.body, operation.query, operation.headers, operation.path_parameters)
+        )
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if takes_input else (GenerationMode.POSITIVE,):
 
             @settings(max_examples=max(10, EXAMPLES // 4), deadline=None, derandomize=DERANDOMIZE,

@@ -10,11 +10,13 @@ import numpy as np
 import orjson
 
 from streamtrain.events import EventLimits, decode_batch
-from streamtrain.ingest import Decoder
+from streamtrain.ingest.ingestor import Decoder
 
 LIMITS = EventLimits(max_len=16)
 NOW = time.time()
-RAWS = [orjson.dumps({"sensor_id": f"s{i}", "ts": NOW, "values": [float(i)] * (1 + i % 5)}) for i in range(50)] + [b"bad"]
+RAWS = [orjson.dumps({"sensor_id": f"s{i}", "ts": NOW, "values": [float(i)] * (1 + i % 5)}) for i in range(50)] + [
+    b"bad"
+]
 ARGS = (RAWS, LIMITS, NOW, [0] * len(RAWS), list(range(len(RAWS))))
 
 

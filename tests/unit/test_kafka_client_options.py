@@ -14,9 +14,15 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 
-from streamtrain import kafka_security
 from streamtrain.config import SettingsError, load_settings
-from streamtrain.kafka_security import AuthWatch, FileTokenProvider, KafkaSecurity, authorization_reason, client_options
+from streamtrain.ingest import security as kafka_security
+from streamtrain.ingest.security import (
+    AuthWatch,
+    FileTokenProvider,
+    KafkaSecurity,
+    authorization_reason,
+    client_options,
+)
 
 SECRET = "s3cr3t-Pa55word-xyz"
 
@@ -81,19 +87,42 @@ def test_environment_names_of_spec_section_8(monkeypatch: pytest.MonkeyPatch, pe
     [
         ({"kafka_sasl_mechanism": "PLAIN"}, "kafka_sasl_mechanism=PLAIN needs a SASL protocol"),
         ({"kafka_security_protocol": "SASL_SSL"}, "needs STREAMTRAIN_KAFKA_SASL_MECHANISM"),
-        ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "PLAIN", "kafka_sasl_password": SECRET},
-         "needs STREAMTRAIN_KAFKA_SASL_USERNAME"),
-        ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512", "kafka_sasl_username": "u"},
-         "needs STREAMTRAIN_KAFKA_SASL_PASSWORD or STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE"),
-        ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "PLAIN", "kafka_sasl_username": "u",
-          "kafka_sasl_password_file": "/nonexistent/password"}, "kafka_sasl_password_file='/nonexistent/password' cannot be read"),
+        (
+            {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "PLAIN", "kafka_sasl_password": SECRET},
+            "needs STREAMTRAIN_KAFKA_SASL_USERNAME",
+        ),
+        (
+            {
+                "kafka_security_protocol": "SASL_SSL",
+                "kafka_sasl_mechanism": "SCRAM-SHA-512",
+                "kafka_sasl_username": "u",
+            },
+            "needs STREAMTRAIN_KAFKA_SASL_PASSWORD or STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE",
+        ),
+        (
+            {
+                "kafka_security_protocol": "SASL_SSL",
+                "kafka_sasl_mechanism": "PLAIN",
+                "kafka_sasl_username": "u",
+                "kafka_sasl_password_file": "/nonexistent/password",
+            },
+            "kafka_sasl_password_file='/nonexistent/password' cannot be read",
+        ),
         ({"kafka_ssl_cafile": "/nonexistent/ca.pem"}, "does not use TLS"),
-        ({"kafka_security_protocol": "SSL", "kafka_ssl_cafile": "/nonexistent/ca.pem"}, "kafka_ssl_cafile='/nonexistent/ca.pem' is not a readable file"),
-        ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER"}, "reads its token from STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE"),
+        (
+            {"kafka_security_protocol": "SSL", "kafka_ssl_cafile": "/nonexistent/ca.pem"},
+            "kafka_ssl_cafile='/nonexistent/ca.pem' is not a readable file",
+        ),
+        (
+            {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER"},
+            "reads its token from STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE",
+        ),
         ({"kafka_security_protocol": "TLS"}, "kafka_security_protocol"),
     ],
 )
-def test_a_bad_combination_stops_start_up_with_one_line_naming_the_setting(settings: dict[str, object], says: str) -> None:
+def test_a_bad_combination_stops_start_up_with_one_line_naming_the_setting(
+    settings: dict[str, object], says: str
+) -> None:
     with pytest.raises(SettingsError) as refused:
         load_settings(**settings)
     message = str(refused.value)
@@ -103,7 +132,9 @@ def test_a_bad_combination_stops_start_up_with_one_line_naming_the_setting(setti
 def test_mutual_tls_needs_certificate_and_key(tmp_path: Path) -> None:
     cert = tmp_path / "c.pem"
     cert.write_text("x")
-    with pytest.raises(SettingsError, match="needs both STREAMTRAIN_KAFKA_SSL_CERTFILE and STREAMTRAIN_KAFKA_SSL_KEYFILE"):
+    with pytest.raises(
+        SettingsError, match="needs both STREAMTRAIN_KAFKA_SSL_CERTFILE and STREAMTRAIN_KAFKA_SSL_KEYFILE"
+    ):
         load_settings(kafka_security_protocol="SSL", kafka_ssl_certfile=cert)
 
 
@@ -120,7 +151,9 @@ def test_the_password_never_shows(tmp_path: Path) -> None:
 def test_oauthbearer_token_file_is_reread_when_it_changes(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("token-1\n")
-    settings = load_settings(kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="OAUTHBEARER", kafka_sasl_password_file=token)
+    settings = load_settings(
+        kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="OAUTHBEARER", kafka_sasl_password_file=token
+    )
     provider = client_options(settings)["sasl_oauth_token_provider"]
     assert isinstance(provider, FileTokenProvider) and provider.token() == "token-1"
     token.write_text("token-2, renewed before expiry\n")
@@ -145,11 +178,18 @@ def _record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord
 def test_auth_watch_learns_the_cause_once_and_drops_the_retries(tmp_path: Path) -> None:
     watch = AuthWatch(load_settings(**scram(tmp_path)))
     refused = SaslAuthenticationFailedError("Authentication failed during authentication due to invalid credentials")
-    assert not watch.filter(_record("kafka.net.manager", logging.WARNING, "Bootstrap connection to %s failed: %s", "b-0", refused))
-    assert watch.current() == "kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"
+    assert not watch.filter(
+        _record("kafka.net.manager", logging.WARNING, "Bootstrap connection to %s failed: %s", "b-0", refused)
+    )
+    assert (
+        watch.current()
+        == "kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"
+    )
     assert not watch.filter(_record("kafka.net.transport", logging.ERROR, "socket disconnected"))
-    assert not watch.filter(_record("kafka.coordinator", logging.ERROR, "failed: %s", GroupAuthorizationFailedError("g")))
-    assert watch.filter(_record("streamtrain.ingest", logging.WARNING, "socket disconnected"))
+    assert not watch.filter(
+        _record("kafka.coordinator", logging.ERROR, "failed: %s", GroupAuthorizationFailedError("g"))
+    )
+    assert watch.filter(_record("streamtrain.ingest.ingestor", logging.WARNING, "socket disconnected"))
     watch.clear()
     assert watch.current() is None
 

@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import torch
+from broken_models import computing_model, head_dropped, mixes_batch, non_causal, pools_over_padding, reads_padding
 
+from device_params import CUDA, DEVICES
 from streamtrain.data.collate import collate
-from streamtrain.model import (
+from streamtrain.model.network import (
     Prediction,
     RunningNorm,
     SensorModel,
@@ -25,9 +27,6 @@ from streamtrain.model import (
     predict,
     total_loss,
 )
-
-from broken_models import computing_model, head_dropped, mixes_batch, non_causal, pools_over_padding, reads_padding
-from device_params import CUDA, DEVICES
 
 torch.set_num_threads(1)
 
@@ -167,7 +166,10 @@ def test_running_norm_matches_numpy_across_batches() -> None:
     norm = RunningNorm(3)
     seen = []
     for _ in range(5):
-        items = [(rng.normal(size=(int(rng.integers(1, 30)), 3)) * [1, 10, 0.1] + [5, -3, 0]).astype(np.float32) for _ in range(4)]
+        items = [
+            (rng.normal(size=(int(rng.integers(1, 30)), 3)) * [1, 10, 0.1] + [5, -3, 0]).astype(np.float32)
+            for _ in range(4)
+        ]
         values, mask = pad_batch(items)
         values[~mask] = 1234.0  # padding must not count
         norm.update(values, mask)
@@ -315,7 +317,9 @@ def assert_anomaly_score_is_the_one_step_error(model: SensorModel, serve: Predic
 
     # the real forecaster: its own forecasts, the same arithmetic
     with torch.no_grad():
-        forecast = model(torch.from_numpy(z).float()[None], torch.ones(1, 20, dtype=torch.bool)).forecast[0].double().numpy()
+        forecast = (
+            model(torch.from_numpy(z).float()[None], torch.ones(1, 20, dtype=torch.bool)).forecast[0].double().numpy()
+        )
     (prediction,) = serve(model, norm, [item], 64)
     assert prediction.anomaly_score == pytest.approx(((forecast[:-1] - z[1:]) ** 2).mean(), rel=1e-4)
     np.testing.assert_allclose(prediction.next, forecast[-1] * std + mean, rtol=1e-4)
@@ -360,7 +364,9 @@ def test_each_invariant_check_fails_on_the_model_broken_against_it(
 
 
 def test_the_anomaly_score_check_fails_on_a_serving_path_that_drops_the_head() -> None:
-    def without_head(model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], budget: int) -> list[Prediction]:
+    def without_head(
+        model: SensorModel, norm: RunningNorm, values: Sequence[np.ndarray], budget: int
+    ) -> list[Prediction]:
         return predict(head_dropped(model), norm, values, budget)
 
     model = small_model(channels=2, n_classes=0)
@@ -411,7 +417,7 @@ def test_tiny_training_beats_last_value_baseline() -> None:
 
 
 def test_predict_groups_cover_every_instance_once_within_budget_and_length_share() -> None:
-    from streamtrain.model import PREDICT_MIN_LENGTH_SHARE, plan_predict_batches
+    from streamtrain.model.network import PREDICT_MIN_LENGTH_SHARE, plan_predict_batches
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -499,4 +505,3 @@ def test_forecasts_beat_the_last_value_on_levels_never_seen_in_training() -> Non
         ratio = one_step_ratios(model, norm, np.concatenate([train, future]), start=len(train) + 24, length=24)
         # Last value: MSE ~ 2(1 - cos(30 deg)) * 0.5 + 2 * 0.04 = 0.21; the best forecast's ~0.04.
         assert ratio[0] <= 0.7, (level, ratio)
-

@@ -2,7 +2,7 @@
 
 tritonclient's ``InferenceServerClient`` (JSON and the binary tensor data extension) talks
 to a uvicorn server on a free port that serves the real app over a real
-:class:`~streamtrain.service.Service` (ingest never started; the model is published by
+:class:`~streamtrain.runtime.service.Service` (ingest never started; the model is published by
 hand). Its answers must equal ``/v1/predict``'s to 1e-6 for the same instances, keep the
 request's order, and come from the version asked for. Refusals are ``{"error": ...}`` with
 400 (413, 503 where the protocol's transport says so), never 500, and they apply the same
@@ -37,11 +37,11 @@ from tritonclient.utils import InferenceServerException
 
 from streamtrain.config import load_settings
 from streamtrain.events import EventError, parse_values
-from streamtrain.model import predict_arrays
+from streamtrain.model.network import predict_arrays
+from streamtrain.runtime.service import Service
 from streamtrain.serve import oip
 from streamtrain.serve.app import create_app
 from streamtrain.serve.batcher import Overloaded
-from streamtrain.service import Service
 
 torch.set_num_threads(1)
 
@@ -143,7 +143,9 @@ def triton_inputs(values: np.ndarray, lengths: np.ndarray | None, binary: bool, 
     inputs = [tensor]
     if lengths is not None:
         length_tensor = triton.InferInput("lengths", list(lengths.shape), lengths_type)
-        length_tensor.set_data_from_numpy(lengths.astype(np.int32 if lengths_type == "INT32" else np.int64), binary_data=binary)
+        length_tensor.set_data_from_numpy(
+            lengths.astype(np.int32 if lengths_type == "INT32" else np.int64), binary_data=binary
+        )
         inputs.append(length_tensor)
     return inputs
 
@@ -200,7 +202,9 @@ def test_infer_equals_v1_predict_with_padding(client: triton.InferenceServerClie
     assert result.as_numpy("next").dtype == np.float32 and result.as_numpy("probs").shape == (6, CLASSES)
 
 
-def test_without_outputs_every_output_comes_back_binary(client: triton.InferenceServerClient, server: RunningServer) -> None:
+def test_without_outputs_every_output_comes_back_binary(
+    client: triton.InferenceServerClient, server: RunningServer
+) -> None:
     rng = np.random.default_rng(2)
     values, lengths = padded_batch(rng, [5, 5, 5], pad=0.0)
     reference = v1_predict(server, values, lengths)
@@ -243,7 +247,9 @@ def test_compressed_requests_and_client_errors(client: triton.InferenceServerCli
     values, lengths = padded_batch(rng, [4, 7], pad=0.0)
     reference = v1_predict(server, values, lengths)
     for algorithm in ("gzip", "deflate"):
-        result = client.infer("streamtrain", triton_inputs(values, lengths, True), request_compression_algorithm=algorithm)
+        result = client.infer(
+            "streamtrain", triton_inputs(values, lengths, True), request_compression_algorithm=algorithm
+        )
         assert_same(result, reference)
     values[1, 3, 0] = np.inf
     with pytest.raises(InferenceServerException, match=r"values\[1\]: non_finite") as caught:
@@ -287,25 +293,60 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
     ("count", {"inputs": [{**values_input(GOOD), "shape": [2, 3, 3]}]}, {}, "do not fill shape"),
     ("2-d", {"inputs": [{**values_input(GOOD), "shape": [6, 2]}]}, {}, "[batch, length, channels]"),
     ("channels", {"inputs": [{**values_input(GOOD), "shape": [2, 2, 3]}]}, {}, "bad_channels"),
-    ("strings", {"inputs": [{**values_input(GOOD), "data": ["1"] * 12}]}, {}, "values[0]: schema: 'values' must hold only numbers"),
+    (
+        "strings",
+        {"inputs": [{**values_input(GOOD), "data": ["1"] * 12}]},
+        {},
+        "values[0]: schema: 'values' must hold only numbers",
+    ),
     ("bools", {"inputs": [{**values_input(GOOD), "data": [0.0] * 6 + [True] * 6}]}, {}, "values[1]: schema"),
     ("huge int", {"inputs": [{**values_input(GOOD), "data": [0.0] * 11 + [10**400]}]}, {}, "values[1]: non_finite"),
-    ("nan", {"inputs": [{**values_input(GOOD), "data": [0.0] * 7 + [float("nan")] + [0.0] * 4}]}, {}, r"values[1]: non_finite"),
-    ("float32 overflow", {"inputs": [{**values_input(GOOD), "data": [1e39] + [0.0] * 11}]}, {}, r"values[0]: non_finite"),
-    ("empty row", {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [2], "data": [3, 0]}]},
-     {}, "values[1]: empty"),
-    ("past length", {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [4, 1]}]},
-     {}, "lengths[0]: 4 is longer"),
-    ("lengths float", {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [2], "data": [1.0, 1]}]},
-     {}, "only integers"),
-    ("lengths shape", {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [1], "data": [1]}]},
-     {}, "lengths: shape must be [batch] = [2]"),
+    (
+        "nan",
+        {"inputs": [{**values_input(GOOD), "data": [0.0] * 7 + [float("nan")] + [0.0] * 4}]},
+        {},
+        r"values[1]: non_finite",
+    ),
+    (
+        "float32 overflow",
+        {"inputs": [{**values_input(GOOD), "data": [1e39] + [0.0] * 11}]},
+        {},
+        r"values[0]: non_finite",
+    ),
+    (
+        "empty row",
+        {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [2], "data": [3, 0]}]},
+        {},
+        "values[1]: empty",
+    ),
+    (
+        "past length",
+        {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [4, 1]}]},
+        {},
+        "lengths[0]: 4 is longer",
+    ),
+    (
+        "lengths float",
+        {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [2], "data": [1.0, 1]}]},
+        {},
+        "only integers",
+    ),
+    (
+        "lengths shape",
+        {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [1], "data": [1]}]},
+        {},
+        "lengths: shape must be [batch] = [2]",
+    ),
     ("too long", {"inputs": [values_input(np.zeros((1, MAX_LEN + 1, 2), np.float32))]}, {}, "values[0]: too_long"),
     ("batch", {"inputs": [values_input(np.zeros((17, 1, 2), np.float32))]}, {}, "expected 1..16 instances"),
     ("zero batch", {"inputs": [values_input(np.zeros((0, 1, 2), np.float32))]}, {}, "expected 1..16 instances"),
     ("output", {"inputs": [values_input(GOOD)], "outputs": [{"name": "logits"}]}, {}, "unknown output"),
-    ("classification", {"inputs": [values_input(GOOD)], "outputs": [{"name": "probs", "parameters": {"class_count": 2}}]},
-     {}, "classification extension"),
+    (
+        "classification",
+        {"inputs": [values_input(GOOD)], "outputs": [{"name": "probs", "parameters": {"class_count": 2}}]},
+        {},
+        "classification extension",
+    ),
     ("binary flag", {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}, {}, "true or false"),
     ("shm", {"inputs": [values_input(GOOD, parameters={"shared_memory_region": "r"})]}, {}, "shared-memory"),
     ("header length", b'{"inputs": []}', {oip.HEADER_LENGTH: "999"}, "Inference-Header-Content-Length"),
@@ -334,9 +375,13 @@ BINARY_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize(("size", "payload", "message"), [r[1:] for r in BINARY_REFUSALS], ids=[r[0] for r in BINARY_REFUSALS])
+@pytest.mark.parametrize(
+    ("size", "payload", "message"), [r[1:] for r in BINARY_REFUSALS], ids=[r[0] for r in BINARY_REFUSALS]
+)
 def test_binary_refusals(api: TestClient, size: Any, payload: bytes, message: str) -> None:
-    header = {"inputs": [{"name": "values", "datatype": "FP32", "shape": [2, 3, 2], "parameters": {"binary_data_size": size}}]}
+    header = {
+        "inputs": [{"name": "values", "datatype": "FP32", "shape": [2, 3, 2], "parameters": {"binary_data_size": size}}]
+    }
     content, headers = binary_body(header, payload)
     response = api.post("/v2/models/streamtrain/infer", content=content, headers=headers)
     assert response.status_code == 400 and message in response.json()["error"], response.text
@@ -354,10 +399,14 @@ def test_binary_and_json_data_mix_and_nested_json_data(api: TestClient) -> None:
     answer = json.loads(response.content[:head_size])
     assert [o["name"] for o in answer["outputs"]] == ["anomaly_score", "next"]
     scores = np.frombuffer(response.content[head_size:], dtype="<f4")
-    expected = api.post("/v1/predict", json={"instances": [{"values": GOOD[0].tolist()}, {"values": GOOD[1, :1].tolist()}]})
+    expected = api.post(
+        "/v1/predict", json={"instances": [{"values": GOOD[0].tolist()}, {"values": GOOD[1, :1].tolist()}]}
+    )
     predictions = expected.json()["predictions"]
     np.testing.assert_allclose(scores, [p["anomaly_score"] for p in predictions], rtol=1e-6)
-    np.testing.assert_allclose(np.reshape(answer["outputs"][1]["data"], (2, 2)), [p["next"] for p in predictions], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.reshape(answer["outputs"][1]["data"], (2, 2)), [p["next"] for p in predictions], rtol=1e-6
+    )
 
 
 def test_unknown_model_version_and_size_limits(api: TestClient) -> None:
@@ -375,7 +424,10 @@ def test_unknown_model_version_and_size_limits(api: TestClient) -> None:
     response = api.post("/v2/models/streamtrain/infer", content=bomb, headers={"content-encoding": "gzip"})
     assert response.status_code == 413 and "once inflated" in response.json()["error"]
     fine = zlib.compress(json.dumps(body).encode())
-    assert api.post("/v2/models/streamtrain/infer", content=fine, headers={"content-encoding": "deflate"}).status_code == 200
+    assert (
+        api.post("/v2/models/streamtrain/infer", content=fine, headers={"content-encoding": "deflate"}).status_code
+        == 200
+    )
 
 
 def test_overloaded_and_unpublished_are_503_with_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

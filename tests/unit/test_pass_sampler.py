@@ -93,7 +93,9 @@ def test_a_bounded_pass_smaller_than_the_minimum_window_still_trains() -> None:
             fill(window, 50, 50)  # the window reaches 100 >= 64 on the third look
         return window.snapshot()
 
-    dataset = WindowBatchDataset(snapshot, TokenBudget(64), sampler=sampler, min_items=64, idle_wait_s=0.0, max_passes=2)
+    dataset = WindowBatchDataset(
+        snapshot, TokenBudget(64), sampler=sampler, min_items=64, idle_wait_s=0.0, max_passes=2
+    )
     batches = list(dataset)
     assert polls[:3] == [50, 50, 50], "the dataset waited for the minimum window"
     assert sum(b.batch_size for b in batches) == 16, "two passes of 8 items"
@@ -150,7 +152,9 @@ def test_diagnostics_report_the_selection() -> None:
     fill(window, 0, 300)
     seen = []
     sampler = PassSampler(100, 0.5, "seeded", 0)
-    dataset = WindowBatchDataset(window.snapshot, TokenBudget(64), sampler=sampler, max_passes=2, on_pass_end=seen.append)
+    dataset = WindowBatchDataset(
+        window.snapshot, TokenBudget(64), sampler=sampler, max_passes=2, on_pass_end=seen.append
+    )
     list(dataset)
     first, second = seen
     assert (first.window_items, first.items, first.fresh_items, first.fresh_deferred) == (300, 100, 50, 250)
@@ -325,7 +329,9 @@ def test_a_state_of_zero_counters_is_accepted(caplog: pytest.LogCaptureFixture) 
 
 
 def test_sampler_from_settings_passes_the_sensor_temperature() -> None:
-    settings = load_settings(sampling="sensor_balanced", sensor_temperature=3.5, pass_max_items=100, pass_fresh_share=0.25)
+    settings = load_settings(
+        sampling="sensor_balanced", sensor_temperature=3.5, pass_max_items=100, pass_fresh_share=0.25
+    )
     sampler = pass_sampler_from_settings(settings)
     assert isinstance(sampler.policy, SensorBalancedPolicy) and sampler.policy.temperature == 3.5
     assert (sampler.max_items, sampler.fresh_share) == (100, 0.25)

@@ -11,12 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from streamtrain.model import Prediction, RunningNorm, SensorModel, predict
-from streamtrain.serve.batcher import Overloaded, PredictBatcher
-
 from broken_models import randomize_head
+
 from device_params import DEVICES
+from streamtrain.model.network import Prediction, RunningNorm, SensorModel, predict
+from streamtrain.serve.batcher import Overloaded, PredictBatcher
 
 
 def _published(seed: int = 0, device: str = "cpu") -> SimpleNamespace:
@@ -63,7 +62,10 @@ def run_then_close(batcher: PredictBatcher, main: Callable[[], Coroutine[Any, An
 
 
 async def submit_while_busy(
-    batcher: PredictBatcher, gated: _Gated, first: tuple[Any, list[np.ndarray]], rest: list[tuple[Any, list[np.ndarray]]]
+    batcher: PredictBatcher,
+    gated: _Gated,
+    first: tuple[Any, list[np.ndarray]],
+    rest: list[tuple[Any, list[np.ndarray]]],
 ) -> list[list[Prediction]]:
     """Submit ``first``; once the worker is busy with it, queue ``rest``; then release it."""
     blocker = asyncio.create_task(batcher.submit(*first))
@@ -85,7 +87,8 @@ def test_merged_requests_get_the_same_answers_as_alone_in_order(device: str) -> 
     batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=10_000)
 
     merged = run_then_close(
-        batcher, lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]])
+        batcher,
+        lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]]),
     )
     assert gated.calls == [len(requests[0]), sum(len(r) for r in requests[1:])]  # one merged forward
     assert batcher.merged_forwards == 1
@@ -124,7 +127,8 @@ def test_a_merge_stops_at_max_instances() -> None:
     requests = [[np.ones((3, 1), np.float32)] * 2 for _ in range(4)]  # 2 instances each
 
     answers = run_then_close(
-        batcher, lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]])
+        batcher,
+        lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]]),
     )
     for answer in answers[1:]:
         assert len(answer) == 2

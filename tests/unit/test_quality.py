@@ -14,14 +14,14 @@ from torch import nn
 
 from streamtrain.events import NO_LABEL, EventBatch, EventLimits, SensorEvent, decode_batch
 from streamtrain.metrics import Metrics
-from streamtrain.model import ModelOutput, RunningNorm, SensorModel
-from streamtrain.quality import (
+from streamtrain.model.network import ModelOutput, RunningNorm, SensorModel
+from streamtrain.quality.monitor import (
     EventScores,
     QualityConfig,
     QualityMonitor,
     score_events,
 )
-from streamtrain.simulate import SensorFleet, SimulationConfig
+from streamtrain.tools.simulate import SensorFleet, SimulationConfig
 
 
 class ForecastsZero(nn.Module):
@@ -53,7 +53,9 @@ class Frozen:
 
 def events(*series: list[float], labels: list[int] | None = None) -> EventBatch:
     items = [
-        SensorEvent(f"s{i}", 1000.0 + i, np.asarray(v, dtype=np.float32)[:, None], NO_LABEL if labels is None else labels[i])
+        SensorEvent(
+            f"s{i}", 1000.0 + i, np.asarray(v, dtype=np.float32)[:, None], NO_LABEL if labels is None else labels[i]
+        )
         for i, v in enumerate(series)
     ]
     return EventBatch.from_events(items, channels=1)
@@ -236,7 +238,12 @@ def fleet_events(fleet: SensorFleet, n: int, elapsed_s: float) -> EventBatch:
 def drift_run(detector: str, change_at: int | None, total: int, seed: int = 3) -> list[int]:
     """Scored-event counts at which drifts were detected; the serving model is the
     untrained (last-value) network, so the error level is the stream's own."""
-    cfg = SimulationConfig(seed=seed, drift="abrupt" if change_at is not None else "none", drift_at_s=(1.0,) if change_at else (), length_median=32)
+    cfg = SimulationConfig(
+        seed=seed,
+        drift="abrupt" if change_at is not None else "none",
+        drift_at_s=(1.0,) if change_at else (),
+        length_median=32,
+    )
     fleet = SensorFleet(cfg)
     serving = Frozen(SensorModel(1, d_model=16, n_heads=2, n_layers=1).eval(), RunningNorm.from_public([0.0], [2.0]))
     quality = QualityMonitor(QualityConfig(max_events_per_s=1e9, drift_detector=detector), Metrics(), lambda: serving)

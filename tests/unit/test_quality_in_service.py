@@ -16,10 +16,10 @@ from fastapi.testclient import TestClient
 
 from streamtrain.config import SettingsError, load_settings
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.model import SensorModel, predict
-from streamtrain.quality import EventScores
+from streamtrain.model.network import SensorModel, predict
+from streamtrain.quality.monitor import EventScores
+from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
-from streamtrain.service import Service
 
 ADMIN_TOKEN = "quality-admin-token"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -189,7 +189,9 @@ def test_kept_versions_and_quality_survive_a_checkpoint(service: Service, tmp_pa
     assert restored.published.step == trainer.step
     back = restored.trainer.rollback(first.version)
     values = [np.sin(np.arange(20, dtype=np.float32))[:, None]]
-    assert predict(back.model, back.norm, values, 512)[0].next == pytest.approx(predict(first.model, first.norm, values, 512)[0].next)
+    assert predict(back.model, back.norm, values, 512)[0].next == pytest.approx(
+        predict(first.model, first.norm, values, 512)[0].next
+    )
     report, before = restored.trainer.quality.report(first.version), trainer.quality.report(first.version)
     assert report["n"] == before["n"] and report["prequential_mse"] == pytest.approx(before["prequential_mse"])
     assert len(restored.trainer.quality.holdout) == len(trainer.quality.holdout)

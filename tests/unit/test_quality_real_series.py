@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _series import SERIES, sliding_windows  # noqa: E402
 from test_model import fit_on_windows, one_step_ratios  # noqa: E402
 
-from streamtrain.model import SensorModel  # noqa: E402
+from streamtrain.model.network import SensorModel  # noqa: E402
 
 
 def ratios(name: str, seed: int, steps: int = 200) -> np.ndarray:

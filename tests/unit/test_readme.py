@@ -38,11 +38,17 @@ def documented_default(field: str) -> str:
 
 def test_the_settings_table_is_every_setting_with_its_default() -> None:
     rows = {row[0].strip("`"): row for row in readme_table("Settings")}
-    assert set(rows) == {name.upper() for name in Settings.model_fields}, set(rows) ^ {n.upper() for n in Settings.model_fields}
+    assert set(rows) == {name.upper() for name in Settings.model_fields}, set(rows) ^ {
+        n.upper() for n in Settings.model_fields
+    }
     for name, field in Settings.model_fields.items():
         default, meaning = rows[name.upper()][1].strip("`"), rows[name.upper()][2]
-        assert default == documented_default(name), f"{name.upper()}: README says {default}, Settings says {documented_default(name)}"
-        assert meaning == field.description, f"{name.upper()}: the README's meaning differs from the setting's description"
+        assert default == documented_default(name), (
+            f"{name.upper()}: README says {default}, Settings says {documented_default(name)}"
+        )
+        assert meaning == field.description, (
+            f"{name.upper()}: the README's meaning differs from the setting's description"
+        )
 
 
 def exported_metrics() -> dict[str, str]:

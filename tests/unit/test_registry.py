@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from streamtrain.registry import ModelRegistry, UnknownVersion
+from streamtrain.training.registry import ModelRegistry, UnknownVersion
 
 
 @dataclass(frozen=True)

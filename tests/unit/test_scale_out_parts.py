@@ -20,16 +20,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from streamtrain import scale_out
-from streamtrain.config import load_settings
-from streamtrain.distributed import EXIT_COLLECTIVE_FAILURE, CollectiveFailure, Collectives, DistContext, capacity_share
-from streamtrain.metrics import Metrics
-from streamtrain.scale_out import EXIT_LOOP_FAILURE, LockstepLoop, join_trainer_state, split_trainer_state
-from streamtrain.train import Trainer
-from streamtrain.window import RecencyWindow
-
 from small_trainer import make_small_trainer
+
+from streamtrain.config import load_settings
+from streamtrain.distributed import lockstep as scale_out
+from streamtrain.distributed.launch import (
+    EXIT_COLLECTIVE_FAILURE,
+    CollectiveFailure,
+    Collectives,
+    DistContext,
+    capacity_share,
+)
+from streamtrain.distributed.lockstep import EXIT_LOOP_FAILURE, LockstepLoop, join_trainer_state, split_trainer_state
+from streamtrain.metrics import Metrics
+from streamtrain.training.trainer import Trainer
+from streamtrain.window import RecencyWindow
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,9 +115,14 @@ def test_the_loop_does_not_wait_for_a_window_that_is_still_filling() -> None:
 
 @pytest.mark.parametrize(
     ("error", "code"),
-    [(CollectiveFailure("rank 1 of 2: all_gather failed, a peer died"), EXIT_COLLECTIVE_FAILURE), (OSError("disk"), EXIT_LOOP_FAILURE)],
+    [
+        (CollectiveFailure("rank 1 of 2: all_gather failed, a peer died"), EXIT_COLLECTIVE_FAILURE),
+        (OSError("disk"), EXIT_LOOP_FAILURE),
+    ],
 )
-def test_an_error_in_the_loop_ends_the_process(monkeypatch: pytest.MonkeyPatch, error: BaseException, code: int) -> None:
+def test_an_error_in_the_loop_ends_the_process(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException, code: int
+) -> None:
     """A rank never resumes alone: the process leaves, non-zero, and the group restarts."""
     exits: list[tuple[str, int]] = []
     monkeypatch.setattr(scale_out, "exit_after_collective_failure", lambda err, code: exits.append((str(err), code)))
@@ -144,10 +154,16 @@ def test_trainer_state_splits_into_shared_and_rank_local() -> None:
 
 
 def test_a_rank_of_a_scaled_out_service_is_wired_for_its_share(tmp_path: Path) -> None:
-    from streamtrain.service import Service
+    from streamtrain.runtime.service import Service
 
     settings = load_settings(
-        checkpoint_dir=tmp_path, d_model=16, n_heads=2, n_layers=1, max_len=32, window_capacity=1001, min_window_items=10
+        checkpoint_dir=tmp_path,
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        max_len=32,
+        window_capacity=1001,
+        min_window_items=10,
     )
     ctx = DistContext(rank=1, world_size=3, master_addr="127.0.0.1", master_port=1)
     service = Service(settings, ctx)  # nothing started: no group, no consumer
@@ -163,7 +179,9 @@ def test_a_rank_of_a_scaled_out_service_is_wired_for_its_share(tmp_path: Path) -
     assert other.trainer.dataset.seed != service.trainer.dataset.seed, "each rank draws its own passes"
     assert b'streamtrain_rank_info{rank="1",world_size="3"} 1.0' in service.metrics.exposition()
     one = Service(settings)
-    assert not one.scaled_out and one.loop is None and one.window.capacity == 1001 and one.ingest.owned_partitions is None
+    assert (
+        not one.scaled_out and one.loop is None and one.window.capacity == 1001 and one.ingest.owned_partitions is None
+    )
     assert one.trainer.dataset.seed == settings.seed
     assert one.trainer.request_rollback is None and one.trainer.quality.combine is None
     assert b'streamtrain_rank_info{rank="0",world_size="1"} 1.0' in one.metrics.exposition()
@@ -173,7 +191,12 @@ def serve(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_") and k not in ("WORLD_SIZE", "RANK")}
     env.update(extra_env)
     return subprocess.run(
-        [sys.executable, "-m", "streamtrain.cli", "serve"], env=env, capture_output=True, text=True, timeout=180, cwd=REPO
+        [sys.executable, "-m", "streamtrain.cli", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
     )
 
 
@@ -202,7 +225,9 @@ def serve(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_a_launch_that_cannot_work_stops_in_one_line(env: dict[str, str], says: str, tmp_path: Path) -> None:
     done = serve({**env, "STREAMTRAIN_CHECKPOINT_DIR": str(tmp_path)})
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("streamtrain: ") and says in lines[0], done.stderr
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("streamtrain: ") and says in lines[0], (
+        done.stderr
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -214,7 +239,9 @@ def test_the_stager_hands_out_every_batch_once_in_order_staged_one_ahead() -> No
     from streamtrain.data.prefetch import Prefetcher, StagedBatch
 
     rng = np.random.default_rng(5)
-    batches = [collate([rng.normal(size=(int(rng.integers(2, 9)), 1)).astype(np.float32) for _ in range(3)]) for _ in range(12)]
+    batches = [
+        collate([rng.normal(size=(int(rng.integers(2, 9)), 1)).astype(np.float32) for _ in range(3)]) for _ in range(12)
+    ]
     stager = scale_out.DeviceStager(Prefetcher(iter(batches), depth=4), torch.device("cpu"), ahead=True)
     got: list[Any] = []
     deadline = time.monotonic() + 30
@@ -231,10 +258,13 @@ def test_the_stager_hands_out_every_batch_once_in_order_staged_one_ahead() -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine (torch.cuda.is_available() is False); runs on a GPU: scripts/gpu-check.sh")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device on this machine (torch.cuda.is_available() is False); runs on a GPU: scripts/gpu-check.sh",
+)
 def test_on_a_gpu_the_loop_stages_pinned_batches_ahead_and_trains_as_the_cpu() -> None:
     from streamtrain.data import collate
-    from streamtrain.parallel import DataParallelStep
+    from streamtrain.distributed.data_parallel import DataParallelStep
 
     trainer = make_trainer(device="cuda")
     loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
@@ -261,7 +291,7 @@ def test_on_a_gpu_the_loop_stages_pinned_batches_ahead_and_trains_as_the_cpu() -
 
 
 def test_the_loop_rolls_back_at_one_tick_and_publishes_nothing_then() -> None:
-    from streamtrain.distributed import RollbackRequest
+    from streamtrain.distributed.launch import RollbackRequest
 
     trainer = make_trainer()
     loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
@@ -367,10 +397,14 @@ def test_the_choice_on_summed_holdouts_is_the_choice_of_one_process_holding_the_
         for thread in threads:
             thread.join(60)
         expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: samples[0] + samples[1]))
-        assert json.dumps(got[0], sort_keys=True, default=float) == json.dumps(got[1], sort_keys=True, default=float)  # NaN alike
+        assert json.dumps(got[0], sort_keys=True, default=float) == json.dumps(
+            got[1], sort_keys=True, default=float
+        )  # NaN alike
         for key in ("publish", "reason", "holdout_events", "kind"):
             assert got[0][key] == expected[key], key
-        mses = [[math.nan if d[k] is None else d[k] for k in ("candidate_mse", "serving_mse")] for d in (got[0], expected)]
+        mses = [
+            [math.nan if d[k] is None else d[k] for k in ("candidate_mse", "serving_mse")] for d in (got[0], expected)
+        ]
         np.testing.assert_allclose(mses[0], mses[1], rtol=1e-6)  # float32 forwards, batched otherwise
         if 2 * events >= dist_worker.GATE.holdout_min_events and candidate is broken:
             assert not got[0]["publish"]
@@ -399,7 +433,9 @@ def test_the_monitor_gates_on_what_the_ranks_add_up() -> None:
 
 
 def test_a_drift_reaction_is_taken_once_by_the_loop() -> None:
-    trainer = Trainer(load_settings(drift_reaction="reset_optimizer", checkpoint_dir="unused"), RecencyWindow(10, math.inf), Metrics())
+    trainer = Trainer(
+        load_settings(drift_reaction="reset_optimizer", checkpoint_dir="unused"), RecencyWindow(10, math.inf), Metrics()
+    )
     assert trainer.take_optimizer_reset() is False
     trainer._on_drift(None)  # type: ignore[arg-type]
     assert trainer.take_optimizer_reset() is True and trainer.take_optimizer_reset() is False

@@ -24,11 +24,11 @@ import torch
 from fastapi.testclient import TestClient
 
 import streamtrain.serve.app as app_module
-from streamtrain.checkpoint import CheckpointStore, read_checkpoint
+from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
 from streamtrain.config import SettingsError, load_settings
+from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 from streamtrain.serve.batcher import PredictBatcher
-from streamtrain.service import Service
 
 torch.set_num_threads(1)
 
@@ -62,7 +62,15 @@ def admin_paths(app: Any) -> list[tuple[str, str]]:
 def test_every_admin_route_needs_the_bearer_token(client: TestClient) -> None:
     routes = admin_paths(client.app)
     assert ("POST", "/v1/admin/checkpoint") in routes
-    wrong = ["Bearer wrong", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", f"Basic {TOKEN}", TOKEN, "Bearer ", f"bearer{TOKEN}"]
+    wrong = [
+        "Bearer wrong",
+        f"Bearer {TOKEN}x",
+        f"Bearer {TOKEN[:-1]}",
+        f"Basic {TOKEN}",
+        TOKEN,
+        "Bearer ",
+        f"bearer{TOKEN}",
+    ]
     for method, path in routes:
         missing = client.request(method, path)
         assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
@@ -72,7 +80,9 @@ def test_every_admin_route_needs_the_bearer_token(client: TestClient) -> None:
             assert TOKEN not in answer.text
     ok = client.post("/v1/admin/checkpoint", headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200 and ok.json()["path"].endswith(".stck")
-    also_ok = client.post("/v1/admin/checkpoint", headers={"authorization": f"bearer {TOKEN}"})  # scheme is case-insensitive
+    also_ok = client.post(
+        "/v1/admin/checkpoint", headers={"authorization": f"bearer {TOKEN}"}
+    )  # scheme is case-insensitive
     assert also_ok.status_code == 200
 
 
@@ -115,7 +125,9 @@ def test_bodies_over_the_limit_answer_413_declared_or_streamed(client: TestClien
 
     streamed = client.post("/v1/predict", content=chunks(), headers={"content-type": "application/json"})
     assert streamed.status_code == 413
-    lying = client.post("/v1/predict", content=big, headers={"content-type": "application/json", "content-length": "10"})
+    lying = client.post(
+        "/v1/predict", content=big, headers={"content-type": "application/json", "content-length": "10"}
+    )
     assert lying.status_code in (400, 413, 422)  # never parsed past the declared length, never a 500
     admin = client.post("/v1/admin/checkpoint", content=big, headers={"Authorization": f"Bearer {TOKEN}"})
     assert admin.status_code == 413

@@ -20,11 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamtrain import sharded_checkpoint as sc
-from streamtrain.checkpoint import CheckpointStore, CorruptCheckpoint
-from streamtrain.distributed import Collectives, DistContext, Ownership, capacity_share
-from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.sharded_checkpoint import (
+from streamtrain.checkpoint import shards as sc
+from streamtrain.checkpoint.shards import (
     CheckpointMismatch,
     DistributedCheckpointer,
     ShardedCheckpointStore,
@@ -36,6 +33,9 @@ from streamtrain.sharded_checkpoint import (
     write_manifest,
     write_shard,
 )
+from streamtrain.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from streamtrain.distributed.launch import Collectives, DistContext, Ownership, capacity_share
+from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window import RecencyWindow
 
 TOPIC = "sensor-events"
@@ -63,7 +63,9 @@ class Topic:
             length = int(self.rng.integers(1, 12))
             self.clock += float(self.rng.exponential(2.0))
             values = self.rng.normal(size=(length, 1)).astype(np.float32)
-            self.events[p].append(SensorEvent(f"s{p}-{len(self.events[p])}", self.clock, values, int(self.rng.integers(-1, 3))))
+            self.events[p].append(
+                SensorEvent(f"s{p}-{len(self.events[p])}", self.clock, values, int(self.rng.integers(-1, 3)))
+            )
 
     def sent(self) -> set[tuple[int, int]]:
         return {(p, o) for p, events in enumerate(self.events) for o in range(len(events))}
@@ -76,7 +78,9 @@ class Cluster:
         self.world_size = world_size
         self.capacity = capacity
         self.windows = [
-            RecencyWindow(capacity_share(capacity, rank, world_size), half_life_s, rng=np.random.default_rng(seed + rank))
+            RecencyWindow(
+                capacity_share(capacity, rank, world_size), half_life_s, rng=np.random.default_rng(seed + rank)
+            )
             for rank in range(world_size)
         ]
 
@@ -98,7 +102,13 @@ class Cluster:
         directory = ShardedCheckpointStore(root).create_directory(step, 1000 + step)
         receipts = [
             write_shard(
-                directory, step=step, rank=rank, ownership=ownership, topic=topic, window_state=window.state_dict(), **shard_extra
+                directory,
+                step=step,
+                rank=rank,
+                ownership=ownership,
+                topic=topic,
+                window_state=window.state_dict(),
+                **shard_extra,
             )
             for rank, window in enumerate(self.windows)
         ]
@@ -114,7 +124,9 @@ class Cluster:
         manifest = read_manifest(directory)
         shares = []
         for rank, window in enumerate(cluster.windows):
-            share = restore_share(manifest, rank=rank, world_size=world_size, partition_count=partition_count, topic=TOPIC)
+            share = restore_share(
+                manifest, rank=rank, world_size=world_size, partition_count=partition_count, topic=TOPIC
+            )
             window.load_state_dict(share.window_state)
             shares.append(share)
         return cluster, shares
@@ -141,7 +153,9 @@ class Cluster:
             snap, state = window.snapshot(), window.state_dict()
             decay = 0.0 if math.isinf(window.half_life_s) else LN2 / window.half_life_s
             reference = state["reference_ts"] or 0.0
-            for p, o, key, ts in zip(snap.partitions.tolist(), snap.offsets.tolist(), snap.keys.tolist(), snap.ts.tolist()):
+            for p, o, key, ts in zip(
+                snap.partitions.tolist(), snap.offsets.tolist(), snap.keys.tolist(), snap.ts.tolist()
+            ):
                 draws[(p, o)] = key - decay * (ts - reference)
         return draws
 
@@ -306,7 +320,9 @@ def test_a_rank_cannot_save_partitions_it_does_not_own(tmp_path: Path) -> None:
     one = Cluster(1, 1000, math.inf)
     one.consume(topic)
     with pytest.raises(ValueError, match=r"partitions \[1\] that it does not own"):
-        write_shard(tmp_path, step=0, rank=0, ownership=Ownership(2, 2), topic=TOPIC, window_state=one.windows[0].state_dict())
+        write_shard(
+            tmp_path, step=0, rank=0, ownership=Ownership(2, 2), topic=TOPIC, window_state=one.windows[0].state_dict()
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -440,10 +456,14 @@ def _window(topic: Topic) -> RecencyWindow:
 
 
 def _save(checkpointer: DistributedCheckpointer, window: RecencyWindow, step: int) -> sc.SaveResult:
-    return checkpointer.save(step=step, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": step}})
+    return checkpointer.save(
+        step=step, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": step}}
+    )
 
 
-def test_prune_keeps_the_newest_complete_and_deletes_the_manifest_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prune_keeps_the_newest_complete_and_deletes_the_manifest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     topic = Topic(partitions=3)
     topic.produce(30)
     window = _window(topic)
@@ -486,7 +506,11 @@ def test_a_failed_write_seals_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     assert not (failed.path / "manifest.json").exists()
     monkeypatch.undo()
     vetoed = checkpointer.save(
-        step=2, partition_count=3, window_state=window.state_dict(), common_state={}, veto="dead letters not acknowledged"
+        step=2,
+        partition_count=3,
+        window_state=window.state_dict(),
+        common_state={},
+        veto="dead letters not acknowledged",
     )
     assert not vetoed.ok and "dead letters not acknowledged" in (vetoed.error or "")
     assert [m.step for m in store.manifests()] == [1]
@@ -523,10 +547,10 @@ def test_a_one_file_checkpoint_is_a_one_shard_checkpoint(tmp_path: Path) -> None
 
 
 def test_no_checkpoint_means_none(tmp_path: Path) -> None:
-    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path / "empty"), Collectives(DistContext()), topic=TOPIC)
+    checkpointer = DistributedCheckpointer(
+        ShardedCheckpointStore(tmp_path / "empty"), Collectives(DistContext()), topic=TOPIC
+    )
     assert checkpointer.restore(partition_count=3) is None
-
-
 
 
 def _mixed_directory(root: Path) -> tuple[Topic, RecencyWindow, CheckpointStore, DistributedCheckpointer]:
@@ -567,10 +591,13 @@ def test_restore_without_a_partition_count_takes_the_checkpoints(tmp_path: Path)
     cluster.consume(topic)
     directory = cluster.save(tmp_path, step=3, partition_count=3)
     shares = [
-        restore_share(read_manifest(directory), rank=r, world_size=3, partition_count=None, topic=TOPIC) for r in range(3)
+        restore_share(read_manifest(directory), rank=r, world_size=3, partition_count=None, topic=TOPIC)
+        for r in range(3)
     ]
     assert [s.owned_partitions for s in shares] == [[0], [1], [2]] and all(s.new_partitions == [] for s in shares)
-    assert sorted(p for s in shares for p in s.window_state["partitions"].tolist()) == sorted(p for p, _ in topic.sent())
+    assert sorted(p for s in shares for p in s.window_state["partitions"].tolist()) == sorted(
+        p for p, _ in topic.sent()
+    )
 
 
 def test_the_window_ledger_survives_an_unchanged_restore(tmp_path: Path) -> None:
@@ -584,7 +611,11 @@ def test_the_window_ledger_survives_an_unchanged_restore(tmp_path: Path) -> None
     assert share is not None
     again = RecencyWindow(10_000, math.inf)
     again.load_state_dict(share.window_state)
-    assert (again.seen_total, again.accepted_total, again.rejected_total) == (window.seen_total, window.accepted_total, window.rejected_total)
+    assert (again.seen_total, again.accepted_total, again.rejected_total) == (
+        window.seen_total,
+        window.accepted_total,
+        window.rejected_total,
+    )
 
 
 def test_the_partition_count_covers_what_the_window_holds(tmp_path: Path) -> None:
@@ -602,7 +633,9 @@ def test_export_reads_the_newest_shared_state_of_either_kind(tmp_path: Path) -> 
     _, window, legacy, checkpointer = _mixed_directory(tmp_path)
     assert sc.load_latest_common(tmp_path) is None
     legacy.save({"window": window.state_dict(), "trainer": {"step": 1}}, step=1)
-    assert checkpointer.save(step=2, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": 2}}).ok
+    assert checkpointer.save(
+        step=2, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": 2}}
+    ).ok
     loaded = sc.load_latest_common(tmp_path)
     assert loaded is not None and loaded.step == 2 and loaded.state == {"trainer": {"step": 2}}
     _damage_common(checkpointer.store.manifests()[0].directory)

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from kafka.errors import KafkaTimeoutError
 from hypothesis import strategies as st
+from kafka.errors import KafkaTimeoutError
 from scipy import stats
 
 from streamtrain.events import EventLimits, Rejection, SensorEvent, decode_event
-from streamtrain.simulate import (
+from streamtrain.tools.simulate import (
     MALFORMED_REASONS,
     SensorFleet,
     SimulationConfig,
@@ -80,11 +80,19 @@ def spec_violation(raw: bytes, cfg: SimulationConfig, now: float) -> str | None:
 
 
 def limits_of(cfg: SimulationConfig) -> EventLimits:
-    return EventLimits(max_len=cfg.max_len, channels=cfg.channels, n_classes=cfg.n_classes, max_message_bytes=cfg.max_message_bytes)
+    return EventLimits(
+        max_len=cfg.max_len, channels=cfg.channels, n_classes=cfg.n_classes, max_message_bytes=cfg.max_message_bytes
+    )
 
 
 def config(**overrides: Any) -> SimulationConfig:
-    base: dict[str, Any] = {"sensors": 8, "length_median": 24, "max_len": 96, "run_id": "test", "max_message_bytes": 64 << 10}
+    base: dict[str, Any] = {
+        "sensors": 8,
+        "length_median": 24,
+        "max_len": 96,
+        "run_id": "test",
+        "max_message_bytes": 64 << 10,
+    }
     return SimulationConfig(**(base | overrides))
 
 
@@ -103,9 +111,20 @@ def config(**overrides: Any) -> SimulationConfig:
     elapsed_s=st.floats(0.0, 10_000.0),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_unmalformed_events_are_all_valid(channels, n_classes, length_median, length_sigma, max_len, process, drift, elapsed_s, seed):
-    cfg = config(channels=channels, n_classes=n_classes, length_median=length_median, length_sigma=length_sigma,
-                 max_len=max_len, process=process, drift=drift, seed=seed, event_ids=True)
+def test_unmalformed_events_are_all_valid(
+    channels, n_classes, length_median, length_sigma, max_len, process, drift, elapsed_s, seed
+):
+    cfg = config(
+        channels=channels,
+        n_classes=n_classes,
+        length_median=length_median,
+        length_sigma=length_sigma,
+        max_len=max_len,
+        process=process,
+        drift=drift,
+        seed=seed,
+        event_ids=True,
+    )
     fleet = SensorFleet(cfg)
     messages = fleet.generate(40, now=NOW, elapsed_s=elapsed_s)
     for key, value, is_malformed in messages:
@@ -304,7 +323,7 @@ def test_run_simulation_sends_count_records_at_the_configured_rate(caplog):
     clock = FakeClock()
     producer = FakeProducer(clock)
     cfg = config(rate=200.0, count=1000, malformed_share=0.1, n_classes=2, progress_interval_s=1.0)
-    with caplog.at_level(logging.INFO, logger="streamtrain.simulate"):
+    with caplog.at_level(logging.INFO, logger="streamtrain.tools.simulate"):
         report = run_simulation(cfg, lambda c: producer, clock=clock, wall_clock=lambda: NOW, sleep=clock.sleep)
     assert report.sent == len(producer.records) == 1000
     assert producer.flushed and producer.closed
@@ -324,8 +343,13 @@ def test_run_simulation_sends_count_records_at_the_configured_rate(caplog):
 
 def test_run_simulation_stops_on_duration_and_on_stop_event():
     clock = FakeClock()
-    report = run_simulation(config(rate=100.0, duration_s=2.0), lambda c: FakeProducer(clock),
-                            clock=clock, wall_clock=lambda: NOW, sleep=clock.sleep)
+    report = run_simulation(
+        config(rate=100.0, duration_s=2.0),
+        lambda c: FakeProducer(clock),
+        clock=clock,
+        wall_clock=lambda: NOW,
+        sleep=clock.sleep,
+    )
     assert report.elapsed_s == pytest.approx(2.0, abs=0.11)
     assert 190 <= report.sent <= 310  # 2 s at 100/s plus the initial burst
 
@@ -370,7 +394,13 @@ def test_config_precedence_toml_then_env_then_flags(tmp_path: Path):
     )
     cfg = load_simulation_config(toml, environ={})
     assert (cfg.bootstrap, cfg.channels, cfg.rate, cfg.drift, cfg.drift_at_s, cfg.topic) == (
-        "shared:9092", 2, 7.5, "recurring", (1.0, 2.0), "from-file")
+        "shared:9092",
+        2,
+        7.5,
+        "recurring",
+        (1.0, 2.0),
+        "from-file",
+    )
     env = {"STREAMTRAIN_TOPIC": "from-env", "STREAMTRAIN_MAX_LEN": "64", "STREAMTRAIN_N_CLASSES": "3"}
     cfg = load_simulation_config(toml, environ=env)
     assert (cfg.topic, cfg.max_len, cfg.n_classes) == ("from-env", 64, 3)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from streamtrain.train import lower_thread_priority
+from streamtrain.training.trainer import lower_thread_priority
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux only")

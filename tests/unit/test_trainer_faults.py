@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from small_trainer import make_small_trainer
 
 from streamtrain.data.collate import Batch, collate
-from streamtrain.train import Trainer
-
-from small_trainer import make_small_trainer
+from streamtrain.training.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -136,7 +135,9 @@ def test_a_skipped_step_publishes_the_same_model() -> None:
     assert not trainer.train_step(batch).applied
     again = trainer.publish()
     assert again.step == published.step
-    assert all(torch.equal(a, b) for a, b in zip(published.model.state_dict().values(), again.model.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(published.model.state_dict().values(), again.model.state_dict().values())
+    )
 
 
 def test_a_skipped_step_leaves_the_normalization_unchanged() -> None:

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
-from streamtrain.checkpoint import CheckpointStore
+from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.config import Settings, load_settings
 from streamtrain.data.collate import Batch
 from streamtrain.data.prefetch import Prefetcher
 from streamtrain.data.randomness import derive_seed
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
-from streamtrain.train import Trainer
+from streamtrain.training.trainer import Trainer
 from streamtrain.window import RecencyWindow
 
 torch.set_num_threads(1)
@@ -48,7 +48,11 @@ def filled_window(events: int, seed: int = 0) -> RecencyWindow:
     window.insert_batch(
         EventBatch.from_events(
             [
-                SensorEvent(f"s{i % 5 if i % 3 else 0}", now - events + i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32))
+                SensorEvent(
+                    f"s{i % 5 if i % 3 else 0}",
+                    now - events + i,
+                    np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32),
+                )
                 for i, n in enumerate(rng.integers(4, 40, events))
             ]
         )
@@ -73,7 +77,8 @@ def train(trainer: Trainer, batches: Prefetcher[Batch], steps: int) -> list[Batc
 
 def same_batches(a: list[Batch], b: list[Batch]) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x.ts, y.ts) and torch.equal(x.values, y.values) and torch.equal(x.mask, y.mask) for x, y in zip(a, b)
+        torch.equal(x.ts, y.ts) and torch.equal(x.values, y.values) and torch.equal(x.mask, y.mask)
+        for x, y in zip(a, b)
     )
 
 

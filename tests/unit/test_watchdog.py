@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamtrain.watchdog import ConsumerProbe, IngestWatchdog
+from streamtrain.ingest.watchdog import ConsumerProbe, IngestWatchdog
 
 
 class Clock:
@@ -62,7 +62,10 @@ def test_a_stable_member_without_partitions_is_idle_not_stalled() -> None:
     dog = IngestWatchdog(10, clock=clock)
     assert run(dog, clock, probe(assigned=frozenset(), fetchable=frozenset(), positions={}), 60) is None
     # and without group management (partitions assigned by hand), owning none is idle too
-    assert run(dog, clock, probe(group_state=None, heartbeat_age_s=None, assigned=frozenset(), fetchable=frozenset()), 60) is None
+    assert (
+        run(dog, clock, probe(group_state=None, heartbeat_age_s=None, assigned=frozenset(), fetchable=frozenset()), 60)
+        is None
+    )
 
 
 def test_assigned_but_nothing_fetchable_is_unassigned() -> None:
@@ -114,7 +117,10 @@ def test_nothing_is_judged_while_no_broker_is_reachable() -> None:
     dog = IngestWatchdog(10, clock=clock)
     stuck = probe(group_state="unjoined", assigned=frozenset(), fetchable=frozenset())
     run(dog, clock, stuck, 9)
-    assert run(dog, clock, probe(connected=False, group_state="unjoined", assigned=frozenset(), fetchable=frozenset()), 60) is None
+    assert (
+        run(dog, clock, probe(connected=False, group_state="unjoined", assigned=frozenset(), fetchable=frozenset()), 60)
+        is None
+    )
     stall = run(dog, clock, stuck, 5)  # the clock starts again once connected
     assert stall is not None and not dog.overdue(stall)
 
@@ -137,7 +143,9 @@ def test_timeout_must_be_positive() -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(
-        st.tuples(st.floats(0.05, 3.0), st.integers(1, 500), st.booleans(), st.integers(0, 2000)), min_size=1, max_size=60
+        st.tuples(st.floats(0.05, 3.0), st.integers(1, 500), st.booleans(), st.integers(0, 2000)),
+        min_size=1,
+        max_size=60,
     )
 )
 def test_a_consumer_that_reads_at_every_probe_is_never_overdue(steps: list[tuple[float, int, bool, int]]) -> None:
@@ -150,7 +158,9 @@ def test_a_consumer_that_reads_at_every_probe_is_never_overdue(steps: list[tuple
         clock.now += dt
         position += advance
         ends = {0: position + ahead} if probe_ends else None
-        stall = dog.observe(probe(assigned=frozenset({0}), fetchable=frozenset({0}), positions={0: position}, log_ends=ends))
+        stall = dog.observe(
+            probe(assigned=frozenset({0}), fetchable=frozenset({0}), positions={0: position}, log_ends=ends)
+        )
         assert not dog.overdue(stall)
 
 

@@ -17,8 +17,12 @@ def make_batch(start: int, n: int, *, ts: np.ndarray | None = None, rng=None, ch
     rng = rng or np.random.default_rng(start)
     lengths = rng.integers(1, 6, n)
     events = [
-        SensorEvent(f"s{(start + i) % 7}", float(start + i if ts is None else ts[i]),
-                    np.full((lengths[i], channels), start + i, np.float32), (start + i) % 3)
+        SensorEvent(
+            f"s{(start + i) % 7}",
+            float(start + i if ts is None else ts[i]),
+            np.full((lengths[i], channels), start + i, np.float32),
+            (start + i) % 3,
+        )
         for i in range(n)
     ]
     return EventBatch.from_events(events, partitions=np.zeros(n), offsets=np.arange(start, start + n))
@@ -33,10 +37,13 @@ def feed(window: RecencyWindow, total: int, batch: int) -> None:
 def expected_top_keys(seed: int, total: int, batch: int, capacity: int, half_life: float) -> set[int]:
     rng = np.random.default_rng(seed)
     decay = 0.0 if math.isinf(half_life) else math.log(2) / half_life
-    keys = np.concatenate([
-        decay * (np.arange(s, min(s + batch, total), dtype=float) - 0.0) - np.log(rng.standard_exponential(min(batch, total - s)))
-        for s in range(0, total, batch)
-    ])
+    keys = np.concatenate(
+        [
+            decay * (np.arange(s, min(s + batch, total), dtype=float) - 0.0)
+            - np.log(rng.standard_exponential(min(batch, total - s)))
+            for s in range(0, total, batch)
+        ]
+    )
     return set(np.argsort(keys)[-capacity:].tolist())
 
 
@@ -115,7 +122,9 @@ def test_weighted_inclusion_by_age_matches_exact_successive_sampling() -> None:
     ours_stats = statistics(ours)
 
     def z_scores(rate: float, seed: int) -> np.ndarray:
-        reference = statistics(age[successive_sampling(np.exp(-rate * age), capacity, 6000, np.random.default_rng(seed))])
+        reference = statistics(
+            age[successive_sampling(np.exp(-rate * age), capacity, 6000, np.random.default_rng(seed))]
+        )
         se = np.sqrt(ours_stats.var(axis=0, ddof=1) / trials + reference.var(axis=0, ddof=1) / len(reference))
         return (ours_stats.mean(axis=0) - reference.mean(axis=0)) / se
 
@@ -139,7 +148,9 @@ def test_state_dict_round_trip_is_exact() -> None:
     order_a, order_b = np.argsort(a.offsets), np.argsort(b.offsets)
     for name in ("offsets", "keys", "ts", "labels", "lengths", "partitions"):
         assert np.array_equal(getattr(a, name)[order_a], getattr(b, name)[order_b]), name
-    assert [x.tolist() for x in np.array(a.values, dtype=object)[order_a]] == [x.tolist() for x in np.array(b.values, dtype=object)[order_b]]
+    assert [x.tolist() for x in np.array(a.values, dtype=object)[order_a]] == [
+        x.tolist() for x in np.array(b.values, dtype=object)[order_b]
+    ]
     assert b.next_offsets == {0: 2000, 1: 7}
     assert restored.accepted_total == window.accepted_total and restored.evicted_total == window.evicted_total
     # the restored window continues identically (same RNG state)
@@ -178,7 +189,9 @@ def test_with_max_age_an_expired_winner_leaves_a_hole_only_newer_events_fill() -
 
     def window_of_one() -> RecencyWindow:
         # the winner (E = 0.01, key 4.6) is older than the two it beats (keys 0 and -0.69) and the late one
-        return RecencyWindow(1, math.inf, max_age_s=50, slack=10, clock=lambda: now[0], rng=ScriptedDraws([0.01, 1.0, 2.0, 1.0]))
+        return RecencyWindow(
+            1, math.inf, max_age_s=50, slack=10, clock=lambda: now[0], rng=ScriptedDraws([0.01, 1.0, 2.0, 1.0])
+        )
 
     # read while the winner is young: that cut pushes the two fresh events out for good
     read_between = window_of_one()

@@ -77,9 +77,7 @@ class TokenBudget:
         require_int(self.max_tokens, "TokenBudget.max_tokens", 1)
         require_int(self.max_sequences, "TokenBudget.max_sequences", 1, optional=True)
         require_int(self.pad_to_multiple_of, "TokenBudget.pad_to_multiple_of", 1)
-        if self.quadratic_length is not None and not (
-            np.isfinite(self.quadratic_length) and self.quadratic_length > 0
-        ):
+        if self.quadratic_length is not None and not (np.isfinite(self.quadratic_length) and self.quadratic_length > 0):
             raise ValueError(
                 f"TokenBudget.quadratic_length must be None or a positive finite number, got {self.quadratic_length!r}"
             )
@@ -438,9 +436,7 @@ def label_sequence(counts: ArrayLike) -> np.ndarray:
     return present[cls[np.asarray(jobs, dtype=np.int64)]]
 
 
-def _stratified_pool_order(
-    codes: np.ndarray, padded: np.ndarray, n_pools: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _stratified_pool_order(codes: np.ndarray, padded: np.ndarray, n_pools: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions (of the permuted items) in stratified order, and the pools' sizes.
 
     The pass's slots get classes by :func:`label_sequence`; consecutive runs of slots

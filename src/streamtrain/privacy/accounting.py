@@ -62,7 +62,9 @@ def grid_points(steps: int, points: int = DEFAULT_GRID_POINTS) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _subsampled_gaussian(noise_multiplier: float, rate: float, relation: NeighboringRelation, discretization: float) -> Any:
+def _subsampled_gaussian(
+    noise_multiplier: float, rate: float, relation: NeighboringRelation, discretization: float
+) -> Any:
     return pld_lib.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         sensitivity=1.0,
@@ -154,7 +156,12 @@ class PerEventAccountant:
         self.delta = float(delta)
         self.discretization = float(discretization)
         grid, epsilons = _epsilon_table(
-            self.noise_multiplier, tuple(schedule.tolist()), self.delta, self.discretization, max_rate_levels, grid_points
+            self.noise_multiplier,
+            tuple(schedule.tolist()),
+            self.delta,
+            self.discretization,
+            max_rate_levels,
+            grid_points,
         )
         self.grid = np.asarray(grid, dtype=np.int64)
         self.epsilons = np.asarray(epsilons, dtype=np.float64)
@@ -257,7 +264,11 @@ class SensorLifetimeAccountant:
         self.record = record
         self.delta = record.delta
         groups, grid, epsilons = _lifetime_table(
-            record.noise_multiplier, tuple(record.schedule.tolist()), record.delta, float(target_epsilon), max_groups,
+            record.noise_multiplier,
+            tuple(record.schedule.tolist()),
+            record.delta,
+            float(target_epsilon),
+            max_groups,
             record.discretization,
         )
         self.max_groups = int(groups)

@@ -54,23 +54,46 @@ class DPConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    noise_multiplier: float = Field(_default("noise_multiplier"), description="σ: noise std as a multiple of the clip norm")
-    clip_norm: float = Field(_default("clip_norm"), description="C: each example's whole gradient is clipped to this L2 norm")
+    noise_multiplier: float = Field(
+        _default("noise_multiplier"), description="σ: noise std as a multiple of the clip norm"
+    )
+    clip_norm: float = Field(
+        _default("clip_norm"), description="C: each example's whole gradient is clipped to this L2 norm"
+    )
     q0: float = Field(_default("q0"), description="Sampling probability of an eligible event of age 0")
-    half_life_steps: float = Field(_default("half_life_steps"), description="q_j = q0 * 2**(-j / half_life_steps); inf = constant")
-    eligible_steps: int = Field(_default("eligible_steps"), description="K: steps an admitted event stays eligible, then removed")
-    admit_per_step: int = Field(_default("admit_per_step"), description="R: at most this many arrivals admitted per clock step")
+    half_life_steps: float = Field(
+        _default("half_life_steps"), description="q_j = q0 * 2**(-j / half_life_steps); inf = constant"
+    )
+    eligible_steps: int = Field(
+        _default("eligible_steps"), description="K: steps an admitted event stays eligible, then removed"
+    )
+    admit_per_step: int = Field(
+        _default("admit_per_step"), description="R: at most this many arrivals admitted per clock step"
+    )
     step_rate_hz: float = Field(_default("step_rate_hz"), description="The public clock: DP steps per second")
     delta: float = Field(_default("delta"), description="δ of the per-event (ε, δ) guarantee")
-    target_epsilon: float = Field(_default("target_epsilon"), description="Start-up refuses a schedule whose per-event ε exceeds this")
-    expected_batch_size: float | None = Field(
-        _default("expected_batch_size"), description="Public divisor of the noisy sum; default sum_j R * q_j (full window)"
+    target_epsilon: float = Field(
+        _default("target_epsilon"), description="Start-up refuses a schedule whose per-event ε exceeds this"
     )
-    unit: str = Field(_default("unit"), description="The privacy unit: 'event' (one event) or 'sensor' (all of a sensor's events)")
-    sensor_events: int = Field(_default("sensor_events"), description="b: sensor unit, most events of one sensor in the window")
-    expected_units: float = Field(_default("expected_units"), description="Privacy units the deployment will admit over its life (for δ)")
-    norm_mean: tuple[float, ...] | None = Field(_default("norm_mean"), description="Public input mean per channel (default 0)")
-    norm_std: tuple[float, ...] | None = Field(_default("norm_std"), description="Public input std per channel (default 1)")
+    expected_batch_size: float | None = Field(
+        _default("expected_batch_size"),
+        description="Public divisor of the noisy sum; default sum_j R * q_j (full window)",
+    )
+    unit: str = Field(
+        _default("unit"), description="The privacy unit: 'event' (one event) or 'sensor' (all of a sensor's events)"
+    )
+    sensor_events: int = Field(
+        _default("sensor_events"), description="b: sensor unit, most events of one sensor in the window"
+    )
+    expected_units: float = Field(
+        _default("expected_units"), description="Privacy units the deployment will admit over its life (for δ)"
+    )
+    norm_mean: tuple[float, ...] | None = Field(
+        _default("norm_mean"), description="Public input mean per channel (default 0)"
+    )
+    norm_std: tuple[float, ...] | None = Field(
+        _default("norm_std"), description="Public input std per channel (default 1)"
+    )
 
     @field_validator("half_life_steps", mode="before")
     @classmethod

@@ -37,7 +37,7 @@ from streamtrain.data.bucketing import TokenBudget, plan_batches
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import CryptoRandomness, Randomness
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.model import RunningNorm
+from streamtrain.model.network import RunningNorm
 from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant
 from streamtrain.privacy.admissions import AdmissionRecord, RecordState
 from streamtrain.privacy.config import DPConfig, DPConfigError
@@ -125,9 +125,7 @@ class DPEngine:
         self.randomness = randomness if randomness is not None else CryptoRandomness()
         self.norm = norm if norm is not None else public_norm(config, int(getattr(model, "channels", 1)))
         # Refuses seeded randomness, unsafe settings, unsafe models and a missed target ε.
-        self.accountant: PerEventAccountant = check_dp_safety(
-            config, self.randomness.mode, model, input_norm=self.norm
-        )
+        self.accountant: PerEventAccountant = check_dp_safety(config, self.randomness.mode, model, input_norm=self.norm)
         self.lifetime: SensorLifetimeAccountant | None = (
             SensorLifetimeAccountant(self.accountant, config.target_epsilon) if config.unit == "sensor" else None
         )
@@ -257,7 +255,9 @@ class DPEngine:
             batches.append(np.concatenate(current))
         return batches
 
-    def noisy_step(self, values: Sequence[np.ndarray], labels: np.ndarray, groups: np.ndarray | None = None) -> DPAggregates:
+    def noisy_step(
+        self, values: Sequence[np.ndarray], labels: np.ndarray, groups: np.ndarray | None = None
+    ) -> DPAggregates:
         """One DP-SGD update on an already sampled logical batch (may be empty).
 
         Token-budget micro-batches, clipped per-record vectors on the integer grid summed

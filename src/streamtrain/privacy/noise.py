@@ -26,8 +26,8 @@ exact rational γ.
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np

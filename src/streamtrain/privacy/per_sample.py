@@ -27,13 +27,15 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamtrain.model import ModelOutput, total_loss
+from streamtrain.model.network import ModelOutput, total_loss
 from streamtrain.privacy.noise import GRID
 
 PerSampleLoss = Callable[[ModelOutput, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def sensor_per_sample_loss(output: ModelOutput, x_norm: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def sensor_per_sample_loss(
+    output: ModelOutput, x_norm: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """[B] per-example loss of a SensorModel: forecast MSE (+ cross-entropy when labelled)."""
     return total_loss(output, x_norm, mask, labels, reduction="per_sample")
 
@@ -56,7 +58,9 @@ class PerSampleGradients:
         self.loss_fn = loss_fn
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
 
-        def loss_of_one(params: dict, frozen: dict, x: torch.Tensor, mask: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        def loss_of_one(
+            params: dict, frozen: dict, x: torch.Tensor, mask: torch.Tensor, label: torch.Tensor
+        ) -> torch.Tensor:
             output = functional_call(self.model, {**frozen, **params}, (x[None], mask[None]))
             return self.loss_fn(output, x[None], mask[None], label[None])[0]
 
@@ -92,7 +96,10 @@ class PerSampleGradients:
         finite = torch.isfinite(norms)
         factors = torch.where(finite, clip_factors(norms, self.clip_norm), torch.zeros_like(norms))
         if not bool(finite.all()):
-            grads = {name: torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g)) for name, g in grads.items()}
+            grads = {
+                name: torch.where(finite.view(-1, *([1] * (g.dim() - 1))), g, torch.zeros_like(g))
+                for name, g in grads.items()
+            }
         summed = {name: torch.einsum("b,b...->...", factors, g) for name, g in grads.items()}
         return summed, norms
 
@@ -124,10 +131,14 @@ class PerSampleGradients:
             flat = torch.zeros(count, flat.shape[1], dtype=flat.dtype).index_add_(0, groups.to(torch.int64), flat)
         norms = torch.linalg.vector_norm(flat, dim=1).double()  # float32: a norm past 1e38 counts as non-finite
         finite = torch.isfinite(norms)
-        scale = torch.where(finite, clip_factors(norms, self.clip_norm), torch.zeros_like(norms)) * (grid / self.clip_norm)
+        scale = torch.where(finite, clip_factors(norms, self.clip_norm), torch.zeros_like(norms)) * (
+            grid / self.clip_norm
+        )
         if not bool(finite.all()):
             flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype))
-        scaled = flat.mul_(scale.to(flat.dtype)[:, None]) if flat.is_contiguous() else flat * scale.to(flat.dtype)[:, None]
+        scaled = (
+            flat.mul_(scale.to(flat.dtype)[:, None]) if flat.is_contiguous() else flat * scale.to(flat.dtype)[:, None]
+        )
         # Integers of magnitude <= 2^16 (1 + 2^-20): exact in float32 and, with their squares and
         # every partial sum below 2^53, in float64 — so the checks and the sum below are exact.
         wide = torch.trunc(scaled).double()

@@ -28,7 +28,9 @@ class PoissonSampler:
         """Indices of the included events (int64, ascending) for events of the given ages."""
         ages = np.asarray(ages, dtype=np.int64)
         if ages.size and (ages.min() < 0 or ages.max() >= self.schedule.size):
-            raise ValueError(f"PoissonSampler: ages must be in [0, {self.schedule.size}), got {ages.min()}..{ages.max()}")
+            raise ValueError(
+                f"PoissonSampler: ages must be in [0, {self.schedule.size}), got {ages.min()}..{ages.max()}"
+            )
         return np.flatnonzero(self.randomness.bernoulli(self.schedule[ages]))
 
     def sample_records(self, ages: np.ndarray, records: np.ndarray) -> np.ndarray:

@@ -51,11 +51,20 @@ def check_ranges(config: DPConfig) -> None:
     if not (math.isfinite(config.q0) and 0.0 < config.q0 <= 1.0):
         raise _range_error("q0", config.q0, "the sampling probability q0 must be in (0, 1]", "set e.g. 0.05")
     if not (config.half_life_steps > 0):  # inf allowed
-        raise _range_error("half_life_steps", config.half_life_steps, "the half-life must be > 0 steps", "use inf for constant q")
+        raise _range_error(
+            "half_life_steps", config.half_life_steps, "the half-life must be > 0 steps", "use inf for constant q"
+        )
     if not 1 <= config.eligible_steps <= 1_000_000:
-        raise _range_error("eligible_steps", config.eligible_steps, "K must be in [1, 1000000]", "set the steps an event stays eligible")
+        raise _range_error(
+            "eligible_steps",
+            config.eligible_steps,
+            "K must be in [1, 1000000]",
+            "set the steps an event stays eligible",
+        )
     if not 1 <= config.admit_per_step <= 1_000_000:
-        raise _range_error("admit_per_step", config.admit_per_step, "R must be in [1, 1000000]", "set the admissions per step")
+        raise _range_error(
+            "admit_per_step", config.admit_per_step, "R must be in [1, 1000000]", "set the admissions per step"
+        )
     window_events = config.admit_per_step * config.eligible_steps
     if window_events > MAX_WINDOW_EVENTS:
         raise _range_error(
@@ -64,7 +73,9 @@ def check_ranges(config: DPConfig) -> None:
             "lower STREAMTRAIN_DP_ADMIT_PER_STEP or STREAMTRAIN_DP_ELIGIBLE_STEPS",
         )  # fmt: skip
     if not (math.isfinite(config.step_rate_hz) and 0 < config.step_rate_hz <= MAX_STEP_RATE_HZ):
-        raise _range_error("step_rate_hz", config.step_rate_hz, f"the step rate must be in (0, {MAX_STEP_RATE_HZ:g}] Hz", "set e.g. 2")
+        raise _range_error(
+            "step_rate_hz", config.step_rate_hz, f"the step rate must be in (0, {MAX_STEP_RATE_HZ:g}] Hz", "set e.g. 2"
+        )
     if config.unit not in UNITS:
         raise _range_error("unit", config.unit, f"the privacy unit must be one of {UNITS}", "set event or sensor")
     if not 1 <= config.sensor_events <= MAX_SENSOR_EVENTS:
@@ -142,7 +153,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _trace(model: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+def _trace(
+    model: nn.Module, x: torch.Tensor, mask: torch.Tensor
+) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
     """One forward: every tensor entering or leaving a submodule, in the order they appear
     (labelled), and the model's outputs.
 
@@ -249,7 +262,9 @@ def check_model_probe(model: nn.Module) -> None:
         model.train(was_training)
     for name, gradient in gradients.items():
         if not bool(torch.isfinite(gradient).all()):
-            raise DPConfigError(f"parameter '{name}' gets a non-finite per-sample gradient on a probe batch; fix the model")
+            raise DPConfigError(
+                f"parameter '{name}' gets a non-finite per-sample gradient on a probe batch; fix the model"
+            )
 
 
 def check_dp_safety(

@@ -202,7 +202,9 @@ class DPWindow:
 
     # -- ingest side ------------------------------------------------------------------------
 
-    def admit(self, events: EventBatch | Sequence[SensorEvent], step: int, next_offsets: Mapping[int, int] | None = None) -> int:
+    def admit(
+        self, events: EventBatch | Sequence[SensorEvent], step: int, next_offsets: Mapping[int, int] | None = None
+    ) -> int:
         """Offer ``events`` as arrivals of clock ``step``; returns the step they were assigned.
 
         An arrival for a step whose admission was already decided goes to the next open one.
@@ -251,7 +253,9 @@ class DPWindow:
         values = np.array(batch.values[starts[j] : starts[j] + batch.lengths[j]], dtype=np.float32)
         return _Item(key, values, int(batch.labels[j]), int(batch.partitions[j]), int(batch.offsets[j]))
 
-    def _offer_events(self, pending: _Pending, batch: EventBatch, keep: np.ndarray, keys: np.ndarray, starts: np.ndarray) -> None:
+    def _offer_events(
+        self, pending: _Pending, batch: EventBatch, keep: np.ndarray, keys: np.ndarray, starts: np.ndarray
+    ) -> None:
         """Keep the R smallest keys among the step's arrivals so far (a bottom-R sample)."""
         old = list(pending.records.items())
         all_keys = np.concatenate([np.asarray([k for k, _ in old], dtype=np.uint64), keys])
@@ -303,7 +307,9 @@ class DPWindow:
         """Decide step ``step``'s admissions, drop records that have been eligible K steps."""
         with self._lock:
             if step != self.closed_step + 1:
-                raise ValueError(f"DPWindow.close_step: steps close in order; expected {self.closed_step + 1}, got {step}")
+                raise ValueError(
+                    f"DPWindow.close_step: steps close in order; expected {self.closed_step + 1}, got {step}"
+                )
             pending = self._pending.pop(step, None) or _Pending()
             admitted_items: list[list[_Item]]
             candidates: dict[int, list[str]] = {}
@@ -318,7 +324,9 @@ class DPWindow:
                         self.ledger[sensor] = (count + 1, step)
                         candidates.setdefault(items[0].partition, []).append(sensor)
                 eligible.sort(key=lambda entry: entry[0])
-                admitted_items = [sorted(items, key=lambda item: item.key) for _, _, items in eligible[: self.admit_per_step]]
+                admitted_items = [
+                    sorted(items, key=lambda item: item.key) for _, _, items in eligible[: self.admit_per_step]
+                ]
             admitted: dict[int, list[int]] = {}
             if admitted_items:
                 flat = [item for record in admitted_items for item in record]
@@ -423,7 +431,8 @@ class DPWindow:
             for pending in self._pending.values():
                 pending.records = {k: r for k, r in pending.records.items() if r[0].partition not in gone}
                 pending.groups = {
-                    s: (key, [i for i in items if i.partition not in gone]) for s, (key, items) in pending.groups.items()
+                    s: (key, [i for i in items if i.partition not in gone])
+                    for s, (key, items) in pending.groups.items()
                 }
                 for partition in gone:
                     pending.watermarks.pop(partition, None)
@@ -462,11 +471,14 @@ class DPWindow:
             for partition, mark in watermarks.items():
                 self.watermarks[int(partition)] = max(self.watermarks.get(int(partition), 0), int(mark))
             for pending in self._pending.values():
+
                 def undecided(item: _Item) -> bool:
                     return item.offset < 0 or item.offset >= self.watermarks.get(item.partition, 0)
 
                 pending.records = {k: r for k, r in pending.records.items() if undecided(r[0])}
-                pending.groups = {s: (key, [i for i in items if undecided(i)]) for s, (key, items) in pending.groups.items()}
+                pending.groups = {
+                    s: (key, [i for i in items if undecided(i)]) for s, (key, items) in pending.groups.items()
+                }
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -491,7 +503,9 @@ class DPWindow:
         lengths = np.asarray(packed["lengths"], dtype=np.int64)
         flat = np.asarray(packed["values"], dtype=np.float32)
         values = np.split(flat, np.cumsum(lengths)[:-1]) if lengths.size else []
-        columns = [np.asarray(packed[name]).tolist() for name in ("steps", "groups", "keys", "labels", "partitions", "offsets")]
+        columns = [
+            np.asarray(packed[name]).tolist() for name in ("steps", "groups", "keys", "labels", "partitions", "offsets")
+        ]
         return [
             (int(s), int(g), _Item(int(k), np.array(v, dtype=np.float32), int(label), int(p), int(o)))
             for s, g, k, label, p, o, v in zip(*columns, values, strict=True)
@@ -527,7 +541,9 @@ class DPWindow:
                 "pending_sensors": sensors,
                 "pending_group_keys": np.asarray([k for _, _, k in group_keys], dtype=np.uint64),
                 "pending_arrivals": {str(s): p.arrivals for s, p in self._pending.items()},
-                "pending_watermarks": {str(s): {str(k): v for k, v in p.watermarks.items()} for s, p in self._pending.items()},
+                "pending_watermarks": {
+                    str(s): {str(k): v for k, v in p.watermarks.items()} for s, p in self._pending.items()
+                },
                 "next_offsets": {str(p): o for p, o in self.next_offsets.items()},
                 "watermarks": {str(p): o for p, o in self.watermarks.items()},
                 "ledger_sensors": list(self.ledger),
@@ -573,13 +589,23 @@ class DPWindow:
             for s, arrivals in dict(state["pending_arrivals"]).items():
                 self._pending.setdefault(int(s), _Pending()).arrivals = int(arrivals)
             for s, marks in dict(state.get("pending_watermarks", {})).items():
-                self._pending.setdefault(int(s), _Pending()).watermarks = {int(p): int(o) for p, o in dict(marks).items()}
+                self._pending.setdefault(int(s), _Pending()).watermarks = {
+                    int(p): int(o) for p, o in dict(marks).items()
+                }
             self.closed_step = int(state["closed_step"])
             first = int(state["first_admit_step"])
             self.first_admit_step = None if first < 0 else first
-            self.arrived_total, self.admitted_total, self.expired_total = (int(c) for c in np.asarray(state["counters"]))
+            self.arrived_total, self.admitted_total, self.expired_total = (
+                int(c) for c in np.asarray(state["counters"])
+            )
             self.next_offsets = {int(p): int(o) for p, o in dict(state["next_offsets"]).items()}
             self.watermarks = {int(p): int(o) for p, o in dict(state.get("watermarks", {})).items()}
             ledger = np.asarray(state.get("ledger", np.zeros((0, 2), np.int64)), dtype=np.int64).reshape(-1, 2)
-            self.ledger = {str(s): (int(c), int(t)) for s, (c, t) in zip(state.get("ledger_sensors", []), ledger.tolist(), strict=True)}
-            self.gaps = [(int(lo), int(hi)) for lo, hi in np.asarray(state.get("gaps", np.zeros((0, 2))), dtype=np.int64).reshape(-1, 2).tolist()]
+            self.ledger = {
+                str(s): (int(c), int(t))
+                for s, (c, t) in zip(state.get("ledger_sensors", []), ledger.tolist(), strict=True)
+            }
+            self.gaps = [
+                (int(lo), int(hi))
+                for lo, hi in np.asarray(state.get("gaps", np.zeros((0, 2))), dtype=np.int64).reshape(-1, 2).tolist()
+            ]

@@ -26,11 +26,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
-from streamtrain.export import encode_bundle
-from streamtrain.model import PredictionArrays, predict_arrays
-from streamtrain.registry import UnknownVersion
-from streamtrain.serve import oip
 from streamtrain.metrics import INGEST_RESTART_REASONS
+from streamtrain.model.network import PredictionArrays, predict_arrays
+from streamtrain.runtime.service import RollbackNotTaken, Service
+from streamtrain.serve import oip
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     CheckpointResult,
@@ -44,7 +43,8 @@ from streamtrain.serve.schemas import (
     RollbackResult,
     WindowReport,
 )
-from streamtrain.service import RollbackNotTaken, Service
+from streamtrain.tools.export import encode_bundle
+from streamtrain.training.registry import UnknownVersion
 
 
 def get_service(request: Request) -> Service:
@@ -96,7 +96,9 @@ def window_report(service: ServiceDep) -> WindowReport:
         length=None if stats.length is None else stats.length.__dict__,
         next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
         last_record_age_s=service.ingest.last_record_age_s,
-        ingest_restarts_total={reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS},
+        ingest_restarts_total={
+            reason: int(service.ingest.restarts.get(reason, 0)) for reason in INGEST_RESTART_REASONS
+        },
         dead_letters_pending=service.ingest.dead_letters.pending,
         partitions=sorted(service.ingest.assigned),
     )
@@ -239,8 +241,12 @@ def require_admin(request: Request) -> None:
         raise HTTPException(status_code=403, detail="admin token not accepted")
 
 
-@admin.post("/checkpoint", response_model=CheckpointResult, dependencies=[Depends(require_admin)],
-            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+@admin.post(
+    "/checkpoint",
+    response_model=CheckpointResult,
+    dependencies=[Depends(require_admin)],
+    responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 503: {"model": ErrorOut}},
+)
 def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
     """Write a checkpoint now."""
     path = service.checkpoint()
@@ -274,9 +280,18 @@ def admin_model(version: str, service: ServiceDep) -> Response:
     )
 
 
-@admin.post("/rollback", response_model=RollbackResult, dependencies=[Depends(require_admin)],
-            responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut},
-                       503: {"model": ErrorOut}})
+@admin.post(
+    "/rollback",
+    response_model=RollbackResult,
+    dependencies=[Depends(require_admin)],
+    responses={
+        401: {"model": ErrorOut},
+        403: {"model": ErrorOut},
+        404: {"model": ErrorOut},
+        422: {"model": ErrorOut},
+        503: {"model": ErrorOut},
+    },
+)
 def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult:
     """Make a kept earlier version serve again; training continues from its weights.
 
@@ -286,21 +301,30 @@ def admin_rollback(body: RollbackRequest, service: ServiceDep) -> RollbackResult
         version, previous = service.rollback(body.version, reason="asked by an admin")
     except UnknownVersion:
         kept = service.trainer.registry.versions()
-        raise HTTPException(status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}") from None
+        raise HTTPException(
+            status_code=404, detail=f"version {body.version} is not kept; kept versions: {kept}"
+        ) from None
     except RollbackNotTaken as err:
         raise HTTPException(status_code=503, detail=str(err)) from None
     return RollbackResult(version=version, previous=previous)
 
 
-@admin.get("/metrics", response_class=Response, dependencies=[Depends(require_admin)],
-           responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}})
+@admin.get(
+    "/metrics",
+    response_class=Response,
+    dependencies=[Depends(require_admin)],
+    responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}},
+)
 def admin_metrics(service: ServiceDep) -> Response:
     """Every metric, the operator plane included (in DP mode: outside the guarantee)."""
     return Response(service.metrics.exposition(), media_type=_EXPOSITION)
 
 
-@admin.get("/dp", dependencies=[Depends(require_admin)],
-           responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})
+@admin.get(
+    "/dp",
+    dependencies=[Depends(require_admin)],
+    responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}},
+)
 def admin_dp(service: ServiceDep) -> dict[str, Any]:
     """DP operator plane: batch sizes, tokens, step times, window and record state (outside the guarantee)."""
     report = getattr(service.trainer, "operator_report", None)
@@ -358,8 +382,13 @@ class BodySizeLimit:
         # The Open Inference Protocol's routes answer errors as {"error": ...}.
         key = b"error" if path.startswith("/v2/") else b"detail"
         body = b'{"' + key + b'":"request body too large"}'
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

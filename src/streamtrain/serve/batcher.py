@@ -27,7 +27,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.predict_arrays`:
+#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.network.predict_arrays`:
 #: one answer per array, in order, in anything that slices (a list, PredictionArrays).
 PredictFn = Callable[[Any, Any, Sequence[np.ndarray], int], Any]
 
@@ -83,9 +83,7 @@ class PredictBatcher:
         self._closed = False
         self._cond = threading.Condition()
         self.merged_forwards = 0  # forwards that served more than one request
-        self._threads = [
-            threading.Thread(target=self._serve, name=f"predict-{i}", daemon=True) for i in range(workers)
-        ]
+        self._threads = [threading.Thread(target=self._serve, name=f"predict-{i}", daemon=True) for i in range(workers)]
         for thread in self._threads:
             thread.start()
 

@@ -40,8 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from streamtrain import __version__
-from streamtrain.model import PredictionArrays
-from streamtrain.registry import UnknownVersion
+from streamtrain.model.network import PredictionArrays
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     OIPError,
@@ -52,6 +51,7 @@ from streamtrain.serve.schemas import (
     OIPReady,
     OIPServerMetadata,
 )
+from streamtrain.training.registry import UnknownVersion
 
 MODEL_NAME = "streamtrain"
 PLATFORM = "pytorch"
@@ -193,7 +193,9 @@ def read_inputs(request: OIPInferRequest, binary: bytes) -> OIPInputs:
         if tensor.name in found:
             raise OIPProblem(f"{where}: input given twice")
         if tensor.datatype not in _INPUT_TYPES[tensor.name]:
-            raise OIPProblem(f"{where}: datatype {tensor.datatype!r}; expected {' or '.join(_INPUT_TYPES[tensor.name])}")
+            raise OIPProblem(
+                f"{where}: datatype {tensor.datatype!r}; expected {' or '.join(_INPUT_TYPES[tensor.name])}"
+            )
         parameters = tensor.parameters or {}
         if "shared_memory_region" in parameters:
             raise OIPProblem(f"{where}: the shared-memory extension is not supported; send the data in the request")

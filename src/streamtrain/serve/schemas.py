@@ -36,7 +36,9 @@ class WindowReport(BaseModel):
     seen_total: int = Field(description="Messages covered: accepted_total, every rejected message and held_out_total")
     accepted_total: int = Field(description="Valid events offered to the window")
     rejected_total: dict[str, int] = Field(description="Refused (dead-lettered) messages by reason")
-    held_out_total: int = Field(description="Valid events kept out of the window for the publish gate's holdout (HOLDOUT_SHARE)")
+    held_out_total: int = Field(
+        description="Valid events kept out of the window for the publish gate's holdout (HOLDOUT_SHARE)"
+    )
     evicted_total: int = Field(
         description="Accepted events not in the window: lost the reservoir race (on arrival or later) or expired (MAX_AGE_S)"
     )
@@ -50,7 +52,8 @@ class WindowReport(BaseModel):
         None, description="Seconds since the consumer last read a record from Kafka; null before the first"
     )
     ingest_restarts_total: dict[str, int] = Field(
-        default_factory=dict, description="Consumers recreated since start, by reason (unassigned, no_fetch_progress, no_heartbeat, error)"
+        default_factory=dict,
+        description="Consumers recreated since start, by reason (unassigned, no_fetch_progress, no_heartbeat, error)",
     )
     dead_letters_pending: int = Field(0, description="Dead letters not yet acknowledged by Kafka")
     partitions: list[int] = Field(
@@ -93,7 +96,8 @@ class ModelReport(BaseModel):
         "publication, each forecaster's held-out MSE and why the candidate was or was not published; null in DP mode",
     )
     replays_per_event: float | None = Field(
-        None, description="Mean times each accepted event was trained on (bounded by MAX_REPLAYS_PER_EVENT); null in DP mode"
+        None,
+        description="Mean times each accepted event was trained on (bounded by MAX_REPLAYS_PER_EVENT); null in DP mode",
     )
     world_size: int = Field(1, description="Ranks that train this one model (WORLD_SIZE; 1 for one process)")
     rank: int = Field(0, description="This process's rank, 0..world_size-1")
@@ -174,9 +178,13 @@ class OIPInferRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     id: str | None = Field(None, description="Echoed in the answer")
     model_name: str | None = Field(None, description="Ignored (the path names the model); KServe's client sends it")
-    parameters: dict[str, Any] | None = Field(None, description="binary_data_output: true answers every output as raw bytes")
+    parameters: dict[str, Any] | None = Field(
+        None, description="binary_data_output: true answers every output as raw bytes"
+    )
     inputs: list[OIPTensorIn] = Field(min_length=1)
-    outputs: list[OIPRequestedOutput] | None = Field(None, description="Outputs to answer, in this order (default: all)")
+    outputs: list[OIPRequestedOutput] | None = Field(
+        None, description="Outputs to answer, in this order (default: all)"
+    )
 
 
 class OIPTensorOut(BaseModel):

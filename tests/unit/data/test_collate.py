@@ -191,7 +191,9 @@ def test_collate_flat_copies_the_lengths_it_is_given() -> None:
         ),
     ],
 )
-def test_collate_flat_refusals_say_the_rule_in_full(flat: np.ndarray, lengths: list, kwargs: dict, message: str) -> None:
+def test_collate_flat_refusals_say_the_rule_in_full(
+    flat: np.ndarray, lengths: list, kwargs: dict, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         collate_flat(flat, lengths, **kwargs)
 

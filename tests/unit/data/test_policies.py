@@ -195,7 +195,9 @@ def assert_plan_is_stratified(plan, lengths: np.ndarray, labels: np.ndarray, bud
         width = max(int(budget.padded_length(lengths[batch].max())), 1)
         assert batch.size <= max(1, int(budget.capacity(width))), "a batch over the token budget"
         deviation = np.abs(np.bincount(codes[batch], minlength=classes) - mix * batch.size)
-        assert deviation.max() <= bound + 1e-9, f"batch of {batch.size} is {deviation.max():.2f} items off its label share"
+        assert deviation.max() <= bound + 1e-9, (
+            f"batch of {batch.size} is {deviation.max():.2f} items off its label share"
+        )
 
 
 @settings(max_examples=300, deadline=None)
@@ -282,7 +284,9 @@ def test_label_deviation_by_hand() -> None:
     mean, largest = label_deviation(emitted, np.array([2, 2, 2]), labels)
     assert mean == pytest.approx(1 / 3) and largest == pytest.approx(0.5)
     assert all(math.isnan(x) for x in label_deviation(emitted, np.array([6]), np.zeros(6, np.int64)))
-    diagnostics = plan_batches(np.full(6, 3), TokenBudget(6), SeededRandomness(0), pool_size=6, labels=labels).diagnostics
+    diagnostics = plan_batches(
+        np.full(6, 3), TokenBudget(6), SeededRandomness(0), pool_size=6, labels=labels
+    ).diagnostics
     assert diagnostics.batches == 3 and 0.0 <= diagnostics.label_deviation <= diagnostics.label_deviation_max <= 1.0
 
 
@@ -301,7 +305,9 @@ def test_concentration_by_hand() -> None:
     caps=st.lists(st.integers(0, 50), min_size=12, max_size=12),
     share=st.floats(0.0, 1.2),
 )
-def test_water_fill_spends_the_total_within_caps_at_one_level(weights: list[float], caps: list[int], share: float) -> None:
+def test_water_fill_spends_the_total_within_caps_at_one_level(
+    weights: list[float], caps: list[int], share: float
+) -> None:
     w = np.array(weights)
     c = np.array(caps[: w.size], dtype=np.float64)
     total = share * c.sum()
@@ -394,7 +400,9 @@ def test_curriculum_prefers_short_items_and_anneals_to_uniform() -> None:
 
     def mean_rank(planned_steps: int, passes: int = 40) -> float:
         sampler = PassSampler(300, 0.0, "seeded", 4, policy)
-        return float(np.mean([rank[sampler.select(window, planned_steps=planned_steps).index].mean() for _ in range(passes)]))
+        return float(
+            np.mean([rank[sampler.select(window, planned_steps=planned_steps).index].mean() for _ in range(passes)])
+        )
 
     early, late = mean_rank(0), mean_rank(2000)
     assert early < 0.3, "strength 4 should favour the short items clearly"
@@ -527,9 +535,7 @@ def test_systematic_rounding_gives_whole_numbers_within_one_of_each_quota() -> N
 
 def test_systematic_rounding_lays_the_fractions_out_in_a_random_order() -> None:
     """In a fixed order two neighbouring halves would never both round up; in a random order they do."""
-    both = sum(
-        bool((systematic_round(np.full(4, 0.5), SeededRandomness(seed))[:2] == 1).all()) for seed in range(200)
-    )
+    both = sum(bool((systematic_round(np.full(4, 0.5), SeededRandomness(seed))[:2] == 1).all()) for seed in range(200))
     assert both > 0
 
 

@@ -8,9 +8,8 @@ import warnings
 import dp_accounting as dpa
 import numpy as np
 import pytest
-from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 
 from streamtrain.privacy.accounting import (
     DEFAULT_DISCRETIZATION,
@@ -26,7 +25,9 @@ from streamtrain.privacy.config import DPConfig
 SIGMA, Q0, K, DELTA = 1.1, 0.05, 60, 1e-6
 
 
-def library_epsilon(schedule: list[float], relation: dpa.NeighboringRelation, discretization: float = DEFAULT_DISCRETIZATION) -> float:
+def library_epsilon(
+    schedule: list[float], relation: dpa.NeighboringRelation, discretization: float = DEFAULT_DISCRETIZATION
+) -> float:
     """dp_accounting's PLD accountant composing the schedule step by step."""
     accountant = PLDAccountant(relation, value_discretization_interval=discretization)
     counts: dict[float, int] = {}
@@ -47,7 +48,9 @@ def test_homogeneous_schedule_matches_dp_accounting() -> None:
 def test_add_remove_part_agrees_with_opacus_rdp_and_prv() -> None:
     from opacus.accountants import PRVAccountant, RDPAccountant
 
-    _, table = _epsilon_table(SIGMA, (Q0,) * K, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    _, table = _epsilon_table(
+        SIGMA, (Q0,) * K, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+    )
     ours = table[-1]
     rdp, prv = RDPAccountant(), PRVAccountant()
     rdp.history = [(SIGMA, Q0, K)]
@@ -63,13 +66,19 @@ def test_replace_one_bounds_add_remove() -> None:
     """The accountant reports replace-one only; that must cover add/remove (docs/privacy.md)."""
     for sigma, q, k in [(0.6, 0.2, 10), (1.1, 0.05, 60), (3.0, 0.5, 5)]:
         schedule = (q,) * k
-        _, replace = _epsilon_table(sigma, schedule, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.REPLACE_ONE)
-        _, add_remove = _epsilon_table(sigma, schedule, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        _, replace = _epsilon_table(
+            sigma, schedule, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.REPLACE_ONE
+        )
+        _, add_remove = _epsilon_table(
+            sigma, schedule, DELTA, DEFAULT_DISCRETIZATION, 32, 16, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+        )
         assert np.all(np.asarray(replace) >= np.asarray(add_remove) - 1e-9)
 
 
 def test_heterogeneous_schedule_is_an_upper_bound_close_to_exact() -> None:
-    config = DPConfig(noise_multiplier=SIGMA, q0=0.2, half_life_steps=4.0, eligible_steps=12, delta=DELTA, expected_units=1e3)
+    config = DPConfig(
+        noise_multiplier=SIGMA, q0=0.2, half_life_steps=4.0, eligible_steps=12, delta=DELTA, expected_units=1e3
+    )
     schedule = config.sampling_schedule()
     assert schedule[0] == 0.2 and schedule[4] == pytest.approx(0.1)
     ours = PerEventAccountant.for_config(config)  # 12 distinct rates, 12 bands: no rounding
@@ -97,7 +106,9 @@ def test_spent_epsilon_grows_with_steps_and_caps_at_k() -> None:
     assert all(b >= a for a, b in zip(spent, spent[1:], strict=False))
     assert spent[K] == spent[-1] == accountant.epsilon_cap
     for n in (1, 7, 30):  # a grid read is never below the exact prefix composition
-        assert accountant.epsilon_after(n) >= library_epsilon([Q0] * n, dpa.NeighboringRelation.REPLACE_ONE) * (1 - 1e-3)
+        assert accountant.epsilon_after(n) >= library_epsilon([Q0] * n, dpa.NeighboringRelation.REPLACE_ONE) * (
+            1 - 1e-3
+        )
 
 
 def test_state_dict_round_trip_and_mismatch() -> None:
@@ -140,7 +151,9 @@ def test_sensor_lifetime_is_the_composition_of_its_groups() -> None:
     assert lifetime.epsilon_cap <= 2.0
     assert lifetime.epsilon_after(1) == pytest.approx(record.epsilon_cap, abs=1e-9)
     # one more group would break the target: the lifetime budget is as large as allowed, no larger
-    accountant = PLDAccountant(dpa.NeighboringRelation.REPLACE_ONE, value_discretization_interval=DEFAULT_DISCRETIZATION)
+    accountant = PLDAccountant(
+        dpa.NeighboringRelation.REPLACE_ONE, value_discretization_interval=DEFAULT_DISCRETIZATION
+    )
     accountant.compose(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(3.0)), 20 * (lifetime.max_groups + 1))
     assert accountant.get_epsilon(DELTA) > 2.0 - 0.02
     spent = [lifetime.epsilon_after(g) for g in range(lifetime.max_groups + 1)]

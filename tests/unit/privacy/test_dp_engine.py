@@ -11,7 +11,7 @@ from scipy import stats
 
 from streamtrain.data.collate import collate
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.model import SensorModel
+from streamtrain.model.network import SensorModel
 from streamtrain.privacy import DPConfig, DPConfigError, DPEngine, DPStepReport, PerSampleGradients
 from streamtrain.privacy.noise import GRID
 
@@ -87,7 +87,9 @@ def test_update_is_the_clipped_sum_over_the_public_divisor() -> None:
         # SGD with lr 1: the update is -(sum of clipped gradients) / public divisor, up to the
         # grid: each of the 5 vectors loses less than one grid unit (C / 2^16) per coordinate.
         grid_error = 5 * BASE["clip_norm"] / GRID / engine.divisor
-        torch.testing.assert_close(before[name] - p.detach(), expected[name] / engine.divisor, atol=grid_error + 1e-7, rtol=1e-4)
+        torch.testing.assert_close(
+            before[name] - p.detach(), expected[name] / engine.divisor, atol=grid_error + 1e-7, rtol=1e-4
+        )
     assert engine.divisor == pytest.approx(8 * 6)  # R * sum q_j, not the 5 actually sampled
 
 
@@ -121,7 +123,14 @@ def test_only_period_aggregates_are_reported() -> None:
     assert engine.report() == seen[8][1]
     assert seen[7][1].sampled_sequences > 0 and seen[7][1].padded_tokens >= seen[7][1].sampled_tokens
     names = {f.name for f in fields(DPStepReport)}
-    assert names == {"step", "epsilon", "aggregates", "aggregates_updated", "behind_steps", "failed"}  # no per-step counts
+    assert names == {
+        "step",
+        "epsilon",
+        "aggregates",
+        "aggregates_updated",
+        "behind_steps",
+        "failed",
+    }  # no per-step counts
 
 
 def test_state_dict_round_trip_and_schedule_mismatch() -> None:
@@ -196,7 +205,9 @@ def test_sensor_unit_engine_reports_lifetime_epsilon() -> None:
     engine.step(0.0)
     assert engine.epsilon_spent() == 0.0
     batch = EventBatch.from_events(
-        [SensorEvent(s, 0.0, np.ones((4, 1), np.float32)) for s in ["a", "a", "a", "b"]], partitions=[0] * 4, offsets=[0, 1, 2, 3]
+        [SensorEvent(s, 0.0, np.ones((4, 1), np.float32)) for s in ["a", "a", "a", "b"]],
+        partitions=[0] * 4,
+        offsets=[0, 1, 2, 3],
     )
     engine.admit(batch, now=0.01)
     report = engine.step(tick(1))

@@ -81,7 +81,9 @@ def test_discrete_laplace_and_geometric_fit_their_laws() -> None:
     assert chi_square_pvalue(draws, pmf) > ALPHA
     geometric = geometric_exp(t, 200_000, SeededRandomness(6))
     assert geometric.min() >= 0
-    assert chi_square_pvalue(geometric, lambda k: np.where(k >= 0, np.exp(-k / t) * (1 - math.exp(-1 / t)), 0.0)) > ALPHA
+    assert (
+        chi_square_pvalue(geometric, lambda k: np.where(k >= 0, np.exp(-k / t) * (1 - math.exp(-1 / t)), 0.0)) > ALPHA
+    )
 
 
 def test_same_seed_same_noise_and_the_default_source_is_the_csprng() -> None:
@@ -115,6 +117,7 @@ def test_an_inconclusive_coin_is_settled_with_the_exact_conditional_probability(
     trials = 4000
     accepted = sum(LazyUniform(word, 32, SeededRandomness(seed)).below_exp_neg(gamma) for seed in range(trials))
     assert stats.binomtest(accepted, trials, expected).pvalue > ALPHA
+
     # and bernoulli_exp_neg routes such a word through that path
     class Words:
         def __init__(self) -> None:
@@ -136,7 +139,9 @@ def test_bernoulli_exp_neg_has_the_right_rate_far_and_near_zero() -> None:
     gammas = np.asarray([0.0, 1e-12, 0.5, 1.0, 4.0, 30.0, 800.0])
     n = 100_000
     for gamma in gammas:
-        coins = bernoulli_exp_neg(np.full(n, gamma), lambda i, g=gamma: Fraction(g), SeededRandomness(int(gamma * 7) + 1))
+        coins = bernoulli_exp_neg(
+            np.full(n, gamma), lambda i, g=gamma: Fraction(g), SeededRandomness(int(gamma * 7) + 1)
+        )
         assert stats.binomtest(int(coins.sum()), n, math.exp(-gamma)).pvalue > ALPHA, gamma
 
 

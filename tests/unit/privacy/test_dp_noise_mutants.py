@@ -223,7 +223,9 @@ def test_the_series_bounds_enclose_exp_minus_f_at_every_precision() -> None:
         for prec in range(0, 40):
             for f in (Fraction(0), Fraction(1, 7), Fraction(1, 3), Fraction(1, 2), Fraction(5, 6), Fraction(1)):
                 lo, hi = _exp_neg_fraction_bounds(f, prec)
-                exact = (-(decimal.Decimal(f.numerator) / decimal.Decimal(f.denominator))).exp() * (decimal.Decimal(2) ** prec)
+                exact = (-(decimal.Decimal(f.numerator) / decimal.Decimal(f.denominator))).exp() * (
+                    decimal.Decimal(2) ** prec
+                )
                 assert decimal.Decimal(lo) <= exact <= decimal.Decimal(hi), (f, prec)
 
 

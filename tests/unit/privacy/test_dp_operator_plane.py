@@ -17,8 +17,8 @@ from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import DP_PUBLIC_METRICS
 from streamtrain.privacy import AdmissionRecordError
 from streamtrain.privacy.admissions import AdmissionRecord
+from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
-from streamtrain.service import Service
 
 torch.set_num_threads(1)
 
@@ -48,7 +48,9 @@ def test_dp_public_plane_shows_only_what_the_guarantee_covers(tmp_path: Path) ->
     with TestClient(create_app(service)) as client:
         public = families(client.get("/metrics").text)
         assert public and public <= DP_PUBLIC_METRICS
-        assert not {"streamtrain_events_consumed", "streamtrain_train_tokens", "streamtrain_window_age_seconds"} & public
+        assert (
+            not {"streamtrain_events_consumed", "streamtrain_train_tokens", "streamtrain_window_age_seconds"} & public
+        )
         operator = families(client.get("/v1/admin/metrics", headers=AUTH).text)
         assert {"streamtrain_events_consumed", "streamtrain_train_tokens"} <= operator
         assert client.get("/v1/admin/metrics").status_code == 401

@@ -9,7 +9,7 @@ import torch
 from streamtrain.data.bucketing import TokenBudget, plan_batches
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import SeededRandomness
-from streamtrain.model import SensorModel, total_loss
+from streamtrain.model.network import SensorModel, total_loss
 from streamtrain.privacy.noise import GRID
 from streamtrain.privacy.per_sample import NORM_EPS, PerSampleGradients, clip_factors
 
@@ -26,7 +26,9 @@ def ragged(seed: int, n: int) -> tuple[list[np.ndarray], np.ndarray]:
     return items, labels
 
 
-def reference_clipped_sum(model: SensorModel, items: list[np.ndarray], labels: np.ndarray, clip: float) -> dict[str, torch.Tensor]:
+def reference_clipped_sum(
+    model: SensorModel, items: list[np.ndarray], labels: np.ndarray, clip: float
+) -> dict[str, torch.Tensor]:
     """One example at a time, unpadded, with ordinary autograd."""
     total = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
     for item, label in zip(items, labels, strict=True):

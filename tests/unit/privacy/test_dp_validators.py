@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from streamtrain.data.randomness import SeededRandomness
-from streamtrain.model import ModelOutput, RunningNorm, SensorModel
+from streamtrain.model.network import ModelOutput, RunningNorm, SensorModel
 from streamtrain.privacy import DPConfig, DPConfigError, DPEngine, check_dp_safety
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit: the shared model fixtures
@@ -75,7 +75,9 @@ def test_delta_too_large_for_the_streams_lifetime_is_refused() -> None:
 
 
 def test_unreachable_target_epsilon_is_refused() -> None:
-    error = refused("TARGET_EPSILON=0.5 cannot be met", config=DPConfig(**{**SAFE, "target_epsilon": 0.5}), shuffle_mode="crypto")
+    error = refused(
+        "TARGET_EPSILON=0.5 cannot be met", config=DPConfig(**{**SAFE, "target_epsilon": 0.5}), shuffle_mode="crypto"
+    )
     assert "NOISE_MULTIPLIER" in str(error)
 
 
@@ -134,7 +136,9 @@ class FirstRowLeaks(Tiny):
 
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
         out = super().forward(x_norm, mask)
-        return ModelOutput(out.forecast + out.forecast[:1].mean() * torch.arange(len(x_norm))[:, None, None], out.logits)
+        return ModelOutput(
+            out.forecast + out.forecast[:1].mean() * torch.arange(len(x_norm))[:, None, None], out.logits
+        )
 
 
 @pytest.mark.parametrize(
@@ -165,7 +169,9 @@ MIXING_PLACES = [
 def test_a_model_that_mixes_examples_anywhere_is_refused_at_every_class_count(at: str, n_classes: int) -> None:
     """The untrained head is zero, so at N_CLASSES=0 mixing in the body never reaches an output:
     the probe compares the hidden state too, and names where the mixing shows."""
-    error = refused("mixes examples", config=DPConfig(**SAFE), shuffle_mode="crypto", model=mixes_batch(model(n_classes), at))
+    error = refused(
+        "mixes examples", config=DPConfig(**SAFE), shuffle_mode="crypto", model=mixes_batch(model(n_classes), at)
+    )
     assert (f"the output of module '{at}'" if at else "output changes") in str(error)
 
 

@@ -17,7 +17,9 @@ Z = 5.0  # two-sided binomial bound; with fixed seeds the outcome is determinist
 
 def events(n: int, start: int = 0) -> list[SensorEvent]:
     """Event i carries the value i (so admission can be traced) and label i % 3."""
-    return [SensorEvent("s", 0.0, np.full((1 + i % 4, 1), float(i), np.float32), (i) % 3) for i in range(start, start + n)]
+    return [
+        SensorEvent("s", 0.0, np.full((1 + i % 4, 1), float(i), np.float32), (i) % 3) for i in range(start, start + n)
+    ]
 
 
 def ids(values: list[np.ndarray]) -> list[int]:
@@ -119,7 +121,9 @@ def test_window_state_dict_round_trip() -> None:
     clone.close_step(3)
     assert sorted(ids(window.eligible().values)) == sorted(ids(clone.eligible().values))
     with pytest.raises(ValueError, match="K="):
-        DPWindow(eligible_steps=5, admit_per_step=4, randomness=SeededRandomness(0)).load_state_dict(window.state_dict())
+        DPWindow(eligible_steps=5, admit_per_step=4, randomness=SeededRandomness(0)).load_state_dict(
+            window.state_dict()
+        )
 
 
 def test_poisson_inclusion_rates_per_age_within_binomial_bounds() -> None:
@@ -153,7 +157,10 @@ def test_poisson_sampler_uses_the_os_csprng_by_default_and_checks_ages() -> None
 def kafka_batch(offsets: list[int], partition: int = 0, sensors: list[str] | None = None) -> EventBatch:
     """Events at (partition, offset); each carries its offset as its value."""
     sensors = sensors or ["s"] * len(offsets)
-    items = [SensorEvent(sensor, 0.0, np.full((2, 1), float(o), np.float32)) for o, sensor in zip(offsets, sensors, strict=True)]
+    items = [
+        SensorEvent(sensor, 0.0, np.full((2, 1), float(o), np.float32))
+        for o, sensor in zip(offsets, sensors, strict=True)
+    ]
     return EventBatch.from_events(items, partitions=[partition] * len(offsets), offsets=offsets)
 
 
@@ -271,7 +278,9 @@ def test_sensor_window_state_round_trip_keeps_ledger_and_groups() -> None:
     assert clone.eligible().groups.tolist() == window.eligible().groups.tolist()
     assert clone.close_step(2).admitted == window.close_step(2).admitted
     with pytest.raises(ValueError, match="DP_UNIT"):
-        DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(window.state_dict())
+        DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(
+            window.state_dict()
+        )
 
 
 def test_record_sampling_takes_a_group_whole() -> None:

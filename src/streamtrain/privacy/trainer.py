@@ -28,11 +28,11 @@ from streamtrain.config import Settings
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm, build_model
+from streamtrain.model.network import RunningNorm, build_model
 from streamtrain.privacy.admissions import ADMISSION_DIR, CLOCK_LOG, AdmissionRecord, AdmissionRecordError
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
-from streamtrain.train import ModelTrainer, PublishedModel
+from streamtrain.training.trainer import ModelTrainer, PublishedModel
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)

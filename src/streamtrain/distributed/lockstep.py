@@ -3,7 +3,7 @@
 Every rank runs the same ticks. A tick takes this rank's next batch if one is ready
 (never waiting on an empty window: a rank without data still takes part, with a zero
 gradient), tells the others what it wants (stop, checkpoint, publish) and runs one
-data-parallel step (:class:`~streamtrain.parallel.DataParallelStep`). Everything that
+data-parallel step (:class:`~streamtrain.distributed.data_parallel.DataParallelStep`). Everything that
 follows is decided from the step's agreement, which is identical on every rank: the
 optimizer step, the trainer's counters, publishing a version, cutting a checkpoint, and
 stopping. So all ranks publish the same version at the same step, cut every checkpoint
@@ -23,7 +23,7 @@ a full interval. A drift reaction that clears AdamW's moments is agreed too.
 
 The publish gate (``HOLDOUT_SHARE`` > 0) judges the union of the ranks' holdouts: at a
 publication every rank scores its own holdout and the ranks add the sums
-(:meth:`~streamtrain.distributed.Collectives.sum_rows`), so the verdict is the same on
+(:meth:`~streamtrain.distributed.launch.Collectives.sum_rows`), so the verdict is the same on
 every rank.
 
 On a GPU the loop stages batches as the single-process trainer does: the prefetch thread
@@ -55,18 +55,18 @@ from streamtrain.config import Settings
 from streamtrain.data.collate import Batch
 from streamtrain.data.prefetch import Prefetcher, StagedBatch, pin_batch, stage_batch
 from streamtrain.device import is_cuda, side_stream
-from streamtrain.distributed import (
+from streamtrain.distributed.data_parallel import DataParallelStep, ParallelStepReport
+from streamtrain.distributed.launch import (
     EXIT_COLLECTIVE_FAILURE,
     AgreedRollback,
-    Collectives,
     CollectiveFailure,
+    Collectives,
     RollbackRequest,
     StepSignals,
     exit_after_collective_failure,
 )
-from streamtrain.parallel import DataParallelStep, ParallelStepReport
-from streamtrain.registry import UnknownVersion
-from streamtrain.train import Trainer, _smooth
+from streamtrain.training.registry import UnknownVersion
+from streamtrain.training.trainer import Trainer, _smooth
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def settings_fingerprint(settings: Settings) -> dict[str, Any]:
 
 
 def check_settings_agree(collectives: Collectives, settings: Settings) -> None:
-    """Refuse (:class:`~streamtrain.distributed.SettingsMismatch`, one line, on every rank) a group
+    """Refuse (:class:`~streamtrain.distributed.launch.SettingsMismatch`, one line, on every rank) a group
     whose ranks were started with different :data:`AGREED_SETTINGS`."""
     collectives.agree_settings(settings_fingerprint(settings))
 
@@ -283,7 +283,9 @@ class LockstepLoop:
         trainer.quality.combine = collectives.sum_rows
 
     # ------------------------------------------------------------------ requests from other threads
-    def request_rollback(self, version: int, trigger: str = "admin", reason: str = "asked by an admin") -> RollbackTicket:
+    def request_rollback(
+        self, version: int, trigger: str = "admin", reason: str = "asked by an admin"
+    ) -> RollbackTicket:
         """Ask every rank to make kept ``version`` serve again; wait on the ticket for the outcome."""
         ticket = RollbackTicket(RollbackRequest(int(version), trigger), reason)
         with self._rollback_lock:
@@ -298,7 +300,13 @@ class LockstepLoop:
         ticket = RollbackTicket(RollbackRequest(int(version), "automatic", serving.version), reason)
         with self._rollback_lock:
             self._rollback_queue.append(ticket)
-        log.info("rank %d asks every rank to roll back from version %d to %d: %s", self.collectives.rank, serving.version, version, reason)
+        log.info(
+            "rank %d asks every rank to roll back from version %d to %d: %s",
+            self.collectives.rank,
+            serving.version,
+            version,
+            reason,
+        )
         return True
 
     def _pending_rollback(self) -> RollbackTicket | None:
@@ -367,7 +375,12 @@ class LockstepLoop:
                     self.checkpoint_due.clear()  # asked again meanwhile: the next tick cuts another
                     self.checkpoint(agreement.stop)
                 if agreement.stop:
-                    log.info("rank %d: the ranks agreed to stop at tick %d (step %d)", self.collectives.rank, self.tick, trainer.step)
+                    log.info(
+                        "rank %d: the ranks agreed to stop at tick %d (step %d)",
+                        self.collectives.rank,
+                        self.tick,
+                        trainer.step,
+                    )
                     return
                 if not agreement.has_data:
                     self.stop_requested.wait(_IDLE_WAIT_S)
@@ -405,7 +418,13 @@ class LockstepLoop:
         if why_not is None:
             self._last_publish = time.monotonic()  # the next publication waits a full interval
         else:
-            log.warning("%s rollback to version %d asked by rank %d not taken: %s", request.trigger, request.version, agreed.rank, why_not)
+            log.warning(
+                "%s rollback to version %d asked by rank %d not taken: %s",
+                request.trigger,
+                request.version,
+                agreed.rank,
+                why_not,
+            )
         outcome = AppliedRollback(
             tick=tick,
             rank=agreed.rank,
@@ -430,7 +449,9 @@ class LockstepLoop:
             ticket.resolve(AppliedRollback(self.tick, self.collectives.rank, r.trigger, r.version, None, False, why))
 
     def _publish_due(self) -> bool:
-        return self.trainer.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s
+        return (
+            self.trainer.published is None or time.monotonic() - self._last_publish >= self.settings.publish_interval_s
+        )
 
     def _account(self, batch: Batch | None, report: ParallelStepReport, wait: float) -> None:
         """The trainer's counters from the global report; this process's metrics from its own batch."""

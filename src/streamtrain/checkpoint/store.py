@@ -258,7 +258,9 @@ class _Flattener:
         try:
             raw = plain.reshape(-1).view(torch.uint8) if plain.numel() else torch.empty(0, dtype=torch.uint8)
         except RuntimeError as exc:
-            raise TypeError(f"{_format_path(path)} has dtype {plain.dtype}, which cannot be saved as bytes: {exc}") from exc
+            raise TypeError(
+                f"{_format_path(path)} has dtype {plain.dtype}, which cannot be saved as bytes: {exc}"
+            ) from exc
         return {
             "$tensor": self._add(raw),
             "dtype": str(plain.dtype).removeprefix("torch."),
@@ -449,12 +451,16 @@ def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckp
         raise CorruptCheckpoint(path, f"magic bytes {magic!r} are not {MAGIC!r}: not a streamtrain checkpoint")
     expected_size = _PREFIX.size + header_length + payload_length
     if len(data) < expected_size:
-        raise CorruptCheckpoint(path, f"truncated: the prefix announces {expected_size} bytes, the file has {len(data)}")
+        raise CorruptCheckpoint(
+            path, f"truncated: the prefix announces {expected_size} bytes, the file has {len(data)}"
+        )
     if len(data) > expected_size:
         raise CorruptCheckpoint(path, f"{len(data) - expected_size} trailing bytes after the announced {expected_size}")
     body = memoryview(data)[_PREFIX.size :]
     if hashlib.sha256(body).digest() != expected_digest:
-        raise CorruptCheckpoint(path, "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)")
+        raise CorruptCheckpoint(
+            path, "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
+        )
     try:
         header = json.loads(bytes(body[:header_length]), parse_constant=_reject_json_constant)
     except (ValueError, RecursionError) as exc:
@@ -654,7 +660,9 @@ class CheckpointStore:
             try:
                 infos = self._scan()
             except OSError as exc:
-                logger.warning("cannot list checkpoint directory %s (%s); starting without a checkpoint", self.directory, exc)
+                logger.warning(
+                    "cannot list checkpoint directory %s (%s); starting without a checkpoint", self.directory, exc
+                )
                 return None
             for info in infos:
                 loaded = self._read(info.path)

@@ -2,7 +2,7 @@
 
 A forecaster is only worth serving if it beats what a practitioner tries first: the last
 value, and a least-squares autoregression. So the service keeps both beside the network
-and serves whichever forecasts the held-out events best (:mod:`streamtrain.quality`
+and serves whichever forecasts the held-out events best (:mod:`streamtrain.quality.monitor`
 chooses). All three speak the network's language — ``forward(x_norm, mask) ->
 ModelOutput`` in the published model's normalized units — so predict, OIP v2, the
 quality monitor and ``streamtrain export`` run the choice through one code path
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from streamtrain.model import ModelOutput, SensorModel
+from streamtrain.model.network import ModelOutput, SensorModel
 
 ForecasterKind = Literal["last_value", "linear", "network", "blend"]
 FORECASTER_KINDS: tuple[ForecasterKind, ...] = ("last_value", "linear", "network", "blend")
@@ -262,7 +262,9 @@ class LinearForecast(nn.Module):
         super().__init__()
         coefficients = torch.as_tensor(np.asarray(coefficients), dtype=torch.float32)
         if coefficients.dim() != 2 or coefficients.shape[1] < 2:
-            raise ValueError(f"LinearForecast: coefficients must be [C, 1 + order >= 2], got {tuple(coefficients.shape)}")
+            raise ValueError(
+                f"LinearForecast: coefficients must be [C, 1 + order >= 2], got {tuple(coefficients.shape)}"
+            )
         self.order = int(coefficients.shape[1]) - 1
         self.register_buffer("intercept", coefficients[:, 0].clone())
         self.register_buffer("weight", coefficients[:, 1:].clone())  # [C, order]: lag 0 first

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import NO_LABEL, EventBatch
-from streamtrain.forecasters import (
+from streamtrain.metrics import Metrics
+from streamtrain.model.forecasters import (
     LAST_VALUE,
     NETWORK,
     Forecaster,
@@ -58,8 +59,7 @@ from streamtrain.forecasters import (
     best_blend,
     choose_linear,
 )
-from streamtrain.metrics import Metrics
-from streamtrain.model import RunningNorm, SensorModel, forward_on_model_device, plan_predict_batches
+from streamtrain.model.network import RunningNorm, SensorModel, forward_on_model_device, plan_predict_batches
 from streamtrain.window import token_positions
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Scorable(Protocol):
     """A published model: what scoring needs (train.PublishedModel has it).
 
     ``model`` is the network; ``served`` the module whose forecasts serve (the network,
-    or the forecaster chosen beside it: :class:`streamtrain.forecasters.ServedModel`).
+    or the forecaster chosen beside it: :class:`streamtrain.model.forecasters.ServedModel`).
     """
 
     @property
@@ -259,7 +259,9 @@ class DriftMonitor:
     they start over.
     """
 
-    def __init__(self, kind: str, adwin_delta: float = 0.002, ph_threshold: float = 100.0, half_life: float = 2000.0) -> None:
+    def __init__(
+        self, kind: str, adwin_delta: float = 0.002, ph_threshold: float = 100.0, half_life: float = 2000.0
+    ) -> None:
         self.kind = kind
         self.adwin_delta = adwin_delta
         self.ph_threshold = ph_threshold
@@ -408,7 +410,9 @@ class HoldoutSplitter:
             state["sensors"], np.asarray(state["counts"]).tolist(), np.asarray(state["phases"]).tolist(),
             np.asarray(state["guards"]).tolist(), np.asarray(state["blocks"]).tolist(), strict=True,
         ):  # fmt: skip
-            self._sensors[str(name)] = _SensorBlocks(int(count), int(phase) % max(self.period, 1), int(block), int(guard))
+            self._sensors[str(name)] = _SensorBlocks(
+                int(count), int(phase) % max(self.period, 1), int(block), int(guard)
+            )
 
 
 def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
@@ -611,7 +615,9 @@ class QualityMonitor:
         self.detector = (
             None
             if config.drift_detector == "off"
-            else DriftMonitor(config.drift_detector, config.drift_adwin_delta, config.drift_ph_threshold, config.half_life_events)
+            else DriftMonitor(
+                config.drift_detector, config.drift_adwin_delta, config.drift_ph_threshold, config.half_life_events
+            )
         )
         self.holdout = HoldoutBuffer(config.holdout_capacity)
         self.splitter = HoldoutSplitter(config.holdout_share, config.holdout_block_events, config.shuffle, config.seed)
@@ -778,7 +784,13 @@ class QualityMonitor:
     def note_rollback(self, version: int, trigger: str, reason: str, from_version: int | None) -> None:
         with self._lock:
             self.rollbacks.append(
-                {"to_version": version, "from_version": from_version, "trigger": trigger, "reason": reason, "at": time.time()}
+                {
+                    "to_version": version,
+                    "from_version": from_version,
+                    "trigger": trigger,
+                    "reason": reason,
+                    "at": time.time(),
+                }
             )
             del self.rollbacks[:-_DRIFTS_SHOWN]
 
@@ -831,7 +843,9 @@ class QualityMonitor:
         steps, gram = self._error_gram(values, models, units)
         if steps == 0:
             reason = "holdout events have no steps to forecast"
-            return Selection(GateDecision(True, reason, n), NETWORK, candidate, reason, n, new_reference=reference is None)
+            return Selection(
+                GateDecision(True, reason, n), NETWORK, candidate, reason, n, new_reference=reference is None
+            )
         sse = np.diagonal(gram)
         mse: dict[str, float | None] = {"candidate": sse[0] / steps, "last_value": sse[2] / steps}
         mse["reference"] = None if reference is None else sse[1] / steps
@@ -910,7 +924,9 @@ class QualityMonitor:
                         module.eval()
                         try:
                             x_norm = model.norm.normalize(data).float() * mask[..., None]
-                            forecast = model.norm.denormalize(forward_on_model_device(module, x_norm, mask).forecast.double())
+                            forecast = model.norm.denormalize(
+                                forward_on_model_device(module, x_norm, mask).forecast.double()
+                            )
                         finally:
                             module.train(was_training)
                         errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double() * valid

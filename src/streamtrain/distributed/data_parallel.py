@@ -4,18 +4,18 @@ Each rank trains on token-budget batches from its own window (the partitions it 
 A step must equal the single-process step over the union of the ranks' batches, for any
 split, including a rank with no data at all that step. Three things make that so:
 
-* **Global normalization of the loss.** :func:`streamtrain.model.total_loss` divides the
+* **Global normalization of the loss.** :func:`streamtrain.model.network.total_loss` divides the
   forecast error by the batch's count of forecast targets (positions whose next reading
   is real) and the classification loss by its count of labelled events. Each rank
   scales its local means by ``local count / global count`` instead, so the losses of the
   ranks *add up* to the loss of the union; the gradients are then *summed* over the
-  ranks (:meth:`~streamtrain.distributed.Collectives.allreduce_gradients`), not averaged.
+  ranks (:meth:`~streamtrain.distributed.launch.Collectives.allreduce_gradients`), not averaged.
   The global counts are known before the forward pass (they depend only on the masks
   and labels), so they travel in the step's one small agreement collective.
 * **Normalization statistics merged before they are used.** Every rank computes the
   moments (count, mean, M2 in float64) of its batch's real readings, all ranks gather
   them, merge them in rank order with Chan's formula and fold the result into their
-  :class:`~streamtrain.model.RunningNorm`, so every rank normalizes with the statistics
+  :class:`~streamtrain.model.network.RunningNorm`, so every rank normalizes with the statistics
   of the union, bit for bit the same on every rank.
 * **A rank with no data contributes zeros**, a zero gradient and zero counts, and still
   takes part in both collectives: nobody waits for it, and it applies the same update.
@@ -27,7 +27,7 @@ step the optimizer, publish, checkpoint, stop) is taken from those identical res
 so ranks never diverge.
 
 With one rank both collectives are local and the step is the single-process step of
-:meth:`streamtrain.train.Trainer.train_step` (tested to agree, also under bf16 autocast).
+:meth:`streamtrain.training.trainer.Trainer.train_step` (tested to agree, also under bf16 autocast).
 
 Devices: the model may live on a GPU. A batch arrives as the lockstep loop stages it (a
 :class:`~streamtrain.data.prefetch.StagedBatch`: pinned host tensors plus their copy on
@@ -53,8 +53,8 @@ import torch
 from streamtrain.data.collate import Batch
 from streamtrain.data.prefetch import stage_batch
 from streamtrain.device import Precision, autocast
-from streamtrain.distributed import DEFAULT_BUCKET_BYTES, Collectives, StepAgreement, StepSignals
-from streamtrain.model import (
+from streamtrain.distributed.launch import DEFAULT_BUCKET_BYTES, Collectives, StepAgreement, StepSignals
+from streamtrain.model.network import (
     ModelOutput,
     RunningNorm,
     SensorModel,
@@ -94,7 +94,9 @@ class Moments:
     def from_payload(cls, row: np.ndarray, channels: int) -> Moments:
         row = np.asarray(row, dtype=np.float64)
         if row.shape != (2 + 2 * channels,):
-            raise ValueError(f"a moments payload for {channels} channels has {2 + 2 * channels} numbers, got {row.shape}")
+            raise ValueError(
+                f"a moments payload for {channels} channels has {2 + 2 * channels} numbers, got {row.shape}"
+            )
         return cls(
             count=int(round(row[0])),
             clipped=int(round(row[1])),
@@ -221,7 +223,7 @@ def globally_normalized_loss(
     totals: dict[str, int],
     class_weight: float = 1.0,
 ) -> torch.Tensor:
-    """This rank's share of the union's :func:`~streamtrain.model.total_loss`.
+    """This rank's share of the union's :func:`~streamtrain.model.network.total_loss`.
 
     ``total_loss`` is ``forecast mean + class_weight × classification mean`` over one
     batch; the shares of all ranks add up to it over the union: each local mean is

@@ -1,7 +1,7 @@
 """The continuous trainer: its own thread, fed by the pipeline, publishing frozen models.
 
 The model surface is two verbs, River-style: :meth:`Trainer.train_step` on a
-:class:`~streamtrain.data.collate.Batch` and :func:`streamtrain.model.predict` on the
+:class:`~streamtrain.data.collate.Batch` and :func:`streamtrain.model.network.predict` on the
 published copy. The loop waits for a minimum window, trains on token-budget batches
 (loss normalized by real tokens, so variable batch sizes keep a steady gradient scale),
 refuses non-finite steps and publishes a frozen inference copy at a set interval.
@@ -28,13 +28,13 @@ from streamtrain.config import Settings
 from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
-from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
 from streamtrain.data.passes import pass_sampler_from_settings
+from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
 from streamtrain.data.randomness import derive_seed, make_randomness
 from streamtrain.device import autocast, describe, is_cuda, settle
-from streamtrain.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, ServedModel
 from streamtrain.metrics import Metrics
-from streamtrain.model import (
+from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, ServedModel
+from streamtrain.model.network import (
     ModelOutput,
     RunningNorm,
     SensorModel,
@@ -43,8 +43,8 @@ from streamtrain.model import (
     naive_last_value_loss,
     total_loss,
 )
-from streamtrain.quality import Drift, GateDecision, QualityConfig, QualityMonitor, Selection
-from streamtrain.registry import ModelRegistry, UnknownVersion
+from streamtrain.quality.monitor import Drift, GateDecision, QualityConfig, QualityMonitor, Selection
+from streamtrain.training.registry import ModelRegistry, UnknownVersion
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -460,7 +460,7 @@ class Trainer(ModelTrainer):
         self.replays = ReplayBudget(settings.max_replays_per_event)
         self.budget_wait_seconds = 0.0
         # A scaled-out service sets this: the thread's work is then the lockstep loop of
-        # streamtrain.scale_out, which trains with every rank and returns at the agreed stop.
+        # streamtrain.distributed.lockstep, which trains with every rank and returns at the agreed stop.
         self.loop: Callable[[], None] | None = None
         # Scaled out, an automatic rollback is asked of every rank (version, reason) instead
         # of applied here: the lockstep loop applies it on all ranks at one step.

@@ -20,7 +20,7 @@ with neither held.
 
 Scale-out (``WORLD_SIZE`` > 1, ``docs/scale-out.md``): the service is one rank of a group.
 Start joins the process group, then restores this rank's share of the newest checkpoint
-of any world size (:class:`~streamtrain.sharded_checkpoint.DistributedCheckpointer`) and
+of any world size (:class:`~streamtrain.checkpoint.shards.DistributedCheckpointer`) and
 makes every rank's model rank 0's. Ingest is assigned the partitions ``p`` with
 ``p mod WORLD_SIZE == RANK``; the window holds this rank's share of ``WINDOW_CAPACITY``.
 The trainer thread runs the lockstep loop (``scale_out.py``); the checkpoint timer and
@@ -44,16 +44,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamtrain.checkpoint import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
+from streamtrain.checkpoint.shards import (
+    CheckpointMismatch,
+    DistributedCheckpointer,
+    RestoredShare,
+    ShardedCheckpointStore,
+)
+from streamtrain.checkpoint.store import CheckpointStore, CheckpointWriteError, LoadedCheckpoint
 from streamtrain.config import Settings
 from streamtrain.data.randomness import derive_seed
-from streamtrain.distributed import Collectives, DistContext, capacity_share, rank_device, resolve_backend
-from streamtrain.ingest import Ingestor
+from streamtrain.distributed.launch import Collectives, DistContext, capacity_share, rank_device, resolve_backend
+from streamtrain.distributed.lockstep import LockstepLoop, check_settings_agree, join_trainer_state, split_trainer_state
+from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
-from streamtrain.scale_out import LockstepLoop, check_settings_agree, join_trainer_state, split_trainer_state
-from streamtrain.sharded_checkpoint import CheckpointMismatch, DistributedCheckpointer, RestoredShare, ShardedCheckpointStore
-from streamtrain.registry import UnknownVersion
-from streamtrain.train import PublishedModel, Trainer
+from streamtrain.training.registry import UnknownVersion
+from streamtrain.training.trainer import PublishedModel, Trainer
 from streamtrain.window import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -106,7 +111,13 @@ class Service:
         if self.scaled_out:  # several ranks on one host: each its own GPU (LOCAL_RANK), where there are enough
             device, gpus_shared = rank_device(settings.device, self.ctx)
             if str(device) != settings.device:
-                log.info("rank %d (local rank %d) trains on %s (DEVICE=%s)", self.ctx.rank, self.ctx.local_rank, device, settings.device)
+                log.info(
+                    "rank %d (local rank %d) trains on %s (DEVICE=%s)",
+                    self.ctx.rank,
+                    self.ctx.local_rank,
+                    device,
+                    settings.device,
+                )
                 settings = self.settings = settings.model_copy(update={"device": str(device)})
             resolve_backend(settings.dist_backend, settings.device, gpus_shared=gpus_shared)  # refused before any work
         # Process-wide on purpose: torch keeps one intra-op default that every thread
@@ -132,7 +143,9 @@ class Service:
             before_insert=None if quality is None else quality.observe,
             owned_partitions=self.ctx.owned_partitions if self.scaled_out else None,
         )
-        self.store = CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt)
+        self.store = CheckpointStore(
+            settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
+        )
         self.collectives = Collectives(
             self.ctx,
             backend=settings.dist_backend if self.scaled_out else "auto",
@@ -146,7 +159,9 @@ class Service:
         self.checkpointer = DistributedCheckpointer(self.sharded_store, self.collectives, topic=settings.topic)
         self.loop: LockstepLoop | None = None
         if self.scaled_out:
-            self.loop = LockstepLoop(self.trainer, self.collectives, checkpoint=self._cut_checkpoint, on_stopped=self._agreed_stop)
+            self.loop = LockstepLoop(
+                self.trainer, self.collectives, checkpoint=self._cut_checkpoint, on_stopped=self._agreed_stop
+            )
             self.trainer.loop = self.loop
         #: Scale-out: called once the ranks agreed to stop and cut the final checkpoint (the CLI stops HTTP).
         self.on_agreed_stop: Callable[[], None] | None = None
@@ -170,7 +185,7 @@ class Service:
 
     def _build_trainer(self) -> Any:
         if self.settings.dp == "on":
-            from streamtrain.privacy.service import DPTrainer  # DP mode brings its own window rule
+            from streamtrain.privacy.trainer import DPTrainer  # DP mode brings its own window rule
 
             return DPTrainer(self.settings, self.window, self.metrics)
         if not self.scaled_out:
@@ -241,7 +256,11 @@ class Service:
         """(kept versions, the serving one, when it was published) for the model metrics."""
         registry = self.trainer.registry
         serving = registry.serving
-        return registry.versions(), None if serving is None else serving.version, None if serving is None else serving.published_at
+        return (
+            registry.versions(),
+            None if serving is None else serving.version,
+            None if serving is None else serving.published_at,
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def restore(self) -> LoadedCheckpoint | RestoredShare | None:

@@ -21,7 +21,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import AuthorizationError, TopicAlreadyExistsError
 
 from streamtrain.config import Settings
-from streamtrain.kafka_security import authorization_failed, client_options
+from streamtrain.ingest.security import authorization_failed, client_options
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ def forbid_topic_auto_creation(client: Any) -> Any:
     """
     cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
     if cluster is None or "allow_auto_create_topics" not in getattr(cluster, "config", {}):
-        raise RuntimeError("kafka-python's cluster metadata changed: re-check streamtrain.topics.forbid_topic_auto_creation")
+        raise RuntimeError(
+            "kafka-python's cluster metadata changed: re-check streamtrain.ingest.topics.forbid_topic_auto_creation"
+        )
     cluster.config["allow_auto_create_topics"] = False
     return client
 
@@ -57,8 +59,11 @@ def _admin(bootstrap: str, timeout_s: float, security: Settings | None = None) -
     # A short reconnect backoff: after a broker outage the default grows to 30 s, and ingest
     # (which prepares its topics on every reconnect) would wait that long after the broker is back.
     return KafkaAdminClient(
-        bootstrap_servers=bootstrap, request_timeout_ms=int(timeout_s * 1000), reconnect_backoff_max_ms=1000,
-        bootstrap_timeout_ms=int(timeout_s * 1000), **(client_options(security) if security is not None else {}),
+        bootstrap_servers=bootstrap,
+        request_timeout_ms=int(timeout_s * 1000),
+        reconnect_backoff_max_ms=1000,
+        bootstrap_timeout_ms=int(timeout_s * 1000),
+        **(client_options(security) if security is not None else {}),
     )
 
 
@@ -124,7 +129,9 @@ def ensure_topics(
 def max_message_bytes(admin: KafkaAdminClient, topic: str) -> int:
     """The topic's effective ``max.message.bytes`` (its own setting, else the broker's)."""
     try:
-        described = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic, {MAX_MESSAGE_BYTES: None})], config_filter="all")
+        described = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, topic, {MAX_MESSAGE_BYTES: None})], config_filter="all"
+        )
     except AuthorizationError:
         raise authorization_failed("DESCRIBE_CONFIGS", "topic", topic) from None
     return int(described["topic"][topic][MAX_MESSAGE_BYTES]["value"])

@@ -9,7 +9,7 @@ a pickle) or from a checkpoint directory, and is written as
 * a single ONNX file with dynamic batch and length axes;
 * a ``torch.export`` ExportedProgram (``.pt2``) for PyTorch's own runtimes.
 
-Every format holds one module, :class:`streamtrain.model.InferenceModel`: input
+Every format holds one module, :class:`streamtrain.model.network.InferenceModel`: input
 normalization, the network and the output heads, from ``values [batch, length,
 channels]`` and ``lengths [batch]`` to ``next``, ``anomaly_score`` and ``probs``. The
 service's predictions run through the same module, so an export answers as the service
@@ -32,9 +32,9 @@ import safetensors.torch
 import torch
 import torch.fx.experimental._config  # noqa: F401 - _size_oblivious reads it
 
-from streamtrain.forecasters import NETWORK, Forecaster, ServedModel
-from streamtrain.sharded_checkpoint import load_latest_common
-from streamtrain.model import InferenceModel, RunningNorm, SensorModel
+from streamtrain.checkpoint.shards import load_latest_common
+from streamtrain.model.forecasters import NETWORK, Forecaster, ServedModel
+from streamtrain.model.network import InferenceModel, RunningNorm, SensorModel
 
 BUNDLE_FORMAT = "streamtrain.model"
 BUNDLE_VERSION = 1
@@ -102,7 +102,9 @@ def _bundle_metadata(data: bytes) -> dict[str, str]:
     if not isinstance(metadata, dict) or metadata.get("format") != BUNDLE_FORMAT:
         raise ExportError(f"not a streamtrain model bundle (format {BUNDLE_FORMAT!r} expected)")
     if metadata.get("format_version") != str(BUNDLE_VERSION):
-        raise ExportError(f"model bundle format version {metadata.get('format_version')!r}; this streamtrain reads {BUNDLE_VERSION}")
+        raise ExportError(
+            f"model bundle format version {metadata.get('format_version')!r}; this streamtrain reads {BUNDLE_VERSION}"
+        )
     return metadata
 
 
@@ -283,7 +285,9 @@ def export_onnx(bundle: ModelBundle, path: Path | str, opset: int | None = None)
         )
     model = onnx.load(str(path))
     model.doc_string = f"streamtrain model version {bundle.version} (step {bundle.step})"
-    onnx.helper.set_model_props(model, {"streamtrain_version": str(bundle.version), "streamtrain_step": str(bundle.step)})
+    onnx.helper.set_model_props(
+        model, {"streamtrain_version": str(bundle.version), "streamtrain_step": str(bundle.step)}
+    )
     onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
@@ -329,9 +333,7 @@ def write_triton_repository(bundle: ModelBundle, root: Path | str, backend: Trit
     config = triton_config(bundle, backend)
     config_path = model_dir / "config.pbtxt"
     if config_path.exists() and config_path.read_text() != config:
-        raise ExportError(
-            f"{config_path} describes another model shape or backend; export into an empty repository"
-        )
+        raise ExportError(f"{config_path} describes another model shape or backend; export into an empty repository")
     version_dir = model_dir / str(bundle.version)
     if backend == "pytorch":
         export_torchscript(bundle, version_dir / "model.pt")
@@ -345,4 +347,3 @@ def describe(bundle: ModelBundle) -> str:
     age = "" if bundle.published_at is None else f", published at {bundle.published_at:.3f}"
     params = sum(p.numel() for p in bundle.model.parameters())
     return f"version {bundle.version} (step {bundle.step}{age}; {params:,} parameters; config {bundle.model.config})"
-

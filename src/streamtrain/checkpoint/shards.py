@@ -14,7 +14,7 @@ has another size or another SHA-256, is not valid; restore falls back to the pre
 complete one. Pruning deletes the manifest first, so a half-deleted checkpoint is never
 taken for a complete one. Every file is written to a temporary name, fsynced, renamed
 and its directory fsynced; nothing is ever unpickled (safetensors and JSON only, through
-:func:`streamtrain.checkpoint.encode_checkpoint`, whose SHA-256 covers every byte).
+:func:`streamtrain.checkpoint.store.encode_checkpoint`, whose SHA-256 covers every byte).
 
 Shard file, ``.stsh``::
 
@@ -61,8 +61,14 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint import CheckpointStore, CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, encode_checkpoint
-from streamtrain.distributed import Collectives, Ownership
+from streamtrain.checkpoint.store import (
+    CheckpointStore,
+    CorruptCheckpoint,
+    LoadedCheckpoint,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from streamtrain.distributed.launch import Collectives, Ownership
 from streamtrain.window import gather_tokens
 
 log = logging.getLogger(__name__)
@@ -398,10 +404,14 @@ def write_shard(
     return FileReceipt(file=shard_name(rank), size=size, sha256=sha, index_sha256=hashlib.sha256(index).hexdigest())
 
 
-def write_common(directory: Path | str, state: Mapping[str, Any], *, step: int, created_at: float | None = None) -> FileReceipt:
+def write_common(
+    directory: Path | str, state: Mapping[str, Any], *, step: int, created_at: float | None = None
+) -> FileReceipt:
     """Write the state every rank shares (model, optimizer, norm, trainer counters): rank 0, once."""
     created_at = time.time() if created_at is None else float(created_at)
-    size, sha = _write_atomically(Path(directory) / COMMON_NAME, encode_checkpoint(state, step=step, created_at=created_at))
+    size, sha = _write_atomically(
+        Path(directory) / COMMON_NAME, encode_checkpoint(state, step=step, created_at=created_at)
+    )
     return FileReceipt(file=COMMON_NAME, size=size, sha256=sha)
 
 
@@ -424,7 +434,9 @@ def write_manifest(
     """
     directory = Path(directory)
     if len(shards) != ownership.world_size:
-        raise ValueError(f"a checkpoint of {ownership.world_size} ranks needs {ownership.world_size} shards, got {len(shards)}")
+        raise ValueError(
+            f"a checkpoint of {ownership.world_size} ranks needs {ownership.world_size} shards, got {len(shards)}"
+        )
     listed = []
     next_offsets: dict[str, int] = {}
     window: dict[str, Any] = {}
@@ -509,7 +521,9 @@ def read_manifest(directory: Path | str) -> Manifest:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise CorruptCheckpoint(directory, "no manifest: the checkpoint was never completed (or is being deleted)") from None
+        raise CorruptCheckpoint(
+            directory, "no manifest: the checkpoint was never completed (or is being deleted)"
+        ) from None
     except OSError as exc:
         raise CorruptCheckpoint(directory, f"manifest unreadable: {exc}") from exc
     try:
@@ -523,7 +537,9 @@ def read_manifest(directory: Path | str) -> Manifest:
                 f"{FORMAT_NAME!r} version {FORMAT_VERSION}",
             )
         if record.get("sha256") != _manifest_digest(record):
-            raise CorruptCheckpoint(directory, "manifest SHA-256 mismatch: it changed after writing (bit rot or an edit)")
+            raise CorruptCheckpoint(
+                directory, "manifest SHA-256 mismatch: it changed after writing (bit rot or an edit)"
+            )
         ownership = Ownership.from_dict(record["ownership"])
         shards = list(record["shards"])
         if [int(s["rank"]) for s in shards] != list(range(ownership.world_size)):
@@ -535,9 +551,13 @@ def read_manifest(directory: Path | str) -> Manifest:
         for shard in shards:
             for partition in shard["partitions"]:
                 if int(partition) in holders:
-                    raise ValueError(f"partition {partition} is in the shards of ranks {holders[int(partition)]} and {shard['rank']}")
+                    raise ValueError(
+                        f"partition {partition} is in the shards of ranks {holders[int(partition)]} and {shard['rank']}"
+                    )
                 if not 0 <= int(partition) < ownership.partition_count:
-                    raise ValueError(f"partition {partition} is outside the {ownership.partition_count} partitions recorded")
+                    raise ValueError(
+                        f"partition {partition} is outside the {ownership.partition_count} partitions recorded"
+                    )
                 holders[int(partition)] = int(shard["rank"])
         window = dict(record["window"])
         int(window["channels"]), int(window["capacity"]), _half_life_from_json(window["half_life_s"])
@@ -734,7 +754,9 @@ def restore_share(
         path = manifest.directory / str(entry["file"])
         index = _read_shard_index(path, entry)
         if int(index["rank"]) != old_rank or int(index["step"]) != manifest.step or index["topic"] != manifest.topic:
-            raise CorruptCheckpoint(path, f"shard says rank {index['rank']} step {index['step']}, the manifest disagrees")
+            raise CorruptCheckpoint(
+                path, f"shard says rank {index['rank']} step {index['step']}, the manifest disagrees"
+            )
         if [int(e["partition"]) for e in index["sections"]] != [int(p) for p in entry["partitions"]]:
             raise CorruptCheckpoint(path, "the shard's partitions are not the ones the manifest lists")
         window = index["window"]
@@ -755,7 +777,9 @@ def restore_share(
         if unchanged:
             rank_state = dict(_read_blob(path, index["_data_start"], index["rank_state"]).state)
     common = read_common(manifest).state if load_common else {}
-    window_state = _merge_sections(sections, shard_meta or {-1: _empty_meta(manifest.window)}, unchanged=unchanged, rank_state=rank_state)
+    window_state = _merge_sections(
+        sections, shard_meta or {-1: _empty_meta(manifest.window)}, unchanged=unchanged, rank_state=rank_state
+    )
     if rank_state is not None:
         rank_state.pop("window_rng_state", None)
     next_offsets = {s.partition: s.next_offset for s in sections if s.next_offset is not None}
@@ -806,7 +830,11 @@ def _merge_sections(
             shift = 0.0 if old_reference is None or reference is None else decay * (float(old_reference) - reference)
             shifts.append(np.full(section.items, shift))
         columns["keys"] = columns["keys"] + np.concatenate(shifts)
-    partitions = np.concatenate([np.full(s.items, s.partition, dtype=np.int32) for s in ordered]) if ordered else np.zeros(0, np.int32)
+    partitions = (
+        np.concatenate([np.full(s.items, s.partition, dtype=np.int32) for s in ordered])
+        if ordered
+        else np.zeros(0, np.int32)
+    )
     n = partitions.shape[0]
     rejected_total: dict[str, int] = {}
     if unchanged:
@@ -847,7 +875,6 @@ def _merge_sections(
     }
 
 
-
 def _empty_meta(window: Mapping[str, Any]) -> dict[str, Any]:
     """Shard metadata for a rank that reads no shard (it owns no partition with state)."""
     return {**window, "reference_ts": None, "accepted_total": 0, "version": 0}
@@ -856,7 +883,7 @@ def _empty_meta(window: Mapping[str, Any]) -> dict[str, Any]:
 def share_from_single_file(
     loaded: LoadedCheckpoint, *, rank: int, world_size: int, partition_count: int | None
 ) -> RestoredShare:
-    """This rank's share of a one-file checkpoint (:class:`streamtrain.checkpoint.CheckpointStore`).
+    """This rank's share of a one-file checkpoint (:class:`streamtrain.checkpoint.store.CheckpointStore`).
 
     A service that ran as one process and now starts with several ranks takes its old
     checkpoint as a one-shard checkpoint: each rank keeps the partitions it now owns.
@@ -1102,10 +1129,14 @@ class DistributedCheckpointer:
         # rank 0's clock names the directory; the partition count is the largest any rank saw,
         # and at least covers every partition a window holds state of
         partition_count = max(int(partition_count), _partitions_held(window_state))
-        proposal = c.all_gather_rows(torch.tensor([int(clock() * 1000), int(step), int(partition_count)], dtype=torch.int64))
+        proposal = c.all_gather_rows(
+            torch.tensor([int(clock() * 1000), int(step), int(partition_count)], dtype=torch.int64)
+        )
         created_ms = int(proposal[0, 0])
         if bool((proposal[:, 1] != step).any()):
-            raise RuntimeError(f"ranks cut a checkpoint at different steps {proposal[:, 1].tolist()}; they must run in lockstep")
+            raise RuntimeError(
+                f"ranks cut a checkpoint at different steps {proposal[:, 1].tolist()}; they must run in lockstep"
+            )
         partition_count = int(proposal[:, 2].max())
         ownership = Ownership(world_size=c.world_size, partition_count=partition_count)
         created_at = created_ms / 1000
@@ -1132,7 +1163,9 @@ class DistributedCheckpointer:
             if c.rank == 0:
                 common_receipt = write_common(directory, common_state or {}, step=step, created_at=created_at)
         except Exception as err:  # noqa: BLE001 - the others must hear about it, not wait for us
-            error = f"rank {c.rank} could not write its part of checkpoint {directory.name}: {type(err).__name__}: {err}"
+            error = (
+                f"rank {c.rank} could not write its part of checkpoint {directory.name}: {type(err).__name__}: {err}"
+            )
             log.error("%s", error)
         rows = c.all_gather_rows(receipt.as_row(ok=error is None))
         sealed = False
@@ -1188,7 +1221,7 @@ class DistributedCheckpointer:
         """This rank's share of the newest checkpoint that loads on every rank, or None.
 
         Sharded checkpoints and, with ``legacy``, the one-file checkpoints of a service
-        that ran as one process (a :class:`~streamtrain.checkpoint.CheckpointStore` in the
+        that ran as one process (a :class:`~streamtrain.checkpoint.store.CheckpointStore` in the
         same directory) are candidates together, newest first by (step, creation time):
         whichever world size wrote the newest, it is the one restored. A candidate that
         does not verify on some rank is skipped by every rank alike.
@@ -1248,7 +1281,9 @@ class DistributedCheckpointer:
                 raise CheckpointMismatch(reason or f"another rank refused checkpoint step {step}; see rank 0's log")
             position += 1
 
-    def _read_legacy(self, legacy: CheckpointStore, step: int, created_ms: int, partition_count: int | None) -> RestoredShare | None:
+    def _read_legacy(
+        self, legacy: CheckpointStore, step: int, created_ms: int, partition_count: int | None
+    ) -> RestoredShare | None:
         """This rank's share of the one-file checkpoint named by (step, created_ms); None when it is corrupt."""
         c = self.collectives
         info = next((i for i in legacy.list() if (i.step, int(round(i.created_at * 1000))) == (step, created_ms)), None)
@@ -1257,12 +1292,16 @@ class DistributedCheckpointer:
             return None
         return share_from_single_file(loaded, rank=c.rank, world_size=c.world_size, partition_count=partition_count)
 
-    def _restore_legacy(self, legacy: Callable[[], LoadedCheckpoint | None], partition_count: int | None) -> RestoredShare | None:
+    def _restore_legacy(
+        self, legacy: Callable[[], LoadedCheckpoint | None], partition_count: int | None
+    ) -> RestoredShare | None:
         c = self.collectives
         loaded = legacy()
         step = -1 if loaded is None else loaded.step
         if c.max_int(step) != step or (c.world_size > 1 and -c.max_int(-step) != step):
-            raise RuntimeError("ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory")
+            raise RuntimeError(
+                "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
+            )
         if loaded is None:
             return None
         share = share_from_single_file(loaded, rank=c.rank, world_size=c.world_size, partition_count=partition_count)

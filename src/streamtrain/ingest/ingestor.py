@@ -39,9 +39,9 @@ import threading
 import time
 from collections import Counter as TallyCounter
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +50,13 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from streamtrain import kafka_security
 from streamtrain.config import Settings
-from streamtrain.dead_letters import DeadLetterOutbox
 from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
+from streamtrain.ingest import security as kafka_security
+from streamtrain.ingest.dead_letters import DeadLetterOutbox
+from streamtrain.ingest.topics import TopicLimits, ensure_topics, forbid_topic_auto_creation, prepare_topics
+from streamtrain.ingest.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.metrics import Metrics
-from streamtrain.topics import TopicLimits, ensure_topics, forbid_topic_auto_creation, prepare_topics
-from streamtrain.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.window import RecencyWindow
 
 __all__ = [
@@ -112,7 +112,9 @@ def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
     """
     coordinator = getattr(consumer, "_coordinator", None)
     if coordinator is None or not callable(getattr(coordinator, "request_rejoin", None)):
-        raise RuntimeError("kafka-python's coordinator changed: re-check streamtrain.ingest.keep_rejoin_pending")
+        raise RuntimeError(
+            "kafka-python's coordinator changed: re-check streamtrain.ingest.ingestor.keep_rejoin_pending"
+        )
     decide = coordinator.need_rejoin
 
     def need_rejoin() -> bool:
@@ -145,8 +147,14 @@ def rejoin_on_partition_changes(consumer: KafkaConsumer) -> None:
     """
     coordinator = getattr(consumer, "_coordinator", None)
     snapshot = getattr(coordinator, "_metadata_snapshot", None)
-    if coordinator is None or not isinstance(snapshot, dict) or not callable(getattr(coordinator, "group_protocols", None)):
-        raise RuntimeError("kafka-python's coordinator changed: re-check streamtrain.ingest.rejoin_on_partition_changes")
+    if (
+        coordinator is None
+        or not isinstance(snapshot, dict)
+        or not callable(getattr(coordinator, "group_protocols", None))
+    ):
+        raise RuntimeError(
+            "kafka-python's coordinator changed: re-check streamtrain.ingest.ingestor.rejoin_on_partition_changes"
+        )
     protocols, decide = coordinator.group_protocols, coordinator.need_rejoin
     joined: dict[str, Any] = {"snapshot": None}
 
@@ -233,7 +241,9 @@ def topic_partition_count(consumer: KafkaConsumer, topic: str, *, refresh: bool 
     return max(partitions) + 1 if partitions else 0
 
 
-def assign_owned(consumer: KafkaConsumer, topic: str, partitions: list[int], listener: ConsumerRebalanceListener) -> None:
+def assign_owned(
+    consumer: KafkaConsumer, topic: str, partitions: list[int], listener: ConsumerRebalanceListener
+) -> None:
     """Assign exactly ``partitions`` (positions of those already assigned are kept) and let
     ``listener`` seek them to where the window goes on."""
     wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
@@ -714,9 +724,7 @@ class Ingestor:
             except queue.Empty:
                 return
             assigned = {tp.partition: tp for tp in consumer.assignment()}
-            to_commit = {
-                assigned[p]: OffsetAndMetadata(o, "", -1) for p, o in offsets.items() if p in assigned
-            }
+            to_commit = {assigned[p]: OffsetAndMetadata(o, "", -1) for p, o in offsets.items() if p in assigned}
             try:
                 if to_commit and self._connected:  # while the broker is away the next checkpoint commits
                     consumer.commit(to_commit, timeout_ms=_COMMIT_TIMEOUT_MS)

@@ -398,7 +398,9 @@ def build_model(settings: Any) -> SensorModel:
 # --------------------------------------------------------------------------------------------
 
 
-def _one_step_errors(forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _one_step_errors(
+    forecast: torch.Tensor, x_norm: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position squared error (mean over channels) of forecast[t] vs x[t+1]; [B, L] each,
     valid where t and t+1 are both real.
 
@@ -453,7 +455,9 @@ def classification_loss(
     """
     labelled = labels != NO_LABEL
     per_example = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
-    per_example = torch.where(labelled, per_example, torch.zeros((), dtype=per_example.dtype, device=per_example.device))
+    per_example = torch.where(
+        labelled, per_example, torch.zeros((), dtype=per_example.dtype, device=per_example.device)
+    )
     if reduction == "per_sample":
         return per_example
     if reduction == "tokens":

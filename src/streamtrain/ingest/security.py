@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr, TypeAdapter, ValidationError
-
 from kafka.errors import (
     AuthorizationError,
     ClusterAuthorizationFailedError,
@@ -36,6 +34,7 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 from kafka.net.sasl.oauth import AbstractTokenProvider
+from pydantic import SecretStr, TypeAdapter, ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,13 @@ FAILURE_PREFIXES = tuple(kind + ":" for kind in FAILURE_KINDS)
 NETWORK_LOGGERS = ("kafka.net.manager", "kafka.net.connection", "kafka.net.transport")
 #: kafka-python's loggers that report authorization refusals, once per retry; the service reports them itself.
 REFUSAL_LOGGERS = (
-    "kafka.coordinator", "kafka.coordinator.consumer", "kafka.cluster", "kafka.consumer.fetcher", "kafka.consumer.group",
-    "kafka.producer.kafka", "kafka.producer.sender",
+    "kafka.coordinator",
+    "kafka.coordinator.consumer",
+    "kafka.cluster",
+    "kafka.consumer.fetcher",
+    "kafka.consumer.group",
+    "kafka.producer.kafka",
+    "kafka.producer.sender",
 )
 
 
@@ -78,13 +82,10 @@ def check(s: Any) -> None:
         )
     if sasl and mechanism is None:
         raise ValueError(
-            f"kafka_security_protocol={protocol} needs {_env('kafka_sasl_mechanism')} "
-            f"(one of {', '.join(MECHANISMS)})"
+            f"kafka_security_protocol={protocol} needs {_env('kafka_sasl_mechanism')} (one of {', '.join(MECHANISMS)})"
         )
     if s.kafka_sasl_password is not None and s.kafka_sasl_password_file is not None:
-        raise ValueError(
-            f"set one of {_env('kafka_sasl_password')} and {_env('kafka_sasl_password_file')}, not both"
-        )
+        raise ValueError(f"set one of {_env('kafka_sasl_password')} and {_env('kafka_sasl_password_file')}, not both")
     if s.kafka_sasl_password_file is not None:
         _read_secret_file(s.kafka_sasl_password_file, "kafka_sasl_password_file")
     if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
@@ -106,7 +107,9 @@ def check(s: Any) -> None:
         if path is None:
             continue
         if not tls:
-            raise ValueError(f"{name} is set but kafka_security_protocol={protocol} does not use TLS: set SSL or SASL_SSL")
+            raise ValueError(
+                f"{name} is set but kafka_security_protocol={protocol} does not use TLS: set SSL or SASL_SSL"
+            )
         if not Path(path).is_file() or not os.access(path, os.R_OK):
             raise ValueError(f"{name}={str(path)!r} is not a readable file")
     if (s.kafka_ssl_certfile is None) != (s.kafka_ssl_keyfile is None):
@@ -161,7 +164,9 @@ def _read_secret_file(path: Path | str, setting: str) -> str:
     try:
         value = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{setting}={str(path)!r} cannot be read ({type(err).__name__}: {err.strerror or 'not UTF-8'})") from None
+        raise ValueError(
+            f"{setting}={str(path)!r} cannot be read ({type(err).__name__}: {err.strerror or 'not UTF-8'})"
+        ) from None
     if not value:
         raise ValueError(f"{setting}={str(path)!r} is empty")
     return value
@@ -245,7 +250,9 @@ def authorization_failed(operation: str, kind: str, name: str, hint: str = "") -
     return KafkaAccessError(f"{AUTHORIZATION_FAILED}: {operation} on {kind} {name}" + (f" ({hint})" if hint else ""))
 
 
-def authorization_reason(err: BaseException, operation: str, *, topic: str | None = None, group: str | None = None) -> str | None:
+def authorization_reason(
+    err: BaseException, operation: str, *, topic: str | None = None, group: str | None = None
+) -> str | None:
     """The reason for a kafka-python authorization error (None for any other error).
 
     ``operation`` is what the failing call needed; the resource is the one the error names.
@@ -270,7 +277,9 @@ def _auth_reason(exc: BaseException, s: Any) -> str | None:
     text = str(exc)
     if isinstance(exc, SaslAuthenticationFailedError) or "SaslAuthenticationFailed" in text:
         who = f" for user {s.kafka_sasl_username}" if s.kafka_sasl_username else ""
-        return f"{AUTH_FAILED}: {s.kafka_sasl_mechanism} authentication failed{who} (the broker refused the credentials)"
+        return (
+            f"{AUTH_FAILED}: {s.kafka_sasl_mechanism} authentication failed{who} (the broker refused the credentials)"
+        )
     if isinstance(exc, ssl.SSLError) or "Handshake failed" in text or "CERTIFICATE_VERIFY_FAILED" in text:
         detail = text.split("Handshake failed: ", 1)[-1]
         if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
@@ -282,7 +291,13 @@ def _auth_reason(exc: BaseException, s: Any) -> str | None:
 
 
 #: What kafka-python's network loggers write on every retry of a connection that fails.
-_RETRY_NOISE = ("socket disconnected", "not ready; waiting", "Bootstrap connection to", "Bootstrap failed", "Connection failed")
+_RETRY_NOISE = (
+    "socket disconnected",
+    "not ready; waiting",
+    "Bootstrap connection to",
+    "Bootstrap failed",
+    "Connection failed",
+)
 
 
 class AuthWatch(logging.Filter):

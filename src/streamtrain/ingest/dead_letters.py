@@ -46,9 +46,9 @@ from kafka.errors import (
 )
 
 from streamtrain.config import Settings
-from streamtrain.kafka_security import authorization_reason, client_options
+from streamtrain.ingest.security import authorization_reason, client_options
+from streamtrain.ingest.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic, forbid_topic_auto_creation
 from streamtrain.metrics import Metrics
-from streamtrain.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic, forbid_topic_auto_creation
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +265,11 @@ class DeadLetterOutbox:
         with self._cond:
             self._settle_locked()
             now = self._clock()
-            due = [] if now < self._blocked_until else [
-                letter for letter in self._pending.values() if not letter.in_flight and letter.due <= now
-            ]
+            due = (
+                []
+                if now < self._blocked_until
+                else [letter for letter in self._pending.values() if not letter.in_flight and letter.due <= now]
+            )
             if not due:
                 waits = [letter.due for letter in self._pending.values() if not letter.in_flight]
                 wake = max(min(waits, default=now + 1.0), self._blocked_until)
@@ -316,7 +318,9 @@ class DeadLetterOutbox:
             reconnect_backoff_max_ms=2000,
             **client_options(self.settings),
         )
-        return forbid_topic_auto_creation(producer)  # a deleted .dlq comes back with its size limit, not broker defaults
+        return forbid_topic_auto_creation(
+            producer
+        )  # a deleted .dlq comes back with its size limit, not broker defaults
 
     def _send(self, producer: Any, letter: DeadLetter) -> None:
         letter.in_flight = True

@@ -96,7 +96,9 @@ class DistContext:
         if self.world_size < 1:
             raise DistConfigError(f"WORLD_SIZE={self.world_size}: a world has at least 1 rank")
         if not 0 <= self.rank < self.world_size:
-            raise DistConfigError(f"RANK={self.rank} is outside [0, WORLD_SIZE={self.world_size}); give each process its own rank")
+            raise DistConfigError(
+                f"RANK={self.rank} is outside [0, WORLD_SIZE={self.world_size}); give each process its own rank"
+            )
         if not 0 <= self.local_rank < max(self.local_world_size, 1):
             raise DistConfigError(
                 f"LOCAL_RANK={self.local_rank} is outside [0, LOCAL_WORLD_SIZE={self.local_world_size})"
@@ -188,7 +190,9 @@ def http_port(configured: int, ctx: DistContext, *, explicit: bool) -> int:
         return 0  # an ephemeral port per rank
     port = configured + ctx.local_rank
     if port > 65535:
-        raise DistConfigError(f"HTTP_PORT {configured} + LOCAL_RANK {ctx.local_rank} = {port} is past 65535; lower HTTP_PORT")
+        raise DistConfigError(
+            f"HTTP_PORT {configured} + LOCAL_RANK {ctx.local_rank} = {port} is past 65535; lower HTTP_PORT"
+        )
     return port
 
 
@@ -264,7 +268,9 @@ class Ownership:
 def capacity_share(capacity: int, rank: int, world_size: int) -> int:
     """This rank's share of a window of ``capacity`` items; the shares add up to ``capacity``."""
     if capacity < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"capacity_share needs capacity >= 1 and 0 <= rank < world_size, got {capacity}, {rank}, {world_size}")
+        raise ValueError(
+            f"capacity_share needs capacity >= 1 and 0 <= rank < world_size, got {capacity}, {rank}, {world_size}"
+        )
     base, extra = divmod(capacity, world_size)
     return max(1, base + (1 if rank < extra else 0))
 
@@ -694,7 +700,7 @@ class Collectives:
         zeros, so every rank issues the same collectives. ``tail`` (a small 1-D tensor: loss
         sums, flags) rides in the last bucket, so a step costs no extra round trip. The
         sum is left unscaled: the caller weights each rank's loss by the global counts
-        before backward (see :mod:`streamtrain.parallel`). Returns the summed ``tail``.
+        before backward (see :mod:`streamtrain.distributed.data_parallel`). Returns the summed ``tail``.
         """
         params = [p for p in parameters if p.requires_grad]
         for p in params:

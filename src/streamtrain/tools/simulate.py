@@ -81,44 +81,72 @@ class SimulationConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bootstrap: str = Field("localhost:9092", min_length=1, description="Kafka bootstrap servers, host:port[,host:port...]")
+    bootstrap: str = Field(
+        "localhost:9092", min_length=1, description="Kafka bootstrap servers, host:port[,host:port...]"
+    )
     topic: str = Field("sensor-events", min_length=1, max_length=249, description="topic the events go to")
-    rate: float = Field(100.0, ge=0, description="events per second (token-bucket paced); 0 = as fast as Kafka takes them")
+    rate: float = Field(
+        100.0, ge=0, description="events per second (token-bucket paced); 0 = as fast as Kafka takes them"
+    )
     sensors: int = Field(16, ge=1, le=1_000_000, description="number of simulated sensors (distinct sensor_id keys)")
     channels: int = Field(1, ge=1, le=64, description="numbers per time step (C); must match the service's channels")
     n_classes: int = Field(0, ge=0, le=10_000, description="label classes; 0 = events carry no label")
     length_median: float = Field(64.0, gt=0, description="median time steps per event (lognormal lengths)")
-    length_sigma: float = Field(0.5, ge=0, le=5, description="sigma of log(length); 0 = every event has the median length")
-    max_len: int = Field(512, ge=1, le=100_000, description="most time steps per valid event; must match the service's max_len")
-    malformed_share: float = Field(0.0, ge=0, le=1, description="share of messages that break one rule of the event format")
+    length_sigma: float = Field(
+        0.5, ge=0, le=5, description="sigma of log(length); 0 = every event has the median length"
+    )
+    max_len: int = Field(
+        512, ge=1, le=100_000, description="most time steps per valid event; must match the service's max_len"
+    )
+    malformed_share: float = Field(
+        0.0, ge=0, le=1, description="share of messages that break one rule of the event format"
+    )
     malformed_reasons: tuple[str, ...] = Field(
-        MALFORMED_REASONS, min_length=1, description="rejection reasons malformed messages are drawn from, uniformly (bad_label needs n_classes > 0)"
+        MALFORMED_REASONS,
+        min_length=1,
+        description="rejection reasons malformed messages are drawn from, uniformly (bad_label needs n_classes > 0)",
     )
     drift: Literal["none", "abrupt", "recurring"] = Field(
-        "none", description="none; abrupt = a new regime at each --drift-at-s time; recurring = regimes cycle every --drift-period-s"
+        "none",
+        description="none; abrupt = a new regime at each --drift-at-s time; recurring = regimes cycle every --drift-period-s",
     )
-    drift_period_s: float = Field(300.0, gt=0, description="recurring: seconds per regime; abrupt without --drift-at-s: time of the single change")
+    drift_period_s: float = Field(
+        300.0, gt=0, description="recurring: seconds per regime; abrupt without --drift-at-s: time of the single change"
+    )
     drift_at_s: tuple[float, ...] = Field((), description="abrupt: seconds after start at which the regime changes")
     drift_regimes: int = Field(2, ge=2, le=1000, description="recurring: number of regimes cycled through")
-    process: Literal["mixed", "ar", "seasonal"] = Field("mixed", description="sensor signal kind: AR(2) oscillators, seasonal sinusoids + noise, or a mix")
+    process: Literal["mixed", "ar", "seasonal"] = Field(
+        "mixed", description="sensor signal kind: AR(2) oscillators, seasonal sinusoids + noise, or a mix"
+    )
     duration_s: float | None = Field(None, gt=0, description="stop after this many seconds; unset = no time limit")
     count: int | None = Field(None, ge=0, description="stop after this many messages; unset = no count limit")
     seed: int = Field(0, ge=0, description="seed of the fleet's numpy Generator: same seed, same messages")
     event_ids: bool = Field(False, description="add a unique 'event_id' field (\"<run_id>-<n>\") to every JSON event")
-    run_id: str | None = Field(None, min_length=1, max_length=64, description="prefix of event ids; unset = random per run")
-    max_message_bytes: int = Field(1 << 20, ge=1024, description="the service's message size limit; too_large messages exceed it")
+    run_id: str | None = Field(
+        None, min_length=1, max_length=64, description="prefix of event ids; unset = random per run"
+    )
+    max_message_bytes: int = Field(
+        1 << 20, ge=1024, description="the service's message size limit; too_large messages exceed it"
+    )
     progress_interval_s: float = Field(5.0, gt=0, description="seconds between progress log lines")
 
     @model_validator(mode="after")
     def _consistent(self) -> SimulationConfig:
         unknown = sorted(set(self.malformed_reasons) - set(MALFORMED_REASONS))
         if unknown:
-            raise ValueError(f"malformed_reasons has unknown reason(s) {unknown}; choose from {list(MALFORMED_REASONS)}")
+            raise ValueError(
+                f"malformed_reasons has unknown reason(s) {unknown}; choose from {list(MALFORMED_REASONS)}"
+            )
         if self.malformed_share > 0 and not self.applicable_malformed_reasons:
-            raise ValueError("malformed_reasons holds only bad_label but n_classes is 0; set --n-classes or add other reasons")
+            raise ValueError(
+                "malformed_reasons holds only bad_label but n_classes is 0; set --n-classes or add other reasons"
+            )
         if any(t < 0 for t in self.drift_at_s) or list(self.drift_at_s) != sorted(self.drift_at_s):
             raise ValueError(f"drift_at_s must be non-negative and ascending, got {list(self.drift_at_s)}")
-        worst_bytes = self.longest_message_steps * (self.channels * JSON_BYTES_PER_NUMBER + JSON_BYTES_PER_STEP) + JSON_BYTES_ENVELOPE
+        worst_bytes = (
+            self.longest_message_steps * (self.channels * JSON_BYTES_PER_NUMBER + JSON_BYTES_PER_STEP)
+            + JSON_BYTES_ENVELOPE
+        )
         if worst_bytes > self.max_message_bytes:
             raise ValueError(
                 f"an event of {self.longest_message_steps} steps (max_len={self.max_len}, too_long messages up to 1/8 more) "
@@ -191,7 +219,9 @@ def _toml_settings(path: Path) -> Iterator[tuple[str, Any, str]]:
             yield name, value, f"{path}"
     section = document.get("simulate", {})
     if not isinstance(section, dict):
-        raise SimulationConfigError(f"config file {path}: 'simulate' must be a table ([simulate]), got {type(section).__name__}")
+        raise SimulationConfigError(
+            f"config file {path}: 'simulate' must be a table ([simulate]), got {type(section).__name__}"
+        )
     for key, value in section.items():
         name = TOML_ALIASES.get(key, key)
         if name not in fields:
@@ -281,7 +311,9 @@ class SensorFleet:
         if n_regimes == 1:
             periods = np.array([SINGLE_REGIME_PERIOD_STEPS])
         else:
-            periods = SHORTEST_PERIOD_STEPS * (LONGEST_PERIOD_STEPS / SHORTEST_PERIOD_STEPS) ** (np.arange(n_regimes) / (n_regimes - 1))
+            periods = SHORTEST_PERIOD_STEPS * (LONGEST_PERIOD_STEPS / SHORTEST_PERIOD_STEPS) ** (
+                np.arange(n_regimes) / (n_regimes - 1)
+            )
         self.class_omega = 2.0 * math.pi / periods
         self.channel_factor = 1.0 + CHANNEL_FREQUENCY_STEP * (np.arange(c) % 4)
         self._shifts = self._draw_regime_shifts()
@@ -327,7 +359,9 @@ class SensorFleet:
         shift = self._shifts[self.drift_regime(elapsed_s)]
         sensor = rng.integers(cfg.sensors, size=n)
         klass = rng.integers(max(cfg.n_classes, 1), size=n)
-        lengths = np.clip(np.rint(cfg.length_median * np.exp(cfg.length_sigma * rng.standard_normal(n))), 1, cfg.max_len).astype(np.int64)
+        lengths = np.clip(
+            np.rint(cfg.length_median * np.exp(cfg.length_sigma * rng.standard_normal(n))), 1, cfg.max_len
+        ).astype(np.int64)
         reasons = self._draw_reasons(n)
         too_long = np.flatnonzero(reasons == "too_long")
         lengths[too_long] = rng.integers(cfg.max_len + 1, cfg.longest_message_steps + 1, size=too_long.size)
@@ -338,7 +372,9 @@ class SensorFleet:
         omega = self.class_omega[(klass + shift.label_rotation) % self.class_omega.size] / shift.period_factor
         omega = omega[:, None] * self.channel_factor[None, :]
         signal_ = self._signals(self.sensor_is_ar[sensor], omega, int(lengths.max(initial=1)))
-        readings = (self.sensor_level[sensor][:, None, :] + shift.level_shift + self.sensor_scale[sensor][:, None, :] * signal_).astype(np.float32)
+        readings = (
+            self.sensor_level[sensor][:, None, :] + shift.level_shift + self.sensor_scale[sensor][:, None, :] * signal_
+        ).astype(np.float32)
 
         keys: list[bytes] = []
         payloads: list[bytes] = []
@@ -378,7 +414,9 @@ class SensorFleet:
             t = np.arange(steps, dtype=np.float64)[None, :, None]
             phase = rng.uniform(0.0, 2.0 * math.pi, size=(seasonal.size, 1, c))
             amplitude = math.sqrt(2.0 * (1.0 - SEASONAL_NOISE_STD**2))
-            out[seasonal] = amplitude * np.sin(omega[seasonal][:, None, :] * t + phase) + SEASONAL_NOISE_STD * rng.standard_normal((seasonal.size, steps, c))
+            out[seasonal] = amplitude * np.sin(
+                omega[seasonal][:, None, :] * t + phase
+            ) + SEASONAL_NOISE_STD * rng.standard_normal((seasonal.size, steps, c))
         ar = np.flatnonzero(is_ar)
         if ar.size:
             out[ar] = _ar2_oscillator(omega[ar], steps, rng)
@@ -521,7 +559,7 @@ def kafka_producer(config: SimulationConfig) -> Producer:
     """
     from kafka import KafkaProducer
 
-    from streamtrain.kafka_security import KafkaSecurity, client_options, watch
+    from streamtrain.ingest.security import KafkaSecurity, client_options, watch
 
     security = KafkaSecurity.from_environment()
     watch(security)  # a refused login is said once (run_cli), not logged on every retry
@@ -608,7 +646,11 @@ def run_simulation(
     next_progress = start + config.progress_interval_s
     logger.info(
         "simulating %d sensors to %s on %s at %s events/s (run id %s)",
-        config.sensors, config.topic, config.bootstrap, config.rate or "max", fleet.run_id,
+        config.sensors,
+        config.topic,
+        config.bootstrap,
+        config.rate or "max",
+        fleet.run_id,
     )
     try:
         while not stop.is_set():
@@ -673,15 +715,29 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per :class:`SimulationConfig` field, plus ``--config``; sets ``func``."""
     env_of = {name: ENV_PREFIX + env for env, name in ENV_SETTINGS.items()}
-    parser.add_argument("--config", dest="config_path", metavar="FILE", type=Path, default=None,
-                        help="TOML file with the settings (a [simulate] section or top-level keys)")
+    parser.add_argument(
+        "--config",
+        dest="config_path",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="TOML file with the settings (a [simulate] section or top-level keys)",
+    )
     for name, info in SimulationConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = info.default
-        shown = "unset" if default is None else (" ".join(map(str, default)) or "none") if isinstance(default, tuple) else default
+        shown = (
+            "unset"
+            if default is None
+            else (" ".join(map(str, default)) or "none")
+            if isinstance(default, tuple)
+            else default
+        )
         help_text = f"{info.description} (default: {shown}"
         help_text += f"; env {env_of[name]})" if name in env_of else ")"
-        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text, **_argparse_kind(info.annotation))
+        parser.add_argument(
+            flag, dest=name, default=argparse.SUPPRESS, help=help_text, **_argparse_kind(info.annotation)
+        )
     parser.set_defaults(func=run_cli)
 
 
@@ -705,7 +761,7 @@ def run_cli(args: argparse.Namespace) -> int:
     overrides = {name: value for name, value in vars(args).items() if name in SimulationConfig.model_fields}
     try:
         config = load_simulation_config(getattr(args, "config_path", None), os.environ, overrides)
-        from streamtrain.kafka_security import KafkaSecurity
+        from streamtrain.ingest.security import KafkaSecurity
 
         KafkaSecurity.from_environment()  # refused here in one line, not by the producer
     except (SimulationConfigError, ValueError) as exc:
@@ -718,21 +774,27 @@ def run_cli(args: argparse.Namespace) -> int:
     try:
         report = run_simulation(config, stop=stop)
     except KafkaError as exc:  # e.g. NoBrokersAvailable: one line, not a traceback
-        from streamtrain.kafka_security import current_failure
+        from streamtrain.ingest.security import current_failure
 
         cause = current_failure()
         if cause is not None:
             print(f"streamtrain simulate: cannot produce to {config.bootstrap}: {cause}", file=sys.stderr)
             return 1
-        print(f"streamtrain simulate: cannot produce to {config.bootstrap} ({type(exc).__name__}: {exc}); "
-              "check --bootstrap / STREAMTRAIN_KAFKA_BOOTSTRAP and that the broker runs", file=sys.stderr)
+        print(
+            f"streamtrain simulate: cannot produce to {config.bootstrap} ({type(exc).__name__}: {exc}); "
+            "check --bootstrap / STREAMTRAIN_KAFKA_BOOTSTRAP and that the broker runs",
+            file=sys.stderr,
+        )
         return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if report.delivery_errors:
-        print(f"streamtrain simulate: {report.delivery_errors} of {report.sent} records were not delivered "
-              f"(first: {report.first_delivery_error})", file=sys.stderr)
+        print(
+            f"streamtrain simulate: {report.delivery_errors} of {report.sent} records were not delivered "
+            f"(first: {report.first_delivery_error})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -748,8 +810,8 @@ def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m streamtrain.simulate [options]``: the same as ``streamtrain simulate``."""
-    parser = argparse.ArgumentParser(prog="python -m streamtrain.simulate", description=DESCRIPTION)
+    """``python -m streamtrain.tools.simulate [options]``: the same as ``streamtrain simulate``."""
+    parser = argparse.ArgumentParser(prog="python -m streamtrain.tools.simulate", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
     return args.func(args)
