@@ -5,16 +5,17 @@ Face's length-grouped megabatches (``get_length_grouped_indices``), (c) lhotse's
 ``DynamicBucketingSampler`` over synthetic cuts whose duration is the length, with its
 default 10 buckets and with ``num_buckets=30``, as a user who cares about padding would
 set it (the comparison targets use the 30-bucket setting, the better of the two on
-padding), and (d) ours (:func:`streamtrain.data.plan_batches`), seeded and crypto. Fixed-size strategies get
-``budget // mean length`` sequences per batch, the same real tokens per batch a perfectly
+padding), and (d) ours (:func:`streamtrain.data.plan_batches`), seeded and crypto.
+Fixed-size strategies get ``budget // mean length`` sequences per batch, the same real tokens per batch a perfectly
 packed token budget would hold; their batches may exceed the budget once padded, which
 the ``over_budget`` column counts. Every strategy is scored by the same function
 (:func:`streamtrain.data.describe_plan`).
 
 Planning throughput is items planned per second, timed the same way for every strategy:
 one untimed warm-up run, then the best of ``--repeats`` runs (for lhotse a run builds
-the sampler over the in-memory cuts and iterates it). Peak memory is tracemalloc's peak during a separate planning run; it sees
-numpy and Python allocations, not torch's (so HF's ``randperm`` buffer is not counted).
+the sampler over the in-memory cuts and iterates it). Peak memory is tracemalloc's peak
+during a separate planning run; it sees numpy and Python allocations, not torch's (so HF's
+``randperm`` buffer is not counted).
 
 The ``loader`` rows justify the prefetch thread over DataLoader worker processes: the time
 to plan and collate one batch from a window snapshot in process, a DataLoader with worker
@@ -50,7 +51,7 @@ from streamtrain.data import (
     describe_plan,
     plan_batches,
 )
-from streamtrain.window import WindowSnapshot
+from streamtrain.window.snapshot import WindowSnapshot
 
 BENCH = "batching"
 LHOTSE = "lhotse_30_buckets"  # the baseline: lhotse as a padding-conscious user configures it
@@ -304,9 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += result_rows(distribution, results)
         by_name = {r.strategy: r for r in results}
         seeded = by_name["ours_seeded"]
-        if distribution == "lognormal":
-            if seeded.padding_share > 0.03 or abs(seeded.adjacent_length_corr) > 0.15:
-                failures.append("lognormal padding or adjacent-batch correlation over target")
+        if distribution == "lognormal" and (seeded.padding_share > 0.03 or abs(seeded.adjacent_length_corr) > 0.15):
+            failures.append("lognormal padding or adjacent-batch correlation over target")
         if seeded.items_per_s < max(1e6, 10 * by_name[LHOTSE].items_per_s):
             failures.append(f"{distribution} planning throughput under target")
         failures += [f"{distribution}/{r.strategy} missed or repeated items" for r in results if not r.covered]

@@ -542,8 +542,15 @@ def run(config: ChaosConfig, workdir: Path) -> ChaosRun:
 
 
 def read_dead_letters(bootstrap: str, topic: str) -> list[Any]:
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest",
-                             enable_auto_commit=False, max_partition_fetch_bytes=8 << 20, consumer_timeout_ms=10_000)  # fmt: skip
+    consumer = KafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_partition_fetch_bytes=8 << 20,
+        consumer_timeout_ms=10_000,
+    )
     records = list(consumer)
     consumer.close()
     return records
@@ -765,15 +772,23 @@ def main() -> int:
         "--duration-s", type=float, default=defaults.duration_s, help="production time, faults included"
     )
     parser.add_argument("--rate", type=float, default=defaults.rate, help="valid events per second")
-    parser.add_argument("--window-capacity", type=int, default=defaults.window_capacity,
-                        help="the service's WINDOW_CAPACITY; at least the events sent makes the audit complete")  # fmt: skip
+    parser.add_argument(
+        "--window-capacity",
+        type=int,
+        default=defaults.window_capacity,
+        help="the service's WINDOW_CAPACITY; at least the events sent makes the audit complete",
+    )
     parser.add_argument("--fault-gap-s", type=float, default=defaults.fault_gap_s, help="mean time between faults")
     parser.add_argument(
         "--feed-processes", type=int, default=defaults.feed_processes, help="producer processes sharing --rate"
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--malloc", choices=CHOICES, default=defaults.malloc,
-                        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto")  # fmt: skip
+    parser.add_argument(
+        "--malloc",
+        choices=CHOICES,
+        default=defaults.malloc,
+        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto",
+    )
     parser.add_argument(
         "--keep", type=Path, default=None, help="work directory to keep (logs, checkpoints, broker data)"
     )

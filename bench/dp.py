@@ -52,9 +52,11 @@ from streamtrain.config import Settings  # noqa: E402
 from streamtrain.data import TokenBudget, collate, plan_batches  # noqa: E402
 from streamtrain.data.randomness import SeededRandomness  # noqa: E402
 from streamtrain.events import EventLimits, decode_batch  # noqa: E402
-from streamtrain.model.network import SensorModel, build_model, forecast_loss, naive_last_value_loss  # noqa: E402
+from streamtrain.model.losses import forecast_loss, naive_last_value_loss  # noqa: E402
+from streamtrain.model.network import SensorModel, build_model  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
-from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.tools.sensor_fleet import SensorFleet  # noqa: E402
+from streamtrain.tools.simulation_config import SimulationConfig  # noqa: E402
 
 BENCH = "dp"
 
@@ -271,10 +273,23 @@ def utility(args: argparse.Namespace) -> list[Row]:
         if step in marks:
             minutes = step / rate / 60
             epsilon = engine.epsilon_spent()
-            rows.append(Row(BENCH, f"stream {minutes:.1f} min (step {step}): DP holdout_loss vs last value, eps {epsilon:.2f}",
-                            ratio(private_model) * naive, naive, "<= 0.9x at 10 min, eps <= 8" if step == marks[-1] else ""))  # fmt: skip
-            rows.append(Row(BENCH, f"stream {minutes:.1f} min (step {step}): non-DP holdout_loss vs last value",
-                            ratio(plain_model) * naive, naive))  # fmt: skip
+            rows.append(
+                Row(
+                    BENCH,
+                    f"stream {minutes:.1f} min (step {step}): DP holdout_loss vs last value, eps {epsilon:.2f}",
+                    ratio(private_model) * naive,
+                    naive,
+                    "<= 0.9x at 10 min, eps <= 8" if step == marks[-1] else "",
+                )
+            )
+            rows.append(
+                Row(
+                    BENCH,
+                    f"stream {minutes:.1f} min (step {step}): non-DP holdout_loss vs last value",
+                    ratio(plain_model) * naive,
+                    naive,
+                )
+            )
             print(
                 f"# utility step {step}/{args.utility_steps} after {time.perf_counter() - started:.0f}s",
                 file=sys.stderr,

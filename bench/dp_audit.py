@@ -45,7 +45,8 @@ from streamtrain.data.collate import collate  # noqa: E402
 from streamtrain.events import EventBatch, EventLimits, SensorEvent, decode_batch  # noqa: E402
 from streamtrain.model.network import SensorModel  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
-from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.tools.sensor_fleet import SensorFleet  # noqa: E402
+from streamtrain.tools.simulation_config import SimulationConfig  # noqa: E402
 
 BENCH = "dp_audit"
 CANARY_PARTITION = 1  # canaries and background come from different partitions of the audit stream
@@ -237,8 +238,14 @@ def main(argv: list[str] | None = None) -> None:
                 target,
             )
         )
-        rows.append(Row(BENCH, f"{variant}: correct of {result.guesses} guesses (k={result.best_k}, {result.canaries_in} canaries in)",
-                        float(result.correct), float(result.guesses)))  # fmt: skip
+        rows.append(
+            Row(
+                BENCH,
+                f"{variant}: correct of {result.guesses} guesses (k={result.best_k}, {result.canaries_in} canaries in)",
+                float(result.correct),
+                float(result.guesses),
+            )
+        )
     emit(rows, args.json)
 
 

@@ -43,11 +43,13 @@ from _table import Row, emit  # noqa: E402
 from streamtrain.config import load_settings  # noqa: E402
 from streamtrain.events import EventBatch, EventLimits, decode_batch  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.model.network import RunningNorm  # noqa: E402
-from streamtrain.quality.monitor import DriftMonitor, score_events  # noqa: E402
-from streamtrain.tools.simulate import SensorFleet, SimulationConfig  # noqa: E402
+from streamtrain.model.normalization import RunningNorm  # noqa: E402
+from streamtrain.quality.drift import DriftMonitor  # noqa: E402
+from streamtrain.quality.scoring import score_events  # noqa: E402
+from streamtrain.tools.sensor_fleet import SensorFleet  # noqa: E402
+from streamtrain.tools.simulation_config import SimulationConfig  # noqa: E402
 from streamtrain.training.trainer import Trainer  # noqa: E402
-from streamtrain.window import RecencyWindow  # noqa: E402
+from streamtrain.window.reservoir import RecencyWindow  # noqa: E402
 
 LAGS = 8
 
@@ -315,14 +317,28 @@ def rows_for(stream: Stream, curves: dict[str, np.ndarray], width: int) -> list[
     river_name = next(n for n in curves if n.startswith("river:"))
     rows: list[Row] = []
     for name, curve in curves.items():
-        rows.append(Row(bench, f"{name} prequential_mse", mse(curve), mse(curves[river_name]) if stream.simulated else None,
-                        "recency <= 0.8x river" if stream.simulated and name.startswith("recency") else ""))  # fmt: skip
+        rows.append(
+            Row(
+                bench,
+                f"{name} prequential_mse",
+                mse(curve),
+                mse(curves[river_name]) if stream.simulated else None,
+                "recency <= 0.8x river" if stream.simulated and name.startswith("recency") else "",
+            )
+        )
         rows.append(Row(bench, f"{name} steady_mse", steady_error(curve, stream)))
         if stream.changes:
             rec = recovery_ticks(curves, name, stream, width)
             base = recovery_ticks(curves, "uniform", stream, width)
-            rows.append(Row(bench, f"{name} recovery_s (mean over {len(rec)} changes)", float(np.mean(rec)) * stream.tick_s,
-                            float(np.mean(base)) * stream.tick_s, "recency <= 0.5x uniform" if name.startswith("recency") else ""))  # fmt: skip
+            rows.append(
+                Row(
+                    bench,
+                    f"{name} recovery_s (mean over {len(rec)} changes)",
+                    float(np.mean(rec)) * stream.tick_s,
+                    float(np.mean(base)) * stream.tick_s,
+                    "recency <= 0.5x uniform" if name.startswith("recency") else "",
+                )
+            )
         back = returning_error(curve, stream)
         if back is not None:
             rows.append(Row(bench, f"{name} returning_regime_mse", back, returning_error(curves["sliding"], stream),
@@ -332,8 +348,15 @@ def rows_for(stream: Stream, curves: dict[str, np.ndarray], width: int) -> list[
     for name, curve in curves.items():
         if not name.startswith("river"):
             runs = worse_than_last_value_runs(curve, stream, width)
-            rows.append(Row(bench, f"{name} worse_than_last_value_s (longest run after a change, max)", max(runs) * stream.tick_s,
-                            None, "a few scoring periods, never the rest of the run"))  # fmt: skip
+            rows.append(
+                Row(
+                    bench,
+                    f"{name} worse_than_last_value_s (longest run after a change, max)",
+                    max(runs) * stream.tick_s,
+                    None,
+                    "a few scoring periods, never the rest of the run",
+                )
+            )
             rows.append(Row(bench, f"{name} worse_than_last_value share of ticks", worse_share(curve, width)))
     return rows
 

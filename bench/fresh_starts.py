@@ -94,11 +94,30 @@ def one_start(number: int, broker: Broker, workdir: Path, events: int, rate: flo
                 pass
             time.sleep(0.3)
         subprocess.run(
-            [sys.executable, "-m", "streamtrain.cli", "simulate", "--config", str(REPO / "services/sensor-sim/sensor-sim.toml"),
-             "--bootstrap", broker.bootstrap, "--rate", str(rate), "--malformed-share", "0.02", "--count", str(events),
-             "--progress-interval-s", "3600"],
-            env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "streamtrain.cli",
+                "simulate",
+                "--config",
+                str(REPO / "services/sensor-sim/sensor-sim.toml"),
+                "--bootstrap",
+                broker.bootstrap,
+                "--rate",
+                str(rate),
+                "--malformed-share",
+                "0.02",
+                "--count",
+                str(events),
+                "--progress-interval-s",
+                "3600",
+            ],
+            env=env,
+            check=True,
+            timeout=600,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         sent_at = time.monotonic()
         while time.monotonic() - sent_at < catch_up_s:
             try:
@@ -147,11 +166,16 @@ def main() -> int:
             results.append(result)
             print(
                 f"start {number:2d}: {'ingested' if result.ingested else 'STALLED '} {result.seen}/{args.events} read"
-                + (f", caught up {result.catch_up_s:.1f} s after the simulator" if result.catch_up_s is not None else "")
+                + (
+                    f", caught up {result.catch_up_s:.1f} s after the simulator"
+                    if result.catch_up_s is not None
+                    else ""
+                )
                 + (f", watchdog restarts {result.restarts}" if result.restarts else "")
                 + ("" if result.ingested else f" (log: {result.log})"),
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         broker.down()
     ingested = sum(r.ingested for r in results)

@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import load_settings
-from streamtrain.ingest.ingestor import Ingestor, ensure_topics
+from streamtrain.ingest.ingestor import Ingestor
+from streamtrain.ingest.topics import ensure_topics
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 
 def preload(bootstrap: str, topic: str, count: int, partitions: int, seed: int = 0) -> None:

@@ -33,7 +33,7 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import load_settings  # noqa: E402
 from streamtrain.events import EventBatch  # noqa: E402
-from streamtrain.window import RecencyWindow  # noqa: E402
+from streamtrain.window.reservoir import RecencyWindow  # noqa: E402
 
 BENCH = "ingest_stalls"
 

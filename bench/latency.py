@@ -4,8 +4,9 @@ A :class:`streamtrain.runtime.service.Service` runs in this process against the 
 unique topic, with its HTTP app served by uvicorn on a thread. ``--producers`` producer
 processes send ``--rate`` events/s between them, paced in 20 ms ticks, from pre-encoded
 bodies (lognormal lengths, ``--length-median``, sigma 0.8, clipped to 4..512) into which
-only the timestamp is spliced (median 48, the length mix of the other benches): ``ts`` is the wall clock when the event's tick is sent,
-plus a per-event microsecond slot so every event's ``ts`` is unique and identifies it.
+only the timestamp is spliced (median 48, the length mix of the other benches): ``ts`` is
+the wall clock when the event's tick is sent, plus a per-event microsecond slot so every
+event's ``ts`` is unique and identifies it.
 
 Observed inside the service, by wrapping methods on the instances:
 
@@ -263,7 +264,7 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     import uvicorn
 
     from streamtrain.config import load_settings
-    from streamtrain.ingest.ingestor import ensure_topics
+    from streamtrain.ingest.topics import ensure_topics
     from streamtrain.runtime.service import Service
     from streamtrain.serve.app import create_app
 

@@ -16,7 +16,7 @@ bodies pre-encoded so client work stays small, and times each request.
 
 Baselines, on the same request batches, in this process, with the same model size and
 thread count and no training going on: the bare forward
-(:func:`streamtrain.model.network.predict`) one call at a time, and the same forward called
+(:func:`streamtrain.model.inference.predict`) one call at a time, and the same forward called
 from ``--concurrency`` threads at once (what the cores can do for that many callers).
 The server-side mean (the predict middleware's histogram, per phase) splits client and
 network time from server time.
@@ -73,7 +73,9 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.device import describe  # noqa: E402
-from streamtrain.model.network import RunningNorm, build_model, plan_predict_batches, predict  # noqa: E402
+from streamtrain.model.inference import plan_predict_batches, predict  # noqa: E402
+from streamtrain.model.network import build_model  # noqa: E402
+from streamtrain.model.normalization import RunningNorm  # noqa: E402
 
 BENCH = "predict_latency"
 INSTANCES = 32
@@ -359,7 +361,7 @@ def bare_latencies(
 
 
 def predict_padding_share(batches: list[list[np.ndarray]], token_budget: int) -> float:
-    """Share of pad positions in the micro-batches :func:`streamtrain.model.network.predict` runs."""
+    """Share of pad positions in the micro-batches :func:`streamtrain.model.inference.predict` runs."""
     real = padded = 0
     for batch in batches:
         lengths = np.array([len(a) for a in batch], dtype=np.int64)
@@ -479,18 +481,36 @@ def main() -> None:
         tag = f"{BENCH}[{route}, {shape}, concurrency {args.concurrency}{settings_tag}]"
         rows += [
             Row(tag, "p50 s (HTTP while training vs bare forward)", p50, single_p50),
-            Row(tag, "p99 s (HTTP while training vs bare forward)", p99, single_p99, "<= 3x bare forward" if route == "v1" else ""),
+            Row(
+                tag,
+                "p99 s (HTTP while training vs bare forward)",
+                p99,
+                single_p99,
+                "<= 3x bare forward" if route == "v1" else "",
+            ),
             Row(tag, f"p50 s (HTTP vs bare forward x{args.concurrency} threads)", p50, concurrent_p50),
             Row(tag, f"p99 s (HTTP vs bare forward x{args.concurrency} threads)", p99, concurrent_p99),
-            *([] if settings.device != "cpu" else [
-                Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
-                Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
-            ]),
-            Row(tag, "mean s (server side vs client side)", run.server_seconds / max(1, run.server_count),
-                float(np.mean(run.latencies))),
-            Row(tag, f"requests/s (HTTP vs bare forward x{args.concurrency} threads)", len(run.latencies) / run.seconds,
-                len(bare_concurrent) / bare_wall),
-        ]  # fmt: skip
+            *(
+                []
+                if settings.device != "cpu"
+                else [
+                    Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
+                    Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
+                ]
+            ),
+            Row(
+                tag,
+                "mean s (server side vs client side)",
+                run.server_seconds / max(1, run.server_count),
+                float(np.mean(run.latencies)),
+            ),
+            Row(
+                tag,
+                f"requests/s (HTTP vs bare forward x{args.concurrency} threads)",
+                len(run.latencies) / run.seconds,
+                len(bare_concurrent) / bare_wall,
+            ),
+        ]
     tag = f"{BENCH}[{shape}, concurrency {args.concurrency}{settings_tag}]"
     if "v1" in p50s:
         for route in ("oip-binary", "oip-json"):

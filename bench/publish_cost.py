@@ -71,7 +71,8 @@ def main() -> None:
     rows = [
         Row(
             "publish",
-            f"seconds per publication, gate on (window {len(gated.window)}, holdout {len(gated.trainer.quality.holdout)})",
+            f"seconds per publication, gate on (window {len(gated.window)}, "
+            f"holdout {len(gated.trainer.quality.holdout)})",
             float(np.median(on)),
             float(np.median(off)),
             "PUBLISH_MAX_SHARE bounds its share of the trainer",

@@ -289,7 +289,7 @@ def forecaster_kind(model: dict[str, Any]) -> str | None:
 def run_one(series: Series, regime: str, base: Baselines, args: argparse.Namespace) -> tuple[Result, np.ndarray | None]:
     from soak import _delete_topics
 
-    from streamtrain.ingest.ingestor import ensure_topics
+    from streamtrain.ingest.topics import ensure_topics
 
     windows = sliding_windows(series.values, CONTEXT, base.cut)
     n, channels = len(windows), series.values.shape[1]

@@ -41,7 +41,7 @@ from streamtrain.data.passes import PassSampler  # noqa: E402
 from streamtrain.data.policies import SamplingPolicy, concentration, make_policy  # noqa: E402
 from streamtrain.data.randomness import make_randomness  # noqa: E402
 from streamtrain.events import EventBatch  # noqa: E402
-from streamtrain.window import RecencyWindow  # noqa: E402
+from streamtrain.window.reservoir import RecencyWindow  # noqa: E402
 
 BENCH = "sampling"
 
@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.sensors} sensors (Zipf {args.skew}), window {args.items:,}, {args.passes} passes of "
             f"{args.pass_items:,} items, {args.arrivals:,} arrivals per pass, budget {args.budget:,} tokens"
         )
-        header = f"{'policy':<22}{'top share':>10}{'HHI':>8}{'label dev':>11}{'padding':>9}{'ms/pass':>9}{'replay len rank':>17}"
+        header = (
+            f"{'policy':<22}{'top share':>10}{'HHI':>8}{'label dev':>11}{'padding':>9}{'ms/pass':>9}"
+            f"{'replay len rank':>17}"
+        )
         print(header)
         print("-" * len(header))
         print(f"{'(window)':<22}{uniform.mean('window_top_share'):>10.3f}{uniform.mean('window_hhi'):>8.3f}")

@@ -45,21 +45,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.checkpoint.shards import (  # noqa: E402
-    DistributedCheckpointer,
-    ShardedCheckpointStore,
-    read_manifest,
-    restore_share,
-)
+from streamtrain.checkpoint.collective import DistributedCheckpointer  # noqa: E402
+from streamtrain.checkpoint.manifest import read_manifest  # noqa: E402
+from streamtrain.checkpoint.rescale import restore_share  # noqa: E402
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore  # noqa: E402
 from streamtrain.config import load_settings  # noqa: E402
 from streamtrain.data import Prefetcher, WindowBatchDataset  # noqa: E402
+from streamtrain.distributed.collectives import Collectives  # noqa: E402
 from streamtrain.distributed.data_parallel import DataParallelStep  # noqa: E402
-from streamtrain.distributed.launch import Collectives, DistContext, StepSignals, free_port  # noqa: E402
+from streamtrain.distributed.launch import DistContext, free_port  # noqa: E402
 from streamtrain.distributed.lockstep import join_trainer_state, split_trainer_state  # noqa: E402
+from streamtrain.distributed.wire import StepSignals  # noqa: E402
 from streamtrain.events import EventBatch  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
 from streamtrain.training.trainer import Trainer, build_budget  # noqa: E402
-from streamtrain.window import RecencyWindow  # noqa: E402
+from streamtrain.window.reservoir import RecencyWindow  # noqa: E402
 
 BENCH = "scale"
 TOPIC = "bench-scale"

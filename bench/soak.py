@@ -50,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _malloc import CHOICES, malloc_env  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
-from streamtrain.ingest.ingestor import ensure_topics  # noqa: E402
-from streamtrain.tools.simulate import SimulationConfig, run_simulation  # noqa: E402
+from streamtrain.ingest.topics import ensure_topics  # noqa: E402
+from streamtrain.tools.simulate import run_simulation  # noqa: E402
+from streamtrain.tools.simulation_config import SimulationConfig  # noqa: E402
 
 # Error counters the service exposes; in a soak on a valid stream each must stay at 0.
 SERVICE_ERROR_METRICS = {
@@ -541,8 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=defaults.out_dir, help="where the PNG and JSON go")
     parser.add_argument("--max-rss-growth", type=float, default=0.05, help="budget: relative RSS growth after warm-up")
     parser.add_argument("--max-p99-drift", type=float, default=1.5, help="budget: second-half p99 / first-half p99")
-    parser.add_argument("--malloc", choices=CHOICES, default=defaults.malloc,
-                        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto")  # fmt: skip
+    parser.add_argument(
+        "--malloc",
+        choices=CHOICES,
+        default=defaults.malloc,
+        help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)

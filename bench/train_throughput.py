@@ -66,7 +66,8 @@ from streamtrain.device import describe, is_cuda  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
 from streamtrain.training.trainer import Trainer  # noqa: E402
-from streamtrain.window import RecencyWindow, WindowSnapshot  # noqa: E402
+from streamtrain.window.reservoir import RecencyWindow
+from streamtrain.window.snapshot import WindowSnapshot  # noqa: E402
 
 BENCH = "train_throughput"
 
@@ -446,9 +447,14 @@ def main() -> None:
         rows += [
             Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
             Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),
-            Row(tag, f"TOKEN_BUDGET, D_MODEL, N_LAYERS (GPU profile: {', '.join(settings.gpu_profile_applied) or 'none'})",
-                settings.token_budget, None, f"d_model={settings.d_model}, n_layers={settings.n_layers}, heads={settings.n_heads}"),
-        ]  # fmt: skip
+            Row(
+                tag,
+                f"TOKEN_BUDGET, D_MODEL, N_LAYERS (GPU profile: {', '.join(settings.gpu_profile_applied) or 'none'})",
+                settings.token_budget,
+                None,
+                f"d_model={settings.d_model}, n_layers={settings.n_layers}, heads={settings.n_heads}",
+            ),
+        ]
     if not args.json:
         print(f"# device: {describe(device)}; amp={settings.amp}")
     emit(rows, args.json)

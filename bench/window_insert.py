@@ -9,7 +9,7 @@ same columnar poll batches, once the window is full:
   concatenate them and the batch's columns to the window's, ``argpartition`` back to the
   top W. It keeps every batch's readings array alive (it never compacts), which only
   favours it;
-* ours (:class:`streamtrain.window.RecencyWindow`): drops keys below the last cut's
+* ours (:class:`streamtrain.window.reservoir.RecencyWindow`): drops keys below the last cut's
   threshold with one comparison and cuts only when W + slack items are stored.
 
 Run: ``python bench/window_insert.py [--json]``.
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 
 class HeapReservoir:
@@ -132,18 +132,26 @@ def main() -> None:
         fill_batches = [EventBatch.from_events(fill[i : i + args.batch]) for i in range(0, len(fill), args.batch)]
         batches = [EventBatch.from_events(measured[i : i + args.batch]) for i in range(0, len(measured), args.batch)]
         heap_rate = max(
-            run_rounds(lambda: HeapReservoir(args.capacity, half_life, seed=1), fill_batches, batches, len(measured))
+            run_rounds(
+                lambda half_life=half_life: HeapReservoir(args.capacity, half_life, seed=1),
+                fill_batches,
+                batches,
+                len(measured),
+            )
             for _ in range(args.rounds)
         )
         vector_rate = max(
             run_rounds(
-                lambda: VectorizedReservoir(args.capacity, half_life, seed=1), fill_batches, batches, len(measured)
+                lambda half_life=half_life: VectorizedReservoir(args.capacity, half_life, seed=1),
+                fill_batches,
+                batches,
+                len(measured),
             )
             for _ in range(args.rounds)
         )
         ours_rate = max(
             run_rounds(
-                lambda: RecencyWindow(args.capacity, half_life, rng=np.random.default_rng(1)),
+                lambda half_life=half_life: RecencyWindow(args.capacity, half_life, rng=np.random.default_rng(1)),
                 fill_batches,
                 batches,
                 len(measured),

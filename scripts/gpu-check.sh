@@ -8,7 +8,7 @@
 #
 # Steps, each under its own time limit (their sum stays under 10 minutes, so a slow step
 # cannot eat the others' time; the summary is rewritten after every step):
-#   1. tests: tests/unit/test_device.py, test_model.py, test_predict_batcher.py; their `gpu`
+#   1. tests: tests/unit/test_device.py, model/test_model_inference.py, serve/test_serve_batcher.py; their `gpu`
 #      cases run on the GPU (elsewhere they are skipped with a reason, never passed silently)
 #   2. bench/train_throughput.py --device cuda, three runs: the GPU profile in bf16, the same in
 #      float32, and bf16 with a 131,072-token budget (does a bigger step raise the busy share?):
@@ -163,7 +163,7 @@ EOF
 say "environment: $(tr -d '\n' <"$OUT/env.json" | tr -s ' ' | cut -c1-400)"
 
 step tests "$LIMIT_TESTS" "$OUT/tests.txt" \
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/unit/test_model.py tests/unit/test_predict_batcher.py
+  "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/unit/model/test_model_inference.py tests/unit/serve/test_serve_batcher.py
 tail -n 12 "$OUT/tests.txt" | tee -a "$LOG"
 
 : >"$OUT/train_throughput.jsonl"

@@ -69,27 +69,52 @@ def summarize(out: Path, status_file: Path, mode: str, seconds: int, broker: str
     for run in ("bf16", "float32", "bf16-budget-131072"):
         figures += [
             figure(f"[{run}] real tokens/s", pick(train, "real tokens/s", run)),
-            figure(f"[{run}] GPU busy share (torch.profiler)", pick(train, "GPU busy share", run), ">= 0.90", ok=lambda v: v >= 0.90),
+            figure(
+                f"[{run}] GPU busy share (torch.profiler)",
+                pick(train, "GPU busy share", run),
+                ">= 0.90",
+                ok=lambda v: v >= 0.90,
+            ),
             figure(f"[{run}] GPU utilization (NVML mean)", pick(train, "NVML", run)),
             figure(f"[{run}] data-wait share", pick(train, "data-wait share", run), "<= 0.05", ok=lambda v: v <= 0.05),
-        ]  # fmt: skip
+        ]
     figures += [
         figure("[bf16] producer ms/batch (plan + gather + collate)", pick(train, "producer ms/batch", "bf16")),
         figure("[bf16] collate_flat alone ms/batch", pick(train, "collate_flat alone", "bf16")),
         figure("[bf16] pin ms/batch (producer thread)", pick(train, "pin ms/batch", "bf16")),
-        figure("[bf16] producer batches/s over training steps/s", pick(train, "producer batches/s", "bf16"), "> 1",
-               key="ratio", ok=lambda v: v > 1),
-        figure("predict p99 s: 32 instances, concurrency 8, while training", pick(predict, "p99 s (HTTP while training vs bare forward)")),
-        figure("predict p99 / bare GPU forward p99", pick(predict, "p99 s (HTTP while training vs bare forward)"),
-               "(CPU bench's: <= 3x)", key="ratio"),
-        figure("bare GPU forward p99 s (32 instances)", pick(predict, "p99 s (HTTP while training vs bare forward)"), key="baseline"),
-        figure("event-to-trained p50 s at 5k events/s (trained events)", pick(latency, "p50 s, trained events only"),
-               "<= 2 s", ok=lambda v: v <= 2),
+        figure(
+            "[bf16] producer batches/s over training steps/s",
+            pick(train, "producer batches/s", "bf16"),
+            "> 1",
+            key="ratio",
+            ok=lambda v: v > 1,
+        ),
+        figure(
+            "predict p99 s: 32 instances, concurrency 8, while training",
+            pick(predict, "p99 s (HTTP while training vs bare forward)"),
+        ),
+        figure(
+            "predict p99 / bare GPU forward p99",
+            pick(predict, "p99 s (HTTP while training vs bare forward)"),
+            "(CPU bench's: <= 3x)",
+            key="ratio",
+        ),
+        figure(
+            "bare GPU forward p99 s (32 instances)",
+            pick(predict, "p99 s (HTTP while training vs bare forward)"),
+            key="baseline",
+        ),
+        figure(
+            "event-to-trained p50 s at 5k events/s (trained events)",
+            pick(latency, "p50 s, trained events only"),
+            "<= 2 s",
+            ok=lambda v: v <= 2,
+        ),
         figure("event-to-trained p50 s, every event (untrained = inf)", pick(latency, "all measured events")),
         figure("share of measured events trained", pick(latency, "share of measured events trained")),
         figure("events/s fed", pick(latency, "events/s achieved")),
         figure("real tokens/s while at 5k events/s", pick(latency, "real tokens trained/s")),
-    ]  # fmt: skip
+    ]
     env_text = (out / "env.json").read_text() if (out / "env.json").exists() else ""
     env = json.loads(env_text) if env_text.strip() else {}
     summary = {"mode": mode, "seconds": seconds, "broker": broker, "steps": status, "figures": figures, "env": env}

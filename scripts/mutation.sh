@@ -28,13 +28,15 @@ MODULES=(
   "collate|src/streamtrain/data/collate.py|tests/unit/data/test_collate.py"
   "per_sample|src/streamtrain/privacy/per_sample.py|tests/unit/privacy/test_dp_per_sample.py"
   "noise|src/streamtrain/privacy/noise.py|tests/unit/privacy/test_dp_noise.py tests/unit/privacy/test_dp_noise_mutants.py"
-  "passes|src/streamtrain/data/passes.py|tests/unit/test_pass_sampler.py"
+  "passes|src/streamtrain/data/passes.py|tests/unit/data/test_passes.py"
   "events|src/streamtrain/events.py|tests/unit/test_events.py"
   "policies|src/streamtrain/data/policies.py|tests/unit/data/test_policies.py"
   "bucketing|src/streamtrain/data/bucketing.py|tests/unit/data/test_bucketing.py tests/unit/data/test_policies.py"
   "admissions|src/streamtrain/privacy/admissions.py|tests/unit/privacy/test_dp_admissions.py"
-  "window|src/streamtrain/window.py|tests/unit/test_window.py tests/unit/test_window_mutants.py"
-  "checkpoint|src/streamtrain/checkpoint/store.py|tests/unit/test_checkpoint.py"
+  "window|src/streamtrain/window/reservoir.py|tests/unit/window/test_window_reservoir.py"
+  "checkpoint_codec|src/streamtrain/checkpoint/codec.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
+  "checkpoint_format|src/streamtrain/checkpoint/format.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
+  "checkpoint_store|src/streamtrain/checkpoint/store.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

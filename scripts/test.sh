@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The test command: installs deps, brings up the local Kafka broker if it is not running,
-# runs the whole suite (unit + integration against the real broker), stops what it started.
+# runs the linters and the type checker, then the whole suite (unit + integration against
+# the real broker), stops what it started.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/bootstrap.sh test
+# lint, import order, formatting and types first: they take seconds (config: pyproject.toml)
+.venv/bin/ruff check src tests bench scripts
+.venv/bin/ruff format --check src tests bench scripts
+.venv/bin/mypy
 started_broker=0
 if ! deploy/kafka.sh status >/dev/null 2>&1; then
   deploy/kafka.sh up

@@ -98,7 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         log.info("malloc: %s", allocator)
     if ctx.distributed:
         log.info("rank %d of %d (local rank %d), HTTP port %d", ctx.rank, ctx.world_size, ctx.local_rank, port)
-    from streamtrain.distributed.launch import CollectiveFailure, SettingsMismatch, exit_after_collective_failure
+    from streamtrain.distributed.collectives import CollectiveFailure, exit_after_collective_failure
+    from streamtrain.distributed.wire import SettingsMismatch
     from streamtrain.runtime.service import IncompatibleCheckpoint
 
     server: uvicorn.Server | None = None

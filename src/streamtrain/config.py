@@ -66,14 +66,20 @@ class Settings(BaseSettings):
         None,
         min_length=1,
         max_length=249,
-        description="Static group membership: a stable id per replica (e.g. the pod name); a restarted replica gets its partitions back at once instead of after the 45 s session timeout",
+        description=(
+            "Static group membership: a stable id per replica (e.g. the pod name); a restarted replica gets its "
+            "partitions back at once instead of after the 45 s session timeout"
+        ),
     )
     topic_partitions: int = Field(3, ge=1, le=1024, description="Partitions when the service creates the topic")
     topic_replication_factor: int | None = Field(
         None,
         ge=1,
         le=32767,
-        description="Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's default.replication.factor",
+        description=(
+            "Replication factor of the topics the service creates (the topic and its .dlq); unset = the broker's "
+            "default.replication.factor"
+        ),
     )
     poll_max_records: int = Field(5000, ge=1, le=100_000, description="Records per consumer poll batch")
     max_message_bytes: int = Field(1 << 20, ge=64, description="Larger messages are dead-lettered as too_large")
@@ -82,13 +88,19 @@ class Settings(BaseSettings):
         15.0,
         ge=1.0,
         le=3600.0,
-        description="The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it",
+        description=(
+            "The ingest watchdog recreates the consumer when it stays unassigned, fetches nothing while records wait, "
+            "or gets no heartbeat through for this long; /readyz reports ingest_stalled after half of it"
+        ),
     )
     dlq_send_attempts: int = Field(
         5,
         ge=1,
         le=1000,
-        description="Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes instead (at once when the .dlq refuses the record itself)",
+        description=(
+            "Failed attempts to forward a rejected message unchanged to the .dlq before a bounded stand-in goes "
+            "instead (at once when the .dlq refuses the record itself)"
+        ),
     )
     dlq_stand_in_bytes: int = Field(
         1024, ge=0, le=1 << 20, description="Bytes of the original value (and key) a dead-letter stand-in keeps"
@@ -100,7 +112,10 @@ class Settings(BaseSettings):
     )
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = Field(
         None,
-        description="SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (token from KAFKA_SASL_PASSWORD_FILE, re-read when it changes)",
+        description=(
+            "SASL mechanism (SASL_* protocols): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (token from "
+            "KAFKA_SASL_PASSWORD_FILE, re-read when it changes)"
+        ),
     )
     kafka_sasl_username: str | None = Field(None, min_length=1, description="SASL user name (PLAIN, SCRAM)")
     kafka_sasl_password: SecretStr | None = Field(
@@ -108,7 +123,9 @@ class Settings(BaseSettings):
     )
     kafka_sasl_password_file: Path | None = Field(
         None,
-        description="File holding the SASL password (a mounted secret, read at every connect) or, with OAUTHBEARER, the token",
+        description=(
+            "File holding the SASL password (a mounted secret, read at every connect) or, with OAUTHBEARER, the token"
+        ),
     )
     kafka_ssl_cafile: Path | None = Field(
         None, description="PEM file of the CA(s) that sign the brokers' certificates; unset = the system trust store"
@@ -153,25 +170,36 @@ class Settings(BaseSettings):
     pass_max_items: int = Field(
         8192,
         ge=0,
-        description="Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding",
+        description=(
+            "Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"
+        ),
     )
     min_batches_per_pass: int = Field(
         16,
         ge=1,
         le=100_000,
-        description="A pass over a window smaller than this many token budgets is cut into this many smaller batches (more steps per replay)",
+        description=(
+            "A pass over a window smaller than this many token budgets is cut into this many smaller batches (more "
+            "steps per replay)"
+        ),
     )
     pass_fresh_share: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
     )
     sampling: Literal["uniform", "sensor_balanced", "stratified", "curriculum"] = Field(
         "uniform",
-        description="Which items a bounded pass replays: uniform, sensor_balanced (per-sensor quotas), stratified (label mix of the window in every batch) or curriculum (short items first, annealed)",
+        description=(
+            "Which items a bounded pass replays: uniform, sensor_balanced (per-sensor quotas), stratified (label mix "
+            "of the window in every batch) or curriculum (short items first, annealed)"
+        ),
     )
     sensor_temperature: float = Field(
         2.0,
         gt=0,
-        description="sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal shares",
+        description=(
+            "sensor_balanced: sensor s gets a pass share in proportion to n_s^(1/T); 1 = as in the window, inf = equal "
+            "shares"
+        ),
     )
     curriculum_strength: float = Field(
         3.0,
@@ -199,7 +227,10 @@ class Settings(BaseSettings):
         0.1,
         gt=0,
         le=1,
-        description="Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower publication waits longer than PUBLISH_INTERVAL_S",
+        description=(
+            "Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower "
+            "publication waits longer than PUBLISH_INTERVAL_S"
+        ),
     )
     model_versions_keep: int = Field(
         4, ge=1, le=1000, description="Published model versions kept in memory (the serving one and those before it)"
@@ -208,7 +239,10 @@ class Settings(BaseSettings):
         1,
         ge=1,
         le=256,
-        description="Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY predict forwards",
+        description=(
+            "Intra-op threads of every torch op in the process: each training step and each of the PREDICT_CONCURRENCY "
+            "predict forwards"
+        ),
     )
     train_nice: int = Field(
         10,
@@ -218,11 +252,17 @@ class Settings(BaseSettings):
     )
     device: str = Field(
         "auto",
-        description="Where the model trains and predicts: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)",
+        description=(
+            "Where the model trains and predicts: auto (the first CUDA GPU when there is one, else the CPU), cpu, cuda "
+            "or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)"
+        ),
     )
     amp: Literal["bf16", "off"] = Field(
         "off",
-        description="Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on in the GPU profile; refused with DP=on",
+        description=(
+            "Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on "
+            "in the GPU profile; refused with DP=on"
+        ),
     )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
@@ -232,7 +272,10 @@ class Settings(BaseSettings):
     quality_max_events_per_s: float = Field(
         100.0,
         ge=0,
-        description="Events a second the serving model scores before training on them (a random sample beyond); 0 = prequential scoring off",
+        description=(
+            "Events a second the serving model scores before training on them (a random sample beyond); 0 = "
+            "prequential scoring off"
+        ),
     )
     quality_half_life_events: float = Field(
         2000.0, gt=0, description="Half-life, in scored events, of the fading prequential averages in /v1/model quality"
@@ -254,7 +297,10 @@ class Settings(BaseSettings):
     holdout_share: float = Field(
         0.1,
         ge=0,
-        description="Share of fresh events kept out of training to gate publishing and choose the forecaster (0 = gate off, the network serves unchecked); must be below 1; 0 by default with DP=on, where any other value is refused",
+        description=(
+            "Share of fresh events kept out of training to gate publishing and choose the forecaster (0 = gate off, "
+            "the network serves unchecked); must be below 1; 0 by default with DP=on, where any other value is refused"
+        ),
     )
     holdout_capacity: int = Field(
         256, ge=1, le=100_000, description="Most recent held-out events the publish gate scores"
@@ -266,18 +312,28 @@ class Settings(BaseSettings):
         1,
         ge=1,
         le=1_000_000,
-        description="A sensor's consecutive events are held out in blocks of this many; a block longer than the overlap of consecutive events (sliding windows) also keeps its overlapping neighbours out of training, so no held-out reading is trained on",
+        description=(
+            "A sensor's consecutive events are held out in blocks of this many; a block longer than the overlap of "
+            "consecutive events (sliding windows) also keeps its overlapping neighbours out of training, so no "
+            "held-out reading is trained on"
+        ),
     )
     publish_gate_tolerance: float = Field(
         0.05,
         ge=0,
-        description="A candidate network is held back when its holdout MSE exceeds (1 + this) x the reference network's (the best that passed the gate)",
+        description=(
+            "A candidate network is held back when its holdout MSE exceeds (1 + this) x the reference network's (the "
+            "best that passed the gate)"
+        ),
     )
     linear_max_order: int = Field(
         24,
         ge=1,
         le=64,
-        description="Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel on the holdout",
+        description=(
+            "Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel "
+            "on the holdout"
+        ),
     )
     linear_fit_items: int = Field(
         4096,
@@ -289,11 +345,15 @@ class Settings(BaseSettings):
         32.0,
         ge=0,
         allow_inf_nan=False,
-        description="Mean times each event may be trained on; a trainer faster than its stream then idles (0 = no limit)",
+        description=(
+            "Mean times each event may be trained on; a trainer faster than its stream then idles (0 = no limit)"
+        ),
     )
     auto_rollback: bool = Field(
         True,
-        description="Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN",
+        description=(
+            "Roll back to the previous version when its prequential skill beat the serving one's by ROLLBACK_MARGIN"
+        ),
     )
     rollback_min_events: int = Field(
         100, ge=1, description="Scored events each version needs before an automatic rollback"
@@ -312,7 +372,10 @@ class Settings(BaseSettings):
         60.0,
         gt=0,
         le=3600.0,
-        description="Scale-out: deadline of every collective; a rank that dies or hangs makes the others exit (status 17) within it",
+        description=(
+            "Scale-out: deadline of every collective; a rank that dies or hangs makes the others exit (status 17) "
+            "within it"
+        ),
     )
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Scale-out: torch.distributed backend; auto = NCCL when training on CUDA, gloo on CPU"
@@ -347,7 +410,9 @@ class Settings(BaseSettings):
     )
     dp_admission_dir: Path | None = Field(
         None,
-        description="Where the per-partition admission record lives (default CHECKPOINT_DIR/dp-admissions); shared by replicas",
+        description=(
+            "Where the per-partition admission record lives (default CHECKPOINT_DIR/dp-admissions); shared by replicas"
+        ),
     )
     dp_norm_mean: tuple[float, ...] | None = Field(None, description="Public input mean per channel (default 0)")
     dp_norm_std: tuple[float, ...] | None = Field(None, description="Public input std per channel (default 1)")

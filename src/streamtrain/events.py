@@ -2,13 +2,16 @@
 
 Validation is total: any bytes give either a :class:`SensorEvent` or a
 :class:`Rejection` with exactly one reason from :data:`REASONS`, never an exception.
-The same value rules back ``POST /v1/predict`` through :func:`parse_values`.
+Numbers are judged as written, whatever their size: an integer literal is an integer
+(a label of 2**64 is ``bad_label``, not ``schema``), and a number no float64 holds is
+``non_finite``. The same value rules back ``POST /v1/predict`` through :func:`parse_values`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -184,17 +187,45 @@ def parse_values(values: Any, channels: int, max_len: int) -> np.ndarray:
     return steps_array
 
 
-def _loads(raw: bytes) -> Any:
-    """orjson first; stdlib json only to tell NaN/Infinity/huge-int payloads from garbage."""
+#: Stands in for an integer literal too long for Python to read (``sys.get_int_max_str_digits``,
+#: 4300 digits by default; never below 640). Every rule judges such a number by its size
+#: alone: beyond float64 for ``ts`` and ``values`` (non_finite), outside any class range for
+#: ``label`` (bad_label), so one huge value of the right sign reads the same.
+_HUGE_INT: Final = 10**400
+
+
+def _parse_int(literal: str) -> int:
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
+        return int(literal)
+    except ValueError:  # only the digit limit: the JSON parser hands over valid integer literals
+        return -_HUGE_INT if literal.startswith("-") else _HUGE_INT
+
+
+def _loads_stdlib(raw: bytes) -> Any:
     try:
-        text = raw.decode("utf-8")
-        return json.loads(text)
+        return json.loads(raw.decode("utf-8"), parse_int=_parse_int)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise EventError("decode", "not UTF-8 JSON") from None
+
+
+def _loads(raw: bytes) -> Any:
+    """orjson first; the stdlib parser where orjson's reading would change a rule's outcome.
+
+    orjson refuses NaN, Infinity and integers beyond float64, and reads integer literals
+    outside [-2**63, 2**64) as floats. The stdlib parser reads all of them as written, so the
+    rules (not "decode") judge them. Only ``label`` tells an integer from a float (a float
+    label is ``schema``, a big integer one ``bad_label``), so a float label is read again.
+    """
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _loads_stdlib(raw)
+    if type(obj) is dict and type(obj.get("label")) is float:
+        try:
+            return _loads_stdlib(raw)
+        except EventError:  # deeper than the stdlib parser's recursion limit: orjson's reading stands
+            return obj
+    return obj
 
 
 def _check_header(obj: Any, limits: EventLimits, now: float) -> tuple[str, float, int]:
@@ -230,7 +261,8 @@ def _check_header(obj: Any, limits: EventLimits, now: float) -> tuple[str, float
         raise EventError("too_long", f"'values' has {len(values)} steps, the limit is {limits.max_len}")
     if limits.n_classes > 0 and label is not None:
         if not 0 <= label < limits.n_classes:
-            raise EventError("bad_label", f"'label' {label} is outside [0, {limits.n_classes})")
+            shown = label if -(2**63) <= label < 2**64 else "beyond 64 bits"
+            raise EventError("bad_label", f"'label' {shown} is outside [0, {limits.n_classes})")
     else:
         label = None  # labels mean nothing without a classification head
     if ts > now + limits.max_future_skew_s:
@@ -261,11 +293,13 @@ def _valid_header_or_none(obj: Any, limits: EventLimits, now: float) -> tuple[st
         return None
     label = obj.get("label")
     oldest = 0.0 if limits.max_age_s is None else max(0.0, now - limits.max_age_s)
+    # capped so that, under MAX_FUTURE_SKEW_S=inf, infinity and integers beyond float64 still fail
+    newest = min(now + limits.max_future_skew_s, sys.float_info.max)
     if (
         type(sensor_id) is str
         and 0 < len(sensor_id) <= MAX_SENSOR_ID_CHARS
         and (type(ts) is float or type(ts) is int)
-        and oldest <= ts <= now + limits.max_future_skew_s  # NaN and inf fail here too
+        and oldest <= ts <= newest  # NaN and inf fail here too
         and type(values) is list
         and 0 < len(values) <= limits.max_len
         and (label is None or (type(label) is int and (limits.n_classes == 0 or 0 <= label < limits.n_classes)))
@@ -375,7 +409,13 @@ def _convert_each(
     rejections: list[tuple[int, Rejection]],
     positions: list[int],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The slow path: :func:`parse_values` per event; failures become rejections."""
+    """The slow path: :func:`parse_values` per event; failures become rejections.
+
+    Only :class:`EventError` can come out: every ``values`` here is a parsed JSON array, and
+    :func:`parse_values` refuses every element that is not a number (or, with C > 1, an array
+    of C numbers) before numpy sees it; of numpy's conversion, only the ``OverflowError`` of
+    an integer beyond float64 can fail, and it becomes ``non_finite``.
+    """
     arrays: list[np.ndarray] = []
     ok = np.ones(len(values_lists), dtype=bool)
     for k, values in enumerate(values_lists):
@@ -383,10 +423,6 @@ def _convert_each(
             arrays.append(parse_values(values, limits.channels, limits.max_len))
         except EventError as err:
             rejections.append((positions[k], Rejection(err.reason, err.detail)))
-            ok[k] = False
-            arrays.append(np.zeros((0, limits.channels), np.float32))
-        except Exception as err:  # noqa: BLE001
-            rejections.append((positions[k], Rejection("schema", f"unreadable values ({type(err).__name__})")))
             ok[k] = False
             arrays.append(np.zeros((0, limits.channels), np.float32))
     data = np.concatenate(arrays) if arrays else np.zeros((0, limits.channels), np.float32)

@@ -8,10 +8,11 @@ many services as they like. Names: ``streamtrain_`` prefix, base units, counters
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from streamtrain.events import REASONS
@@ -36,7 +37,7 @@ class _WindowAgeCollector(Collector):
     def __init__(self, source: Callable[[], tuple[float, float]]) -> None:
         self._source = source
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "streamtrain_window_age_seconds", "Age of window items by quantile", labels=["quantile"]
         )
@@ -53,7 +54,7 @@ class _ModelInfoCollector(Collector):
     def __init__(self, source: Callable[[], tuple[list[int], int | None, float | None]]) -> None:
         self._source = source
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterator[Metric]:
         kept, serving, published_at = self._source()
         info = GaugeMetricFamily(
             "streamtrain_model_info",
@@ -98,7 +99,7 @@ class _OnlyFamilies(Collector):
     def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
         self._registry, self._names = registry, names
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterable[Metric]:
         return (family for family in self._registry.collect() if family.name in self._names)
 
 
@@ -156,7 +157,8 @@ class Metrics:
         )
         self.kafka_security_failing = Gauge(
             "streamtrain_kafka_security_failing",
-            "1 while Kafka refuses the service, by kind: kafka_auth_failed (credentials, TLS) or kafka_authorization_failed (an ACL missing)",
+            "1 while Kafka refuses the service, by kind: kafka_auth_failed (credentials, TLS) or "
+            "kafka_authorization_failed (an ACL missing)",
             ["kind"],
             registry=registry,
         )
@@ -295,5 +297,5 @@ class Metrics:
     def exposition(self, public_only: bool = False) -> bytes:
         """Prometheus text; ``public_only`` keeps the DP public plane (:data:`DP_PUBLIC_METRICS`)."""
         if public_only:
-            return generate_latest(_OnlyFamilies(self.registry, DP_PUBLIC_METRICS))  # type: ignore[arg-type]
+            return generate_latest(_OnlyFamilies(self.registry, DP_PUBLIC_METRICS))
         return generate_latest(self.registry)

@@ -149,7 +149,8 @@ class Placements:
 
 
 def assert_window_holds_exactly(window: Any, placed: dict[tuple[int, int], Any]) -> None:
-    """The window holds every produced valid event once (by (partition, offset)), with its own readings, and nothing else."""
+    """The window holds every produced valid event once (by (partition, offset)), with its own readings,
+    and nothing else."""
     snapshot = window.snapshot()
     pairs = list(zip(snapshot.partitions.tolist(), snapshot.offsets.tolist()))
     assert len(pairs) == len(set(pairs)), f"{len(pairs) - len(set(pairs))} duplicates in the window"

@@ -24,9 +24,9 @@ from kafka_helpers import Placements, assert_window_holds_exactly, topic_exists,
 from streamtrain.config import Settings, load_settings
 from streamtrain.ingest.dead_letters import DeadLetterOutbox
 from streamtrain.ingest.ingestor import Ingestor
-from streamtrain.ingest.topics import forbid_topic_auto_creation
+from streamtrain.ingest.kafka_compat import forbid_topic_auto_creation
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,8 @@ def read_dlq(bootstrap: str, topic: str, expected: int, timeout_s: float = 60) -
     )  # fmt: skip
     records: list[Any] = []
     try:
-        wait_for(lambda: records.extend(r for batch in consumer.poll(timeout_ms=500).values() for r in batch) or len(records) >= expected,
+        wait_for(lambda: records.extend(r for batch in consumer.poll(timeout_ms=500).values() for r in batch)
+                 or len(records) >= expected,
                  timeout_s, f"{expected} dead letters")  # fmt: skip
         records.extend(r for batch in consumer.poll(timeout_ms=1000).values() for r in batch)  # and no more
     finally:
@@ -230,8 +231,8 @@ def test_failed_dead_letter_sends_block_checkpoints_until_they_land_then_a_delet
     producers: list[HookedProducer] = []
 
     def factory(max_request_size: int) -> HookedProducer:
-        producers.append(HookedProducer(failing, bootstrap_servers=kafka_bootstrap, acks="all", max_request_size=max_request_size,
-                                        max_block_ms=5000, delivery_timeout_ms=15000,
+        producers.append(HookedProducer(failing, bootstrap_servers=kafka_bootstrap, acks="all",
+                                        max_request_size=max_request_size, max_block_ms=5000, delivery_timeout_ms=15000,
                                         request_timeout_ms=10000))  # fmt: skip
         return producers[-1]
 
@@ -262,7 +263,8 @@ def test_failed_dead_letter_sends_block_checkpoints_until_they_land_then_a_delet
         assert ingestor.flush_dead_letters(timeout_s=60, upto=mark)
         assert_whole_dead_letters(read_dlq(kafka_bootstrap, topic, 6), first, topic, "decode")
 
-        # 2. the .dlq is deleted: the next letters fail, the outbox creates it again (with its size limit), they land once
+        # 2. the .dlq is deleted: the next letters fail, the outbox creates it again (with its size limit),
+        # they land once
         failed = outbox.metrics.registry.get_sample_value("streamtrain_dead_letters_failed_total")
         admin.delete_topics([f"{topic}.dlq"], timeout_ms=15000)
         wait_for(lambda: not topic_exists(kafka_bootstrap, f"{topic}.dlq"), 30, "the .dlq to be gone")

@@ -10,7 +10,7 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.tools.simulate import SimulationConfig
+from streamtrain.tools.simulation_config import SimulationConfig
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,8 @@ def test_dp_service_spends_bounded_epsilon_while_training(kafka_bootstrap, make_
                 sys.executable,
                 "-c",
                 (
-                    "from streamtrain.tools.simulate import SimulationConfig, run_simulation;"
+                    "from streamtrain.tools.simulate import run_simulation;"
+                    "from streamtrain.tools.simulation_config import SimulationConfig;"
                     f"run_simulation(SimulationConfig(**{config.model_dump()!r}))"
                 ),
             ]

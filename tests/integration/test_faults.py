@@ -33,11 +33,12 @@ from kafka_helpers import Broker, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from service_process import ServiceProcess
 
-from streamtrain.checkpoint.store import CheckpointStore, LoadedCheckpoint, read_checkpoint
+from streamtrain.checkpoint.format import LoadedCheckpoint
+from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
 from streamtrain.config import load_settings
 from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 pytestmark = pytest.mark.integration
 
@@ -408,8 +409,8 @@ def test_sigkill_at_random_moments_keeps_the_window_exact(
     final = FaultyService(
         kafka_bootstrap, topic, ckpt, tmp_path / "serve-final.log", group_instance_id="replica-0", **settings
     )
+    expected = newest_valid(ckpt)  # before it starts: its own checkpoints (every 0.4 s) come later
     with final:
-        expected = newest_valid(ckpt)
         assert restored_line(final) == expected and final.get("/v1/model")["step"] >= expected[1] >= steps[-1]
         wait_covered(final, stream)
         loaded = final.checkpoint_now(ckpt)
@@ -487,7 +488,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(
     settings = {**SETTINGS, "checkpoint_interval_s": 300, "checkpoint_keep": 10}
     first = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / "serve1.log", **settings).start()
     written = []
-    for burst in range(3):  # three checkpoints at growing steps and windows
+    for _burst in range(3):  # three checkpoints at growing steps and windows
         stream.send(150)
         stream.flush()
         wait_covered(first, stream)

@@ -13,7 +13,7 @@ from streamtrain.config import load_settings
 from streamtrain.events import REASONS
 from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 pytestmark = pytest.mark.integration
 

@@ -69,7 +69,8 @@ class SecureBroker:
 
     def mutual_tls(self, user: str) -> dict[str, str]:
         return {
-            "KAFKA_BOOTSTRAP": self.tls, "KAFKA_SECURITY_PROTOCOL": "SSL", "KAFKA_SSL_CAFILE": str(self.secret("ca.pem")),
+            "KAFKA_BOOTSTRAP": self.tls, "KAFKA_SECURITY_PROTOCOL": "SSL",
+            "KAFKA_SSL_CAFILE": str(self.secret("ca.pem")),
             "KAFKA_SSL_CERTFILE": str(self.secret(f"{user}.pem")), "KAFKA_SSL_KEYFILE": str(self.secret(f"{user}.key")),
         }  # fmt: skip
 

@@ -24,9 +24,11 @@ from kafka_helpers import Broker, Placements, assert_window_holds_exactly, topic
 from service_process import ServiceProcess
 
 from streamtrain.config import Settings, load_settings
-from streamtrain.ingest.ingestor import Ingestor, keep_rejoin_pending, subscribed_consumer
+from streamtrain.ingest.consumers import subscribed_consumer
+from streamtrain.ingest.ingestor import Ingestor
+from streamtrain.ingest.kafka_compat import keep_rejoin_pending
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 pytestmark = pytest.mark.integration
 
@@ -141,7 +143,8 @@ def test_a_rejoin_whose_waiter_gave_up_is_lost_unless_kept_pending(
             assert listener.events[-1][0] == "revoked"
         else:
             wait_for(
-                lambda: consumer.poll(timeout_ms=250) is not None and len(consumer._subscription.fetchable_partitions()) == partitions,
+                lambda: consumer.poll(timeout_ms=250) is not None
+                and len(consumer._subscription.fetchable_partitions()) == partitions,
                 30, "the rejoin to complete",
             )  # fmt: skip
             assert coordinator.state == "<stable>" and listener.events[-1] == ("assigned", set(range(partitions)))
@@ -212,7 +215,7 @@ def test_partitions_added_after_a_static_member_restarted_are_assigned(
     member that did watch the topic for new partitions. Found by bench/chaos.py: after a
     SIGKILL, partitions added to the topic waited for the next membership change."""
     if not fixed:
-        monkeypatch.setattr("streamtrain.ingest.ingestor.rejoin_on_partition_changes", lambda consumer: None)
+        monkeypatch.setattr("streamtrain.ingest.consumers.rejoin_on_partition_changes", lambda consumer: None)
     topic = fresh_topics("static")
     settings = ingest_settings(kafka_bootstrap, topic, topic_partitions=1, group_instance_id=f"static-{topic}")
     first, _ = start_ingestor(settings)

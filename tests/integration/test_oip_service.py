@@ -34,7 +34,8 @@ import tritonclient.http as triton
 from kafka.admin import KafkaAdminClient, NewTopic
 from service_process import ServiceProcess
 
-from streamtrain.tools.simulate import SimulationConfig, run_simulation
+from streamtrain.tools.simulate import run_simulation
+from streamtrain.tools.simulation_config import SimulationConfig
 
 pytestmark = pytest.mark.integration
 
@@ -169,7 +170,8 @@ def test_kserve_client_json_and_binary_equal_v1_predict(
     assert v1_predict(service, values, lengths)["version"] == reference["version"]
 
 
-def test_export_from_the_running_service_answers_as_it_does(service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray],
+def test_export_from_the_running_service_answers_as_it_does(service: ServiceProcess,
+                                                            batch: tuple[np.ndarray, np.ndarray],
                                                             tmp_path: Path) -> None:  # fmt: skip
     values, lengths = batch
     reference = v1_predict(service, values, lengths)
@@ -181,7 +183,8 @@ def test_export_from_the_running_service_answers_as_it_does(service: ServiceProc
 
     def export(fmt: str, out: Path, *extra: str) -> str:
         done = subprocess.run([sys.executable, "-m", "streamtrain.cli", "export", "--url", url, "--format", fmt,
-                               "--out", str(out), *extra], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+                               "--out", str(out), *extra],
+                              env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 
@@ -198,6 +201,8 @@ def test_export_from_the_running_service_answers_as_it_does(service: ServiceProc
         script_out = [t.numpy() for t in traced(torch.from_numpy(values), torch.from_numpy(lengths))]
     assert_same(dict(zip(("next", "anomaly_score", "probs"), script_out)), reference, tolerance=1e-5)
 
-    wrong = subprocess.run([sys.executable, "-m", "streamtrain.cli", "export", "--url", url, "--out", str(tmp_path / "x")],
-                           env={**env, "STREAMTRAIN_ADMIN_TOKEN": "wrong"}, capture_output=True, text=True, timeout=300)  # fmt: skip
+    wrong = subprocess.run([sys.executable, "-m", "streamtrain.cli", "export", "--url", url,
+                            "--out", str(tmp_path / "x")],
+                           env={**env, "STREAMTRAIN_ADMIN_TOKEN": "wrong"},
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert wrong.returncode == 2 and "not accepted" in wrong.stderr

@@ -6,7 +6,8 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.tools.simulate import SimulationConfig, run_simulation
+from streamtrain.tools.simulate import run_simulation
+from streamtrain.tools.simulation_config import SimulationConfig
 
 pytestmark = pytest.mark.integration
 

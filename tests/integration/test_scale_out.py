@@ -28,14 +28,16 @@ from kafka.admin import KafkaAdminClient, NewPartitions
 from kafka_helpers import Placements, assert_window_holds_exactly, free_port, wait_for
 from service_process import FAST_MODEL, ServiceProcess, wait_until
 
-from streamtrain.checkpoint.shards import DistributedCheckpointer, ShardedCheckpointStore
+from streamtrain.checkpoint.collective import DistributedCheckpointer
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.config import load_settings
-from streamtrain.distributed.launch import Collectives, DistContext
+from streamtrain.distributed.collectives import Collectives
+from streamtrain.distributed.launch import DistContext
 from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
 from streamtrain.tools.export import fetch_bundle
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 pytestmark = pytest.mark.integration
 
@@ -143,7 +145,7 @@ def assert_checkpoint_exact(checkpoint_dir: Path, topic: str, placements: Placem
     checkpointer = DistributedCheckpointer(
         ShardedCheckpointStore(checkpoint_dir), Collectives(DistContext()), topic=topic
     )
-    share = checkpointer.restore(partition_count=None, legacy=CheckpointStore(checkpoint_dir))
+    share = checkpointer.restore(partition_count=None, single_file=CheckpointStore(checkpoint_dir))
     assert share is not None
     window = RecencyWindow(10**6, math.inf)
     window.load_state_dict(share.window_state)
@@ -246,7 +248,8 @@ def test_torchrun_two_ranks_train_one_model_over_three_partitions(
     # runs the CLI's main() and leaves its exit status in a file, to be checked below.
     env["EXIT_STATUS_DIR"] = str(tmp_path)
     rank_main = ("import os, sys; from streamtrain.cli import main; status = main(sys.argv[1:]); "
-                 "open(os.path.join(os.environ['EXIT_STATUS_DIR'], 'exit-rank' + os.environ['RANK']), 'w').write(str(status)); "
+                 "open(os.path.join(os.environ['EXIT_STATUS_DIR'], 'exit-rank' + os.environ['RANK']), 'w')"
+                 ".write(str(status)); "
                  "sys.exit(status)")  # fmt: skip
     log_path = tmp_path / "torchrun.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -16,7 +16,8 @@ from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
 from streamtrain.checkpoint.store import CheckpointStore
-from streamtrain.tools.simulate import SimulationConfig, run_simulation
+from streamtrain.tools.simulate import run_simulation
+from streamtrain.tools.simulation_config import SimulationConfig
 
 pytestmark = pytest.mark.integration
 

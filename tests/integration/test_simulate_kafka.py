@@ -13,7 +13,8 @@ from kafka.admin import KafkaAdminClient
 from kafka_helpers import consume_all
 
 from streamtrain.events import EventLimits, Rejection, SensorEvent, decode_event
-from streamtrain.tools.simulate import SimulationConfig, main, run_simulation
+from streamtrain.tools.simulate import main, run_simulation
+from streamtrain.tools.simulation_config import SimulationConfig
 
 pytestmark = pytest.mark.integration
 

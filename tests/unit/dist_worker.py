@@ -1,4 +1,4 @@
-"""One rank of the multi-process tests in test_distributed.py, launched as torchrun would.
+"""One rank of the multi-process tests in distributed/test_distributed_processes.py, launched as torchrun would.
 
 The parent sets WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT and runs
 ``python dist_worker.py SCENARIO OUT_DIR``; this process joins the gloo group through
@@ -24,26 +24,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.shards import DistributedCheckpointer, ShardedCheckpointStore
+from streamtrain.checkpoint.collective import DistributedCheckpointer
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.config import load_settings
 from streamtrain.data import collate
+from streamtrain.distributed.collectives import Collectives, exit_after_collective_failure
 from streamtrain.distributed.data_parallel import DataParallelStep
-from streamtrain.distributed.launch import (
-    Collectives,
-    DistContext,
-    LockstepError,
-    RollbackRequest,
-    SettingsMismatch,
-    StepSignals,
-    exit_after_collective_failure,
-)
+from streamtrain.distributed.launch import DistContext
 from streamtrain.distributed.lockstep import LockstepLoop, check_settings_agree
+from streamtrain.distributed.wire import AskedRollback, LockstepError, SettingsMismatch, StepSignals
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
-from streamtrain.model.network import RunningNorm, build_model, predict
-from streamtrain.quality.monitor import QualityConfig, QualityMonitor
+from streamtrain.model.inference import predict
+from streamtrain.model.network import build_model
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.quality.config import QualityConfig
+from streamtrain.quality.monitor import QualityMonitor
+from streamtrain.training.protocol import LoopFactory
 from streamtrain.training.trainer import Trainer
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 STEPS = 7
 WORLD = 2
@@ -317,14 +316,14 @@ def dataclass_dict(value: Any) -> dict[str, Any]:
     return dataclasses.asdict(value)
 
 
-def loop_trainer(rank: int, out: Path) -> Trainer:
+def loop_trainer(rank: int, out: Path, loop: LoopFactory | None = None) -> Trainer:
     settings = load_settings(**LOOP_SETTINGS, checkpoint_dir=out / "unused")
     window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(rank))
     now = time.time()
     window.insert_batch(
         EventBatch.from_events([SensorEvent(f"s{rank}-{i}", now - i, v) for i, v in enumerate(walks(900 + rank, 96))])
     )
-    trainer = Trainer(settings, window, Metrics(), data_seed=100 + rank, min_items=8)
+    trainer = Trainer(settings, window, Metrics(), data_seed=100 + rank, min_items=8, loop=loop)
     holdout = walks(700 + rank, 10)
     trainer.quality.holdout.values.extend(holdout)
     trainer.quality.holdout.labels.extend([-1] * len(holdout))
@@ -349,9 +348,9 @@ def quality(collectives: Collectives, rank: int, out: Path) -> None:
     check_settings_agree(collectives, load_settings(**LOOP_SETTINGS))  # the same: no error
     # one rollback wins per step: an admin's before an automatic one, then the lowest rank's
     asks = [
-        {0: RollbackRequest(3, "automatic", 5), 1: RollbackRequest(2, "admin")},
-        {0: RollbackRequest(3, "automatic", 5), 1: RollbackRequest(4, "automatic", 5)},
-        {1: RollbackRequest(4, "automatic", 5)},
+        {0: AskedRollback(3, "automatic", 5), 1: AskedRollback(2, "admin")},
+        {0: AskedRollback(3, "automatic", 5), 1: AskedRollback(4, "automatic", 5)},
+        {1: AskedRollback(4, "automatic", 5)},
         {},
     ]
     agreed = []
@@ -365,9 +364,12 @@ def quality(collectives: Collectives, rank: int, out: Path) -> None:
         )
     gate = collective_gate(collectives, rank)
 
-    trainer = loop_trainer(rank, out)
+    trainer = loop_trainer(
+        rank, out, loop=lambda t: LockstepLoop(t, collectives, checkpoint=lambda final: None, stage_ahead=True)
+    )
     collectives.broadcast_module(trainer.model)
-    loop = LockstepLoop(trainer, collectives, checkpoint=lambda final: None, stage_ahead=True)
+    assert isinstance(trainer.loop, LockstepLoop)
+    loop = trainer.loop
     resets: list[int] = []
     original = loop.step.step
 

@@ -104,11 +104,12 @@ def test_prometheus_loads_the_rules() -> None:
 
 
 K8S_RULE = REPO / "deploy" / "k8s-monitoring" / "prometheus-rule.yaml"
-K8S_RULE_HEAD = """# deploy/prometheus/alerts.yml as a PrometheusRule for the Prometheus operator (kube-prometheus-stack).
-# Same groups, rule for rule (tests/unit/test_alerts.py checks it): edit alerts.yml, then regenerate
-# this file with `.venv/bin/python tests/unit/test_alerts.py`.
-# Its `release` label must match your Prometheus's ruleSelector (kube-prometheus-stack: the release name).
-"""
+K8S_RULE_HEAD = (
+    "# deploy/prometheus/alerts.yml as a PrometheusRule for the Prometheus operator (kube-prometheus-stack).\n"
+    "# Same groups, rule for rule (tests/unit/test_alerts.py checks it): edit alerts.yml, then regenerate\n"
+    "# this file with `.venv/bin/python tests/unit/test_alerts.py`.\n"
+    "# Its `release` label must match your Prometheus's ruleSelector (kube-prometheus-stack: the release name).\n"
+)
 
 
 def prometheus_rule() -> dict[str, Any]:

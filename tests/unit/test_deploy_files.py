@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from streamtrain.config import Settings, load_settings
-from streamtrain.tools.simulate import ENV_SETTINGS, load_simulation_config
+from streamtrain.tools.simulation_config import ENV_SETTINGS, load_simulation_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

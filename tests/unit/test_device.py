@@ -20,7 +20,7 @@ import torch
 
 import streamtrain.config as config_module
 from device_params import CUDA, DEVICES, needs_cuda
-from streamtrain.checkpoint.store import decode_checkpoint, encode_checkpoint
+from streamtrain.checkpoint.format import decode_checkpoint, encode_checkpoint
 from streamtrain.config import GPU_PROFILE, SettingsError, load_settings
 from streamtrain.data.collate import Batch, collate
 from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, StagedBatch, pin_batch, stage_batch
@@ -34,9 +34,9 @@ from streamtrain.device import (
     to_device_async,
 )
 from streamtrain.metrics import Metrics
-from streamtrain.model.network import predict
+from streamtrain.model.inference import predict
 from streamtrain.training.trainer import Trainer
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
 torch.set_num_threads(1)
 

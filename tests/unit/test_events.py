@@ -489,3 +489,102 @@ def test_both_header_paths_refuse_just_past_the_edges(obj: dict, limits: EventLi
 def test_an_empty_poll_has_typed_columns() -> None:
     events = decode_batch([b"junk"], LIMITS, NOW).events
     assert (events.ts.dtype, events.labels.dtype, events.lengths.dtype) == (np.float64, np.int64, np.int64)
+
+
+# ------------------------------------------------ integers beyond 64 bits (docs/contract.md, section 1)
+BIG = 2**64  # orjson reads integer literals from here on (and below -2**63) as floats
+DIGITS_5000 = b"7" * 5000  # beyond Python's int-from-text limit (4300 digits)
+NO_SKEW_LIMIT = EventLimits(max_len=8, max_future_skew_s=math.inf)
+WIDE = EventLimits(max_len=8, n_classes=3, max_message_bytes=1 << 16)  # room for 5000 digits
+WIDE_HEADLESS = EventLimits(max_len=8, max_message_bytes=1 << 16)
+
+
+def raw_msg(ts: bytes = b"1764412000", values: bytes = b"[1.0]", extra: bytes = b"") -> bytes:
+    return b'{"sensor_id":"a","ts":' + ts + b',"values":' + values + extra + b"}"
+
+
+@pytest.mark.parametrize("label", [BIG, BIG + 1, 10**30, -(2**63) - 1, -(10**30), 10**400])
+def test_an_integer_label_beyond_64_bits_is_a_bad_label_not_a_schema_error(label: int) -> None:
+    raw = raw_msg(extra=b',"label":' + str(label).encode())
+    rejection = decode_event(raw, LIMITS, NOW)
+    assert isinstance(rejection, Rejection) and rejection.reason == "bad_label", rejection
+    assert rejection.detail.endswith("is outside [0, 3)")
+    # labels mean nothing without a classification head: the event is accepted
+    assert decode_event(raw, HEADLESS, NOW).label == NO_LABEL
+
+
+def test_a_label_beyond_python_s_digit_limit_is_a_bad_label_and_ignored_without_a_head() -> None:
+    raw = raw_msg(extra=b',"label":' + DIGITS_5000)
+    assert decode_event(raw, WIDE, NOW) == Rejection("bad_label", "'label' beyond 64 bits is outside [0, 3)")
+    assert decode_event(raw, WIDE_HEADLESS, NOW).label == NO_LABEL
+
+
+@pytest.mark.parametrize("literal", [b"1.8446744073709552e19", b"18446744073709551616.0", b"1e30", b"-1e30"])
+def test_a_label_written_as_a_float_stays_a_schema_error_however_large(literal: bytes) -> None:
+    raw = raw_msg(extra=b',"label":' + literal)
+    assert decode_event(raw, LIMITS, NOW) == Rejection("schema", "'label' must be an integer, got float")
+
+
+def test_a_big_integer_label_is_judged_alone_in_its_batch() -> None:
+    decoded = decode_batch([msg(label=1), raw_msg(extra=b',"label":' + str(BIG).encode()), msg(label=2)], LIMITS, NOW)
+    assert [(i, r.reason) for i, r in decoded.rejections] == [(1, "bad_label")]
+    assert decoded.events.labels.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("ts", "reason"),
+    [
+        (str(BIG).encode(), "bad_timestamp"),
+        (str(-BIG).encode(), "bad_timestamp"),
+        (b"1" + b"0" * 400, "non_finite"),
+        (b"-1" + b"0" * 400, "non_finite"),
+        (DIGITS_5000, "non_finite"),
+    ],
+)
+def test_a_huge_integer_timestamp_is_refused_for_its_rule(ts: bytes, reason: str) -> None:
+    rejection = decode_event(raw_msg(ts=ts), WIDE, NOW)
+    assert isinstance(rejection, Rejection) and rejection.reason == reason, rejection
+
+
+@pytest.mark.parametrize(("ts", "reason"), [(b"Infinity", "non_finite"), (b"1" + b"0" * 400, "non_finite")])
+def test_without_a_future_limit_a_timestamp_must_still_be_finite(ts: bytes, reason: str) -> None:
+    """MAX_FUTURE_SKEW_S=inf lets any finite time in; infinity and beyond-float64 integers stay out."""
+    rejection = decode_event(raw_msg(ts=ts), NO_SKEW_LIMIT, NOW)
+    assert isinstance(rejection, Rejection) and rejection.reason == reason, rejection
+    assert decode_event(raw_msg(ts=str(BIG).encode()), NO_SKEW_LIMIT, NOW).ts == float(BIG)
+
+
+def test_integers_beyond_python_s_digit_limit_are_judged_by_the_rules_not_as_undecodable() -> None:
+    assert decode_event(raw_msg(values=b"[1.0, " + DIGITS_5000 + b"]"), WIDE, NOW).reason == "non_finite"
+    assert decode_event(raw_msg(values=b"[" + DIGITS_5000 + b", NaN]"), WIDE, NOW).reason == "non_finite"
+    ignored = decode_event(raw_msg(extra=b',"other":-' + DIGITS_5000), WIDE, NOW)  # unknown fields are ignored
+    assert isinstance(ignored, SensorEvent) and ignored.values[:, 0].tolist() == [1.0]
+
+
+json_number = st.one_of(st.integers(-(2**1100), 2**1100), st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    values=st.lists(json_number | json_value, max_size=10)
+    | st.lists(st.lists(json_number | json_value, max_size=4), max_size=10)
+    | json_value,
+    channels=st.integers(1, 3),
+)
+def test_parse_values_raises_only_event_errors_on_any_json_value(values: object, channels: int) -> None:
+    """What the slow path of decode_batch relies on: every failure is an EventError with a reason."""
+    try:
+        parse_values(values, channels=channels, max_len=8)
+    except EventError as err:
+        assert err.reason in REASONS
+
+
+def test_unknown_fields_nested_deeper_than_the_stdlib_parser_reads_are_ignored() -> None:
+    """orjson reads 1000 levels (its limit is 1024); the stdlib parser stops at the recursion limit (1000)."""
+    deep = b',"other":' + b"[" * 1000 + b"]" * 1000
+    event = decode_event(raw_msg(extra=deep), WIDE, NOW)
+    assert isinstance(event, SensorEvent) and event.values[:, 0].tolist() == [1.0]
+    # a float label sends the message to the stdlib parser, which cannot read it: orjson's reading stands
+    assert decode_event(raw_msg(extra=deep + b',"label":1.5'), WIDE, NOW) == Rejection(
+        "schema", "'label' must be an integer, got float"
+    )

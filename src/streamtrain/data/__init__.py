@@ -1,4 +1,5 @@
-"""Training data pipeline: randomness modes, pass sampling policies, token-budget bucketing, collate, the dataset, prefetch."""
+"""Training data pipeline: randomness modes, pass sampling policies, token-budget bucketing,
+collate, the dataset, prefetch."""
 
 from streamtrain.data.bucketing import (
     DEFAULT_BATCHES_PER_POOL,

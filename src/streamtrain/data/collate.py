@@ -5,6 +5,11 @@ batch's longest item (rounded up to ``pad_to_multiple_of``). The pad value is 0.
 0.0 is also a real sensor reading, so the boolean mask, never the pad value, says which
 positions are real. The copy is vectorized: one concatenation of the ragged values and
 one masked scatter into the padded buffer, with no Python loop over elements.
+
+Bad items are refused with collate's own ``ValueError`` (``collate: item i ...``, never
+numpy's error), naming the item and the rule: an item is a 2-D ``[L, C]`` array of real
+numbers (bool, integer or float) with item 0's C. Readings given as text are refused,
+never parsed.
 """
 
 from __future__ import annotations
@@ -73,18 +78,32 @@ def padded_length(max_length: int, pad_to_multiple_of: int) -> int:
     return -(-max_length // pad_to_multiple_of) * pad_to_multiple_of
 
 
-def _describe_bad_item(values: Sequence[np.ndarray]) -> str:
-    """Only on the error path: name the first item whose shape breaks the [L, C] rule."""
+#: numpy dtype kinds whose values are numbers that convert to float32 without parsing: bool,
+#: signed and unsigned integers, floats. Text, objects, complex numbers and dates are refused,
+#: never parsed or truncated.
+_REAL_KINDS = frozenset("biuf")
+_REAL_RULE = "readings must be real numbers (bool, integer or float)"
+
+
+def _describe_bad_item(values: Sequence[np.ndarray], error: Exception | None = None) -> str:
+    """Only on the error path: name the first item that is not a real-valued 2-D ``[L, C]``
+    array with item 0's C."""
     channels = None
     for index, item in enumerate(values):
-        shape = np.shape(item)
-        if len(shape) != 2:
-            return f"item {index} has shape {shape}; every item must be a 2-D [length, channels] array"
+        try:
+            array = np.asarray(item)
+        except ValueError:
+            return f"item {index} is ragged; every item must be a 2-D [length, channels] array"
+        if array.ndim != 2:
+            return f"item {index} has shape {array.shape}; every item must be a 2-D [length, channels] array"
+        if array.dtype.kind not in _REAL_KINDS:
+            return f"item {index} holds {array.dtype} values; {_REAL_RULE}"
         if channels is None:
-            channels = shape[1]
-        elif shape[1] != channels:
-            return f"item {index} has {shape[1]} channels but item 0 has {channels}; all items need the same C"
-    return "the items could not be concatenated along the length axis"
+            channels = array.shape[1]
+        elif array.shape[1] != channels:
+            return f"item {index} has {array.shape[1]} channels but item 0 has {channels}; all items need the same C"
+    # every way numpy's concatenation fails is named above; this keeps numpy's words for any other
+    return f"the items could not be concatenated along the length axis ({error})"
 
 
 def collate(
@@ -100,9 +119,10 @@ def collate(
     if len(values) == 0:
         raise ValueError("collate needs at least one sequence, got an empty list")
     try:
+        # casting="same_kind" (the default) refuses text, objects and complex numbers with a TypeError
         flat = np.concatenate(values, axis=0, dtype=np.float32)
-    except ValueError as error:
-        raise ValueError(f"collate: {_describe_bad_item(values)}") from error
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"collate: {_describe_bad_item(values, error)}") from error
     if flat.ndim != 2:
         raise ValueError(f"collate: {_describe_bad_item(values)}")
     lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
@@ -127,7 +147,10 @@ def collate_flat(
     require_int(pad_to_multiple_of, "pad_to_multiple_of", 1)
     if lengths.min() < 0:
         raise ValueError(f"collate: lengths must be >= 0, got {lengths.min()}")
-    flat = np.asarray(flat_values, dtype=np.float32)
+    flat = np.asarray(flat_values)
+    if flat.dtype.kind not in _REAL_KINDS:
+        raise ValueError(f"collate: flat values hold {flat.dtype} values; {_REAL_RULE}")
+    flat = flat.astype(np.float32, copy=False)
     if flat.ndim != 2 or flat.shape[0] != int(lengths.sum()):
         raise ValueError(
             f"collate: flat values of shape {flat.shape} do not hold sum(lengths) = {int(lengths.sum())} "
@@ -153,7 +176,7 @@ def collate_flat(
 def _per_item(given: ArrayLike | None, batch_size: int, dtype: type, fill: float, name: str) -> np.ndarray:
     if given is None:
         return np.full(batch_size, fill, dtype=dtype)
-    array = np.array(given, dtype=dtype, copy=True).reshape(-1)
+    array: np.ndarray = np.array(given, dtype=dtype, copy=True).reshape(-1)
     if array.shape[0] != batch_size:
         raise ValueError(f"collate: {name} has {array.shape[0]} entries for {batch_size} sequences; give one per item")
     return array

@@ -67,15 +67,23 @@ log = logging.getLogger(__name__)
 
 
 class Snapshot(Protocol):
-    """What the dataset needs from a window snapshot (``streamtrain.window.WindowSnapshot``).
+    """What the dataset needs from a window snapshot (``streamtrain.window.snapshot.WindowSnapshot``).
 
     A sampler also reads ``sensor_ids`` and ``seq``, and the pass is ``subset(index)``.
+    Read-only properties, so a frozen dataclass (the window's snapshot) is one.
     """
 
-    lengths: np.ndarray
-    labels: np.ndarray
-    ts: np.ndarray
-    version: int
+    @property
+    def lengths(self) -> np.ndarray: ...
+
+    @property
+    def labels(self) -> np.ndarray: ...
+
+    @property
+    def ts(self) -> np.ndarray: ...
+
+    @property
+    def version(self) -> int: ...
 
     def __len__(self) -> int: ...
 

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class SelectableSnapshot(Protocol):
-    """What the sampler reads from a window snapshot (``streamtrain.window.WindowSnapshot``)."""
+    """What the sampler reads from a window snapshot (``streamtrain.window.snapshot.WindowSnapshot``)."""
 
     lengths: np.ndarray
     labels: np.ndarray

@@ -279,11 +279,32 @@ class DevicePrefetcher:
         self._exhausted = True
         if isinstance(self._source, Prefetcher):
             self._source.close(timeout=timeout)
-        elif callable(getattr(self._source, "close", None)):
-            self._source.close()
+        else:
+            close = getattr(self._source, "close", None)  # a generator, or any iterable that holds resources
+            if callable(close):
+                close()
 
     def __enter__(self) -> DevicePrefetcher:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def place_batch(batch: Batch, device: torch.device) -> tuple[Batch, Batch]:
+    """(host batch, its ``values``/``mask``/``labels`` on ``device``), as a training step places one.
+
+    A :class:`StagedBatch` brings its device copy along; a host batch is copied now (pinned,
+    non-blocking); a batch already on ``device`` is used as is, with a host copy for the
+    counts and the float64 statistics.
+    """
+    on_device = batch.on_device if isinstance(batch, StagedBatch) else None
+    if on_device is None and batch.values.device == device:
+        on_device = batch
+    if batch.values.device.type != "cpu":  # a hand-made batch on the device: statistics need a host copy
+        batch = batch.to("cpu")
+    if on_device is None:
+        staged = stage_batch(batch, device).ready().on_device
+        assert staged is not None, "stage_batch always makes the device copy"
+        on_device = staged
+    return batch, on_device

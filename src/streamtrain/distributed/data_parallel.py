@@ -4,18 +4,18 @@ Each rank trains on token-budget batches from its own window (the partitions it 
 A step must equal the single-process step over the union of the ranks' batches, for any
 split, including a rank with no data at all that step. Three things make that so:
 
-* **Global normalization of the loss.** :func:`streamtrain.model.network.total_loss` divides the
+* **Global normalization of the loss.** :func:`streamtrain.model.losses.total_loss` divides the
   forecast error by the batch's count of forecast targets (positions whose next reading
   is real) and the classification loss by its count of labelled events. Each rank
   scales its local means by ``local count / global count`` instead, so the losses of the
   ranks *add up* to the loss of the union; the gradients are then *summed* over the
-  ranks (:meth:`~streamtrain.distributed.launch.Collectives.allreduce_gradients`), not averaged.
+  ranks (:meth:`~streamtrain.distributed.collectives.Collectives.allreduce_gradients`), not averaged.
   The global counts are known before the forward pass (they depend only on the masks
   and labels), so they travel in the step's one small agreement collective.
 * **Normalization statistics merged before they are used.** Every rank computes the
   moments (count, mean, M2 in float64) of its batch's real readings, all ranks gather
   them, merge them in rank order with Chan's formula and fold the result into their
-  :class:`~streamtrain.model.network.RunningNorm`, so every rank normalizes with the statistics
+  :class:`~streamtrain.model.normalization.RunningNorm`, so every rank normalizes with the statistics
   of the union, bit for bit the same on every rank.
 * **A rank with no data contributes zeros**, a zero gradient and zero counts, and still
   takes part in both collectives: nobody waits for it, and it applies the same update.
@@ -51,17 +51,15 @@ import numpy as np
 import torch
 
 from streamtrain.data.collate import Batch
-from streamtrain.data.prefetch import stage_batch
+from streamtrain.data.prefetch import place_batch
 from streamtrain.device import Precision, autocast
-from streamtrain.distributed.launch import DEFAULT_BUCKET_BYTES, Collectives, StepAgreement, StepSignals
-from streamtrain.model.network import (
-    ModelOutput,
-    RunningNorm,
-    SensorModel,
-    classification_loss,
-    forecast_loss,
-    naive_last_value_loss,
-)
+from streamtrain.distributed.collectives import DEFAULT_BUCKET_BYTES, Collectives
+from streamtrain.distributed.wire import StepAgreement, StepSignals
+from streamtrain.model.losses import classification_loss, forecast_loss, naive_last_value_loss
+from streamtrain.model.network import ModelOutput, SensorModel
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.model.normalization import merge_moments as merge_norm_moments
+from streamtrain.training.protocol import StepOutcome
 
 # ----------------------------------------------------------------------------------------
 # normalization statistics
@@ -106,19 +104,9 @@ class Moments:
 
 
 def merge_moments(a: Moments, b: Moments) -> Moments:
-    """Chan et al.'s parallel merge: the moments of the union of two disjoint samples."""
-    if b.count == 0:
-        return replace(a, clipped=a.clipped + b.clipped)
-    if a.count == 0:
-        return replace(b, clipped=a.clipped + b.clipped)
-    total = a.count + b.count
-    delta = b.mean - a.mean
-    return Moments(
-        count=total,
-        mean=a.mean + delta * (b.count / total),
-        m2=a.m2 + b.m2 + delta.square() * (a.count * b.count / total),
-        clipped=a.clipped + b.clipped,
-    )
+    """The moments of the union of two disjoint samples (:func:`~streamtrain.model.normalization.merge_moments`)."""
+    count, mean, m2 = merge_norm_moments(a.count, a.mean, a.m2, b.count, b.mean, b.m2)
+    return Moments(count=count, mean=mean, m2=m2, clipped=a.clipped + b.clipped)
 
 
 def merge_all(parts: Sequence[Moments]) -> Moments:
@@ -140,41 +128,15 @@ def batch_moments(norm: RunningNorm, values: torch.Tensor, mask: torch.Tensor) -
     with outliers in the first ``warmup_count`` tokens can differ from the single-process
     statistics. ``norm`` is left unchanged.
     """
-    channels = norm.channels
-    if values.dim() != 3 or values.shape[-1] != channels or values.shape[:2] != mask.shape:
-        raise ValueError(
-            f"batch_moments: expected values [B, L, {channels}] and mask [B, L], "
-            f"got {tuple(values.shape)} and {tuple(mask.shape)}"
-        )
-    real = values.detach()[mask.bool()].to(torch.float64)
-    n = int(real.shape[0])
-    if n == 0:
-        return Moments.empty(channels)
-    clipped = 0
-    if norm.clip_std is not None:
-        before = norm.clipped
-        real = norm._clamp_outliers(real)  # the norm's own rule; it counts what it clamps
-        clipped, norm.clipped = norm.clipped - before, before
-    mean = real.mean(dim=0)
-    return Moments(count=n, mean=mean, m2=(real - mean).square().sum(dim=0), clipped=clipped)
+    count, mean, m2, clipped = norm.batch_moments(values, mask)
+    return Moments(count=count, mean=mean, m2=m2, clipped=clipped)
 
 
 def apply_moments(norm: RunningNorm, moments: Moments) -> None:
     """Fold ``moments`` into ``norm`` exactly as :meth:`RunningNorm.update` folds a batch."""
     if moments.count == 0 and moments.clipped == 0:
         return
-    if norm.frozen:
-        raise RuntimeError("apply_moments: this norm is frozen (public constants); do not update it")
-    state = norm.state_dict()
-    count = int(state["count"])
-    total = count + moments.count
-    if moments.count:
-        delta = moments.mean - state["mean"]
-        state["mean"] = state["mean"] + delta * (moments.count / total)
-        state["m2"] = state["m2"] + moments.m2 + delta.square() * (count * moments.count / total)
-    state["count"] = total
-    state["clipped"] = int(state.get("clipped", 0)) + moments.clipped
-    norm.load_state_dict(state)
+    norm.merge(moments.count, moments.mean, moments.m2, moments.clipped)
 
 
 # ----------------------------------------------------------------------------------------
@@ -223,7 +185,7 @@ def globally_normalized_loss(
     totals: dict[str, int],
     class_weight: float = 1.0,
 ) -> torch.Tensor:
-    """This rank's share of the union's :func:`~streamtrain.model.network.total_loss`.
+    """This rank's share of the union's :func:`~streamtrain.model.losses.total_loss`.
 
     ``total_loss`` is ``forecast mean + class_weight × classification mean`` over one
     batch; the shares of all ranks add up to it over the union: each local mean is
@@ -238,24 +200,6 @@ def globally_normalized_loss(
 
 # ----------------------------------------------------------------------------------------
 # the step
-
-
-def place_batch(batch: Batch, device: torch.device) -> tuple[Batch, Batch]:
-    """(host batch, its ``values``/``mask``/``labels`` on ``device``), as ``Trainer.train_step`` places one.
-
-    A :class:`~streamtrain.data.prefetch.StagedBatch` brings its device copy along; a host
-    batch is copied now (pinned, non-blocking); a batch already on ``device`` is used as is,
-    with a host copy for the counts and the float64 statistics.
-    """
-    on_device = getattr(batch, "on_device", None)
-    if on_device is None and batch.values.device == device:
-        on_device = batch
-    if batch.values.device.type != "cpu":
-        batch = batch.to("cpu")
-    if on_device is None:
-        on_device = stage_batch(batch, device).ready().on_device
-    assert on_device is not None
-    return batch, on_device
 
 
 def _in_dtype(output: ModelOutput, dtype: torch.dtype) -> ModelOutput:
@@ -282,6 +226,17 @@ class ParallelStepReport:
     seconds: float
     agree_seconds: float  # the agreement collective
     allreduce_seconds: float  # the gradient all-reduce
+
+    def outcome(self) -> StepOutcome:
+        """The step as the trainer counts it (:meth:`~streamtrain.training.trainer.Trainer.apply_step`)."""
+        return StepOutcome(
+            applied=self.applied,
+            skipped_reason=self.skipped_reason,
+            seconds=self.seconds,
+            real_tokens=self.real_tokens,  # global: every rank counts the same
+            forecast_loss=self.forecast_loss,
+            naive_loss=self.naive_loss,
+        )
 
 
 class DataParallelStep:
@@ -390,7 +345,7 @@ class DataParallelStep:
                 loss = self.fault_injector(loss)
             # A non-finite loss's gradient is summed with the others and then thrown away with
             # the step (every rank skips it): no host read is needed to decide on backward.
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
             with torch.no_grad():
                 sums[0] = (~torch.isfinite(loss)).to(torch.float64)
                 sums[1] = loss.detach().to(torch.float64)

@@ -23,7 +23,7 @@ a full interval. A drift reaction that clears AdamW's moments is agreed too.
 
 The publish gate (``HOLDOUT_SHARE`` > 0) judges the union of the ranks' holdouts: at a
 publication every rank scores its own holdout and the ranks add the sums
-(:meth:`~streamtrain.distributed.launch.Collectives.sum_rows`), so the verdict is the same on
+(:meth:`~streamtrain.distributed.collectives.Collectives.sum_rows`), so the verdict is the same on
 every rank.
 
 On a GPU the loop stages batches as the single-process trainer does: the prefetch thread
@@ -53,20 +53,18 @@ import torch
 
 from streamtrain.config import Settings
 from streamtrain.data.collate import Batch
-from streamtrain.data.prefetch import Prefetcher, StagedBatch, pin_batch, stage_batch
+from streamtrain.data.prefetch import Prefetcher, StagedBatch, _Staging, pin_batch, stage_batch
 from streamtrain.device import is_cuda, side_stream
-from streamtrain.distributed.data_parallel import DataParallelStep, ParallelStepReport
-from streamtrain.distributed.launch import (
+from streamtrain.distributed.collectives import (
     EXIT_COLLECTIVE_FAILURE,
-    AgreedRollback,
     CollectiveFailure,
     Collectives,
-    RollbackRequest,
-    StepSignals,
     exit_after_collective_failure,
 )
+from streamtrain.distributed.data_parallel import DataParallelStep, ParallelStepReport
+from streamtrain.distributed.wire import AgreedRollback, AskedRollback, StepSignals
 from streamtrain.training.registry import UnknownVersion
-from streamtrain.training.trainer import Trainer, _smooth
+from streamtrain.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +133,7 @@ def settings_fingerprint(settings: Settings) -> dict[str, Any]:
 
 
 def check_settings_agree(collectives: Collectives, settings: Settings) -> None:
-    """Refuse (:class:`~streamtrain.distributed.launch.SettingsMismatch`, one line, on every rank) a group
+    """Refuse (:class:`~streamtrain.distributed.wire.SettingsMismatch`, one line, on every rank) a group
     whose ranks were started with different :data:`AGREED_SETTINGS`."""
     collectives.agree_settings(settings_fingerprint(settings))
 
@@ -161,7 +159,7 @@ class DeviceStager:
         self.ahead = is_cuda(device) if ahead is None else ahead
         self.staged_ahead = 0  # batches whose copy was queued one tick early
         self._stream = side_stream(device)
-        self._next: Any = None  # the staging of the batch copied ahead
+        self._next: _Staging | None = None  # the staging of the batch copied ahead
         self._ended: BaseException | None = None  # the source ended (or failed) while looking ahead
 
     def poll(self, timeout_s: float) -> StagedBatch | None:
@@ -218,7 +216,7 @@ class AppliedRollback:
 class RollbackTicket:
     """A rollback this rank asked for; resolved once every rank took it (or it lapsed)."""
 
-    def __init__(self, request: RollbackRequest, reason: str) -> None:
+    def __init__(self, request: AskedRollback, reason: str) -> None:
         self.request = request
         self.reason = reason
         self.outcome: AppliedRollback | None = None
@@ -239,9 +237,11 @@ class LockstepLoop:
 
     ``checkpoint(final)`` cuts a checkpoint together with the other ranks; the loop calls
     it on the trainer thread whenever the agreement says so (``final`` at the agreed
-    stop). ``on_stopped`` runs once the loop has ended after an agreed stop. Building it
-    wires the trainer for scale-out: automatic rollbacks become requests to every rank,
-    and the publish gate judges the union of the ranks' holdouts.
+    stop). ``on_stopped`` runs once the loop has ended after an agreed stop. The trainer
+    is built with the loop (``Trainer(loop=...)``): it asks automatic rollbacks of every rank
+    through :meth:`request_automatic_rollback`, its publish gate judges the union of the
+    ranks' holdouts through :meth:`sum_rows`, and it counts each agreed step in
+    :meth:`~streamtrain.training.trainer.Trainer.apply_step`.
     """
 
     def __init__(
@@ -279,25 +279,27 @@ class LockstepLoop:
         self._rollback_queue: deque[RollbackTicket] = deque()
         self._last_publish = 0.0
         self._training = False  # the last tick had a batch here: wait a little for the next
-        trainer.request_rollback = self._request_automatic_rollback
-        trainer.quality.combine = collectives.sum_rows
 
     # ------------------------------------------------------------------ requests from other threads
     def request_rollback(
         self, version: int, trigger: str = "admin", reason: str = "asked by an admin"
     ) -> RollbackTicket:
         """Ask every rank to make kept ``version`` serve again; wait on the ticket for the outcome."""
-        ticket = RollbackTicket(RollbackRequest(int(version), trigger), reason)
+        ticket = RollbackTicket(AskedRollback(int(version), trigger), reason)
         with self._rollback_lock:
             self._rollback_queue.append(ticket)
         return ticket
 
-    def _request_automatic_rollback(self, version: int, reason: str) -> bool:
+    def sum_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` summed over the ranks (the quality monitor's holdout sums)."""
+        return self.collectives.sum_rows(rows)
+
+    def request_automatic_rollback(self, version: int, reason: str) -> bool:
         """The quality monitor's rule fired on this rank (ingest thread): ask every rank."""
         serving = self.trainer.published
         if serving is None:
             return False
-        ticket = RollbackTicket(RollbackRequest(int(version), "automatic", serving.version), reason)
+        ticket = RollbackTicket(AskedRollback(int(version), "automatic", serving.version), reason)
         with self._rollback_lock:
             self._rollback_queue.append(ticket)
         log.info(
@@ -454,32 +456,8 @@ class LockstepLoop:
         )
 
     def _account(self, batch: Batch | None, report: ParallelStepReport, wait: float) -> None:
-        """The trainer's counters from the global report; this process's metrics from its own batch."""
-        trainer, m = self.trainer, self.trainer.metrics
+        """The trainer counts the global step; its metrics come from this rank's own batch."""
         self.last_report = report
-        trainer.data_wait_seconds += wait
-        m.train_data_wait_seconds.inc(wait)
-        if report.skipped_reason in ("stop", "no_data"):
-            return
-        trainer.step_seconds += report.seconds
-        m.train_step_seconds.observe(report.seconds)
-        if not report.applied:
-            m.train_skipped_steps.labels(report.skipped_reason).inc()
-            log.warning("step skipped on every rank: %s", report.skipped_reason)
-            return
-        trainer.step += 1
-        trainer.tokens_trained += report.real_tokens  # global: every rank counts the same
-        trainer.loss_ema = _smooth(trainer.loss_ema, report.forecast_loss)
-        trainer.naive_loss_ema = _smooth(trainer.naive_loss_ema, report.naive_loss)
-        m.train_steps.inc()
-        if trainer.loss_ema is not None:
-            m.train_loss.set(trainer.loss_ema)
-        if batch is None:
-            return
-        m.train_tokens.inc(report.local_real_tokens)  # this process's share: summed over ranks, the total
-        m.train_padding_tokens.inc(batch.padded_tokens - batch.real_tokens)
-        m.train_batch_sequences.observe(batch.batch_size)
-        ages = trainer._clock() - batch.ts.numpy()
-        ages = ages[np.isfinite(ages)]
-        if ages.size:
-            m.train_sample_age_seconds.observe(float(np.median(ages)))
+        self.trainer.data_wait_seconds += wait
+        self.trainer.metrics.train_data_wait_seconds.inc(wait)
+        self.trainer.apply_step(report.outcome(), batch)

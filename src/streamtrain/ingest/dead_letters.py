@@ -46,8 +46,9 @@ from kafka.errors import (
 )
 
 from streamtrain.config import Settings
+from streamtrain.ingest.kafka_compat import forbid_topic_auto_creation
 from streamtrain.ingest.security import authorization_reason, client_options
-from streamtrain.ingest.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic, forbid_topic_auto_creation
+from streamtrain.ingest.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic
 from streamtrain.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -318,9 +319,8 @@ class DeadLetterOutbox:
             reconnect_backoff_max_ms=2000,
             **client_options(self.settings),
         )
-        return forbid_topic_auto_creation(
-            producer
-        )  # a deleted .dlq comes back with its size limit, not broker defaults
+        # a deleted .dlq comes back with its size limit, not broker defaults
+        return forbid_topic_auto_creation(producer)
 
     def _send(self, producer: Any, letter: DeadLetter) -> None:
         letter.in_flight = True

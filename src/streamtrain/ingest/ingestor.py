@@ -14,16 +14,21 @@ A partition revoked from this member keeps its offset in the window: should it c
 (the other member left), it resumes where this window stopped, so the window never holds
 a message twice; commits only ever name partitions this member owns.
 
-Liveness: the consumer comes from a factory (:func:`subscribed_consumer` joins the
-consumer group), with :func:`keep_rejoin_pending` installed against a lost-rejoin bug of
-kafka-python 3.0.12; the watchdog (``watchdog.py``) judges it after every poll, and an
-overdue stall closes it and opens a new one that resumes from the window's offsets.
+Decoding: each poll batch is decoded (``decoders.py``) while the next poll runs, and the
+batches are applied in poll order; a partition (re)assigned meanwhile resumes past
+everything polled, so a batch still in flight is never read twice.
+
+Liveness: the consumer comes from a factory (``consumers.py``; by default
+:func:`~streamtrain.ingest.consumers.subscribed_consumer` joins the consumer group) with the
+kafka-python patches of ``kafka_compat.py`` installed; the watchdog (``watchdog.py``) judges
+it after every poll, and an overdue stall closes it and opens a new one that resumes from
+the window's offsets.
 
 Scale-out (``owned_partitions`` given): the partitions are *assigned*, not subscribed, so
-ownership is the pure rule of ``distributed.py`` and no rebalance ever moves a partition;
-offsets are still committed under ``GROUP_ID``. The consumer thread looks at the topic's
-partition count every few seconds and assigns partitions added to the topic that this
-rank owns; they start from the group's committed offset, or the earliest. The watchdog
+ownership is the pure rule of ``streamtrain.distributed.ownership`` and no rebalance ever moves a
+partition; offsets are still committed under ``GROUP_ID``. The consumer thread looks at the
+topic's partition count every few seconds and assigns partitions added to the topic that
+this rank owns; they start from the group's committed offset, or the earliest. The watchdog
 works the same ("unassigned" cannot happen to a rank that owns partitions; "no fetch
 progress while the log end moves" can).
 """
@@ -31,44 +36,41 @@ progress while the log end moves" can).
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import queue
 import threading
 import time
 from collections import Counter as TallyCounter
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
-from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from streamtrain.config import Settings
-from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits, decode_batch
+from streamtrain.events import REASONS, DecodedBatch, EventBatch, EventLimits
 from streamtrain.ingest import security as kafka_security
+from streamtrain.ingest.consumers import (
+    ConsumerFactory,
+    OwnedPartitions,
+    SeekingListener,
+    assign_owned,
+    assigned_consumer,
+    fetch_bytes,
+    subscribed_consumer,
+    topic_partition_count,
+)
 from streamtrain.ingest.dead_letters import DeadLetterOutbox
-from streamtrain.ingest.topics import TopicLimits, ensure_topics, forbid_topic_auto_creation, prepare_topics
+from streamtrain.ingest.decoders import Decoder
+from streamtrain.ingest.topics import TopicLimits, prepare_topics
 from streamtrain.ingest.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.metrics import Metrics
-from streamtrain.window import RecencyWindow
+from streamtrain.window.reservoir import RecencyWindow
 
-__all__ = [
-    "ConsumerFactory",
-    "Ingestor",
-    "assigned_consumer",
-    "ensure_topics",
-    "keep_rejoin_pending",
-    "rejoin_on_partition_changes",
-    "open_consumer",
-    "subscribed_consumer",
-]
+__all__ = ["IngestStalled", "IngestStats", "Ingestor"]
 
 log = logging.getLogger(__name__)
 
@@ -78,202 +80,7 @@ _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 # checkpoint's offsets are authoritative.
 _COMMIT_TIMEOUT_MS = 3000
 _END_OFFSETS_TIMEOUT_MS = 2000
-_FETCH_FLOOR_BYTES = 1 << 20
 _PARTITION_CHECK_S = 5.0  # scale-out: how often the topic's partition count is looked at
-_METADATA_WAIT_S = 15.0
-
-
-# ---------------------------------------------------------------------- the consumer
-def fetch_bytes(settings: Settings) -> int:
-    """``max_partition_fetch_bytes``: one accepted message (Kafka's default, 1 MiB, for the
-    default limit). Larger records still come whole (a fetch always returns its first
-    record batch, KIP-74), so anything the topic holds can be read; a small share per
-    partition keeps partitions taking turns within seconds while a backlog drains."""
-    return max(_FETCH_FLOOR_BYTES, settings.max_message_bytes)
-
-
-def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
-    """Keep a group rejoin that kafka-python has started pending until it completes.
-
-    The root cause of ingest stalling for good after the service created its topic
-    (kafka-python 3.0.12, ``ConsumerCoordinator``): when the topic's metadata changes
-    after the leader's assignment (a just-created topic's partitions show up, partitions
-    are added), ``need_rejoin()`` turns true only through a snapshot comparison, not the
-    ``rejoin_needed`` flag. ``poll()`` then revokes the partitions, starts JoinGroup as a
-    task, and gives up waiting when its own timer runs out, leaving the task in flight.
-    That task's assignment step (``_perform_assignment``) sets the assignment snapshot to
-    the current metadata, so the next ``poll()`` finds ``need_rejoin()`` false, never
-    awaits the task and never applies its assignment: the member stays ``REBALANCING``
-    with its partitions revoked and heartbeats off, every poll fetches nothing, and the
-    broker expires it at the session timeout. The Java client closed the same hole by
-    setting ``rejoinNeeded`` when the metadata check fires (KAFKA-9815); this does the
-    same: once ``need_rejoin()`` says yes, it stays yes until a join completes (which
-    clears the flag). tests/integration/test_liveness.py reproduces the bug and the fix.
-    """
-    coordinator = getattr(consumer, "_coordinator", None)
-    if coordinator is None or not callable(getattr(coordinator, "request_rejoin", None)):
-        raise RuntimeError(
-            "kafka-python's coordinator changed: re-check streamtrain.ingest.ingestor.keep_rejoin_pending"
-        )
-    decide = coordinator.need_rejoin
-
-    def need_rejoin() -> bool:
-        needed = bool(decide())
-        if needed:
-            coordinator.request_rejoin()
-        return needed
-
-    coordinator.need_rejoin = need_rejoin
-
-
-#: Prefix of the subscription user data this service's members send (range and round-robin
-#: assignors send none and read none).
-PARTITION_COUNTS_USER_DATA = b"streamtrain-partition-counts:"
-
-
-def rejoin_on_partition_changes(consumer: KafkaConsumer) -> None:
-    """Every member rejoins when a subscribed topic's partitions change, and says so in its join.
-
-    kafka-python 3.0.12 watches the topic's metadata for a rebalance only in the member
-    that computed the last assignment. With static membership (KIP-345) a member that
-    restarts takes its old member's place without a rebalance, so after a restart nobody
-    has computed the current assignment and partitions added to the topic stay unassigned
-    until the next membership change (found by bench/chaos.py: added partitions waited up
-    to two minutes for a second member to come and go). Here every member compares the
-    metadata with the metadata of its last join, and puts the partition counts in its
-    subscription's user data: a rejoin with changed metadata makes the broker rebalance
-    even a Stable group of static members, and the assignor then sees every partition.
-    Assignors that send user data of their own (sticky) are left as they are.
-    """
-    coordinator = getattr(consumer, "_coordinator", None)
-    snapshot = getattr(coordinator, "_metadata_snapshot", None)
-    if (
-        coordinator is None
-        or not isinstance(snapshot, dict)
-        or not callable(getattr(coordinator, "group_protocols", None))
-    ):
-        raise RuntimeError(
-            "kafka-python's coordinator changed: re-check streamtrain.ingest.ingestor.rejoin_on_partition_changes"
-        )
-    protocols, decide = coordinator.group_protocols, coordinator.need_rejoin
-    joined: dict[str, Any] = {"snapshot": None}
-
-    def group_protocols() -> list[tuple[str, Any]]:
-        current = {topic: set(partitions) for topic, partitions in coordinator._metadata_snapshot.items()}
-        joined["snapshot"] = current
-        counts = ",".join(f"{topic}={len(partitions)}" for topic, partitions in sorted(current.items())).encode()
-        chosen = []
-        for name, metadata in protocols():
-            if not metadata.user_data:
-                metadata = type(metadata)(metadata.version, metadata.topics, PARTITION_COUNTS_USER_DATA + counts)
-            chosen.append((name, metadata))
-        return chosen
-
-    def need_rejoin() -> bool:
-        if decide():
-            return True
-        last = joined["snapshot"]
-        return (
-            last is not None
-            and coordinator._subscription.partitions_auto_assigned()
-            and coordinator._metadata_snapshot != last
-        )
-
-    coordinator.group_protocols = group_protocols
-    coordinator.need_rejoin = need_rejoin
-
-
-def open_consumer(settings: Settings, *, static_membership: bool = True) -> KafkaConsumer:
-    """A consumer configured for the service (not yet subscribed or assigned)."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.kafka_bootstrap,
-        group_id=settings.group_id,
-        # Static membership (KIP-345): a replica that comes back under the same id
-        # takes over its old member at once; without it, a crashed member holds its
-        # partitions until the session times out. Assigned partitions join no group.
-        group_instance_id=settings.group_instance_id if static_membership else None,
-        client_id="streamtrain-ingest",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_poll_records=settings.poll_max_records,
-        max_partition_fetch_bytes=fetch_bytes(settings),
-        fetch_max_bytes=64 << 20,
-        reconnect_backoff_max_ms=2000,
-        request_timeout_ms=30000,
-        metadata_max_age_ms=10000,  # added partitions show up within 10 s, not 5 min
-        **kafka_security.client_options(settings),
-    )
-    forbid_topic_auto_creation(consumer)  # the service creates its topic, with its settings
-    rejoin_on_partition_changes(consumer)
-    keep_rejoin_pending(consumer)  # wraps the check above too: a rejoin it asks for stays pending
-    return consumer
-
-
-def subscribed_consumer(settings: Settings, listener: ConsumerRebalanceListener) -> KafkaConsumer:
-    """The default :data:`ConsumerFactory`: join the consumer group, which assigns partitions."""
-    consumer = open_consumer(settings)
-    try:
-        # A just-created topic can be missing from the first metadata; subscribing then
-        # assigns nothing until a metadata refresh (the rejoin that follows is safe now).
-        deadline = time.monotonic() + 15.0
-        while not consumer.partitions_for_topic(settings.topic) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        consumer.subscribe([settings.topic], listener=listener)
-    except BaseException:
-        consumer.close(autocommit=False, timeout_ms=2000)
-        raise
-    return consumer
-
-
-#: Opens a consumer that owns its partitions (subscribed, or assigned by hand) and calls
-#: ``listener.on_partitions_assigned`` for them, so they resume from the window's offsets.
-ConsumerFactory = Callable[[Settings, ConsumerRebalanceListener], KafkaConsumer]
-
-#: Scale-out: the partitions this rank owns among the topic's ``count`` partitions.
-OwnedPartitions = Callable[[int], list[int]]
-
-
-def topic_partition_count(consumer: KafkaConsumer, topic: str, *, refresh: bool = False) -> int:
-    """How many partitions ``topic`` has, from the consumer's metadata (``refresh``: ask the broker)."""
-    if refresh:
-        consumer.topics()  # a metadata request for every topic: the cache is then current
-    partitions = consumer.partitions_for_topic(topic) or set()
-    return max(partitions) + 1 if partitions else 0
-
-
-def assign_owned(
-    consumer: KafkaConsumer, topic: str, partitions: list[int], listener: ConsumerRebalanceListener
-) -> None:
-    """Assign exactly ``partitions`` (positions of those already assigned are kept) and let
-    ``listener`` seek them to where the window goes on."""
-    wanted = [TopicPartition(topic, p) for p in sorted(partitions)]
-    if isinstance(listener, _SeekOnAssign):
-        listener.consumer = consumer  # it seeks this one: the ingestor may not hold it yet
-    if not wanted:
-        if consumer.assignment():
-            consumer.unsubscribe()
-        listener.on_partitions_assigned([])
-        return
-    consumer.assign(wanted)
-    listener.on_partitions_assigned(wanted)
-
-
-def assigned_consumer(settings: Settings, listener: ConsumerRebalanceListener, owned: OwnedPartitions) -> KafkaConsumer:
-    """A :data:`ConsumerFactory` for scale-out: assign the partitions ``owned`` names, join no group."""
-    consumer = open_consumer(settings, static_membership=False)
-    try:
-        deadline = time.monotonic() + _METADATA_WAIT_S
-        count = topic_partition_count(consumer, settings.topic)
-        while not count and time.monotonic() < deadline:  # a just-created topic can be missing at first
-            time.sleep(0.2)
-            count = topic_partition_count(consumer, settings.topic, refresh=True)
-        if not count:
-            raise RuntimeError(f"topic {settings.topic!r} has no partitions in the broker's metadata yet")
-        assign_owned(consumer, settings.topic, owned(count), listener)
-    except BaseException:
-        consumer.close(autocommit=False, timeout_ms=2000)
-        raise
-    return consumer
 
 
 class IngestStalled(Exception):
@@ -297,12 +104,12 @@ class IngestStats:
         return sum(self.rejected.values())
 
 
-class _SeekOnAssign(ConsumerRebalanceListener):
+class _SeekOnAssign(SeekingListener):
     """Runs on kafka-python's IO thread: only local, non-blocking calls here."""
 
     def __init__(self, ingestor: Ingestor) -> None:
+        super().__init__()
         self._ingestor = ingestor
-        self.consumer: KafkaConsumer | None = None  # set when partitions are assigned by hand
 
     def on_partitions_revoked(self, revoked: Any) -> None:
         partitions = sorted(tp.partition for tp in revoked)
@@ -336,74 +143,6 @@ class _PendingBatch:
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
-
-
-def _exit_with_parent() -> None:
-    """Decode-worker initializer: end the worker when the service ends, even by SIGKILL.
-
-    A pool worker blocks on its call queue, whose pipe it holds both ends of, so it never
-    sees the parent die; without this, every killed service leaves a worker (and the
-    multiprocessing resource tracker) behind. The parent sentinel turns readable then.
-    """
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-class Decoder:
-    """Decodes poll batches in a worker process, so JSON parsing runs beside the poll loop.
-
-    kafka-python's own record parsing and our JSON decoding both hold the GIL; a process
-    of its own lets them overlap on two cores. ``workers == 0`` decodes in the calling
-    thread. A broken worker is replaced, and the batch decoded in-thread: nothing is lost.
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._pool: ProcessPoolExecutor | None = None
-
-    def start(self, limits: EventLimits) -> None:
-        """Start the worker now (a spawned process takes seconds to import), not at the first batch."""
-        self.submit([], limits, 0.0, [], [])
-
-    def submit(self, *args: Any) -> Future[DecodedBatch] | None:
-        if self.workers <= 0:
-            return None
-        try:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent
-                )
-            return self._pool.submit(decode_batch, *args)
-        except (BrokenProcessPool, RuntimeError, OSError) as err:
-            log.warning("decode worker unavailable (%s); decoding in the ingest thread", err)
-            self._reset()
-            return None
-
-    def result(self, future: Future[DecodedBatch] | None, args: tuple[Any, ...]) -> DecodedBatch:
-        if future is not None:
-            try:
-                return future.result()
-            except (BrokenProcessPool, OSError) as err:
-                log.warning("decode worker failed (%s); decoding this batch in the ingest thread", err)
-                self._reset()
-        return decode_batch(*args)
-
-    def _reset(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # an idle worker exits at once
 
 
 class Ingestor:
@@ -531,7 +270,10 @@ class Ingestor:
         report = f"{stall.reason}: {stall.detail}; for {age:.0f} s"
         if self.restarts:
             last_reason, at = self._last_restart or ("?", time.monotonic())
-            report += f"; consumer recreated {sum(self.restarts.values())} times, last for {last_reason} {time.monotonic() - at:.0f} s ago"
+            report += (
+                f"; consumer recreated {sum(self.restarts.values())} times, "
+                f"last for {last_reason} {time.monotonic() - at:.0f} s ago"
+            )
         else:
             report += f"; the watchdog recreates the consumer after {self.settings.ingest_stall_timeout_s:g} s"
         return report
@@ -608,8 +350,13 @@ class Ingestor:
         self.watchdog.reset()
         self._last_end_probe = 0.0
         if self.security_failure is None:  # while one lasts, the retries stay quiet
-            log.info("ingest connected to %s (%s), topic %s, group %s", s.kafka_bootstrap,
-                     kafka_security.describe(s), s.topic, s.group_id)  # fmt: skip
+            log.info(
+                "ingest connected to %s (%s), topic %s, group %s",
+                s.kafka_bootstrap,
+                kafka_security.describe(s),
+                s.topic,
+                s.group_id,
+            )
 
     def _consume(self) -> None:
         """Poll, and decode the previous batch meanwhile (in the decode process if there is one)."""
@@ -762,8 +509,9 @@ class Ingestor:
         if fetchable and self._connected and now - self._last_end_probe >= max(1.0, self.watchdog.timeout_s / 5):
             self._last_end_probe = now
             try:
-                ends = consumer.end_offsets([TopicPartition(self.settings.topic, p) for p in fetchable],
-                                            timeout_ms=_END_OFFSETS_TIMEOUT_MS)  # fmt: skip
+                ends = consumer.end_offsets(
+                    [TopicPartition(self.settings.topic, p) for p in fetchable], timeout_ms=_END_OFFSETS_TIMEOUT_MS
+                )
                 log_ends = {tp.partition: int(end) for tp, end in ends.items() if end is not None}
             except KafkaError as err:
                 log.debug("end offsets for the watchdog: %s", err)

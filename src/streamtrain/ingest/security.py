@@ -78,7 +78,8 @@ def check(s: Any) -> None:
     if mechanism is not None and not sasl:
         raise ValueError(
             f"kafka_sasl_mechanism={mechanism} needs a SASL protocol, but kafka_security_protocol={protocol}: "
-            f"set {_env('kafka_security_protocol')}=SASL_SSL (or SASL_PLAINTEXT), or unset {_env('kafka_sasl_mechanism')}"
+            f"set {_env('kafka_security_protocol')}=SASL_SSL (or SASL_PLAINTEXT), "
+            f"or unset {_env('kafka_sasl_mechanism')}"
         )
     if sasl and mechanism is None:
         raise ValueError(
@@ -93,7 +94,8 @@ def check(s: Any) -> None:
             raise ValueError(f"kafka_sasl_mechanism={mechanism} needs {_env('kafka_sasl_username')}")
         if s.kafka_sasl_password is None and s.kafka_sasl_password_file is None:
             raise ValueError(
-                f"kafka_sasl_mechanism={mechanism} needs {_env('kafka_sasl_password')} or {_env('kafka_sasl_password_file')}"
+                f"kafka_sasl_mechanism={mechanism} needs {_env('kafka_sasl_password')} "
+                f"or {_env('kafka_sasl_password_file')}"
             )
     if mechanism == "OAUTHBEARER" and s.kafka_sasl_password_file is None:
         raise ValueError(
@@ -101,8 +103,11 @@ def check(s: Any) -> None:
             "(re-read whenever the file changes): set it to the token file your identity provider's agent renews"
         )
     tls = protocol in ("SSL", "SASL_SSL")
-    files = {"kafka_ssl_cafile": s.kafka_ssl_cafile, "kafka_ssl_certfile": s.kafka_ssl_certfile,
-             "kafka_ssl_keyfile": s.kafka_ssl_keyfile}  # fmt: skip
+    files = {
+        "kafka_ssl_cafile": s.kafka_ssl_cafile,
+        "kafka_ssl_certfile": s.kafka_ssl_certfile,
+        "kafka_ssl_keyfile": s.kafka_ssl_keyfile,
+    }
     for name, path in files.items():
         if path is None:
             continue
@@ -164,9 +169,9 @@ def _read_secret_file(path: Path | str, setting: str) -> str:
     try:
         value = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(
-            f"{setting}={str(path)!r} cannot be read ({type(err).__name__}: {err.strerror or 'not UTF-8'})"
-        ) from None
+        # a UnicodeDecodeError has no strerror, and its text would quote the file's bytes
+        why = (err.strerror if isinstance(err, OSError) else None) or "not UTF-8"
+        raise ValueError(f"{setting}={str(path)!r} cannot be read ({type(err).__name__}: {why})") from None
     if not value:
         raise ValueError(f"{setting}={str(path)!r} is empty")
     return value
@@ -283,10 +288,19 @@ def _auth_reason(exc: BaseException, s: Any) -> str | None:
     if isinstance(exc, ssl.SSLError) or "Handshake failed" in text or "CERTIFICATE_VERIFY_FAILED" in text:
         detail = text.split("Handshake failed: ", 1)[-1]
         if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
-            return f"{AUTH_FAILED}: TLS handshake failed ({detail}): is the listener PLAINTEXT? check KAFKA_SECURITY_PROTOCOL"
-        return f"{AUTH_FAILED}: TLS handshake failed ({detail}): check KAFKA_SSL_CAFILE, KAFKA_SSL_CHECK_HOSTNAME and the client certificate"
+            return (
+                f"{AUTH_FAILED}: TLS handshake failed ({detail}): is the listener PLAINTEXT? "
+                "check KAFKA_SECURITY_PROTOCOL"
+            )
+        return (
+            f"{AUTH_FAILED}: TLS handshake failed ({detail}): "
+            "check KAFKA_SSL_CAFILE, KAFKA_SSL_CHECK_HOSTNAME and the client certificate"
+        )
     if "Invalid frame length" in text or "Unsupported SASL mechanism" in text:
-        return f"{AUTH_FAILED}: protocol mismatch ({text}): the listener speaks another protocol than KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol}"
+        return (
+            f"{AUTH_FAILED}: protocol mismatch ({text}): "
+            f"the listener speaks another protocol than KAFKA_SECURITY_PROTOCOL={s.kafka_security_protocol}"
+        )
     return None
 
 

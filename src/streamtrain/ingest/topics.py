@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 from kafka.errors import AuthorizationError, TopicAlreadyExistsError
@@ -38,23 +38,6 @@ class TopicLimits:
     dlq_max_message_bytes: int
 
 
-def forbid_topic_auto_creation(client: Any) -> Any:
-    """Make a kafka-python producer or consumer never create topics by asking for them.
-
-    kafka-python 3.0.12 accepts ``allow_auto_create_topics=False`` but never passes it to
-    its cluster metadata, which keeps asking the broker to auto-create every topic it
-    requests: a deleted dead-letter topic would come back with the broker's defaults
-    (1 MB limit, 1 partition) instead of being created again with its size limit.
-    """
-    cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
-    if cluster is None or "allow_auto_create_topics" not in getattr(cluster, "config", {}):
-        raise RuntimeError(
-            "kafka-python's cluster metadata changed: re-check streamtrain.ingest.topics.forbid_topic_auto_creation"
-        )
-    cluster.config["allow_auto_create_topics"] = False
-    return client
-
-
 def _admin(bootstrap: str, timeout_s: float, security: Settings | None = None) -> KafkaAdminClient:
     # A short reconnect backoff: after a broker outage the default grows to 30 s, and ingest
     # (which prepares its topics on every reconnect) would wait that long after the broker is back.
@@ -67,6 +50,14 @@ def _admin(bootstrap: str, timeout_s: float, security: Settings | None = None) -
     )
 
 
+class _NewTopic(TypedDict):
+    """One topic as ``KafkaAdminClient.create_topics`` takes it."""
+
+    num_partitions: int
+    replication_factor: int
+    configs: dict[str, str]
+
+
 def _create(
     admin: KafkaAdminClient,
     topics: Mapping[str, int],
@@ -75,7 +66,7 @@ def _create(
     configs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
     configs = configs or {}
-    wanted = {
+    wanted: dict[str, _NewTopic] = {
         name: {
             "num_partitions": partitions,
             "replication_factor": -1 if replication_factor is None else replication_factor,  # -1: the broker's default
@@ -100,8 +91,13 @@ def _create(
             "CREATE", "topic", ", ".join(wanted), f"or DESCRIBE if it exists; else an operator creates it: {how}"
         ) from None
     for name in wanted:
-        log.info("created topic %s (%d partitions, replication %s, %s)", name, wanted[name]["num_partitions"],
-                 replication_factor or "broker default", wanted[name]["configs"] or "broker default configs")  # fmt: skip
+        log.info(
+            "created topic %s (%d partitions, replication %s, %s)",
+            name,
+            wanted[name]["num_partitions"],
+            replication_factor or "broker default",
+            wanted[name]["configs"] or "broker default configs",
+        )
 
 
 def ensure_topics(
@@ -142,6 +138,19 @@ def dlq_configs(source_max_message_bytes: int) -> dict[str, str]:
     return {MAX_MESSAGE_BYTES: str(source_max_message_bytes + DLQ_HEADROOM_BYTES)}
 
 
+def _create_dead_letter_topic(
+    admin: KafkaAdminClient, settings: Settings, source_max_message_bytes: int, timeout_s: float
+) -> None:
+    """``<topic>.dlq``: the event topic's partition count, and room for anything the event topic holds."""
+    _create(
+        admin,
+        {settings.dlq_topic: settings.topic_partitions},
+        timeout_s,
+        settings.topic_replication_factor,
+        {settings.dlq_topic: dlq_configs(source_max_message_bytes)},
+    )
+
+
 def prepare_topics(settings: Settings, timeout_s: float = 10.0) -> TopicLimits:
     """Create the event topic and ``<topic>.dlq`` if missing; report both size limits."""
     admin = _admin(settings.kafka_bootstrap, timeout_s, settings)
@@ -151,8 +160,7 @@ def prepare_topics(settings: Settings, timeout_s: float = 10.0) -> TopicLimits:
             _create(admin, {settings.topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor)
         source = max_message_bytes(admin, settings.topic)
         if settings.dlq_topic not in existing:
-            _create(admin, {settings.dlq_topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor,
-                    {settings.dlq_topic: dlq_configs(source)})  # fmt: skip
+            _create_dead_letter_topic(admin, settings, source, timeout_s)
         dlq = max_message_bytes(admin, settings.dlq_topic)
     finally:
         admin.close()
@@ -171,8 +179,7 @@ def ensure_dead_letter_topic(settings: Settings, source_max_message_bytes: int, 
     try:
         if settings.dlq_topic in set(admin.list_topics()):
             return False
-        _create(admin, {settings.dlq_topic: settings.topic_partitions}, timeout_s, settings.topic_replication_factor,
-                {settings.dlq_topic: dlq_configs(source_max_message_bytes)})  # fmt: skip
+        _create_dead_letter_topic(admin, settings, source_max_message_bytes, timeout_s)
         return True
     finally:
         admin.close()

@@ -124,7 +124,8 @@ class IngestWatchdog:
             found.append(
                 Stall(
                     "no_fetch_progress",
-                    f"partition {partition} has {end - position} records waiting (next offset {position}, log end {end}) "
+                    f"partition {partition} has {end - position} records waiting "
+                    f"(next offset {position}, log end {end}) "
                     f"but none was read for {now - since:.0f} s",
                     since,
                 )

@@ -2,7 +2,7 @@
 
 A forecaster is only worth serving if it beats what a practitioner tries first: the last
 value, and a least-squares autoregression. So the service keeps both beside the network
-and serves whichever forecasts the held-out events best (:mod:`streamtrain.quality.monitor`
+and serves whichever forecasts the held-out events best (:mod:`streamtrain.quality.selection`
 chooses). All three speak the network's language — ``forward(x_norm, mask) ->
 ModelOutput`` in the published model's normalized units — so predict, OIP v2, the
 quality monitor and ``streamtrain export`` run the choice through one code path
@@ -201,18 +201,18 @@ def choose_linear(
         return None
     channels = train.xty.shape[0]
     orders = [p for p in ORDERS if p <= min(max_order, train.max_order)] or [1]
-    scored = holdout is not None and holdout.rows > 0
+    held_out = holdout if holdout is not None and holdout.rows > 0 else None
 
     def estimate(c: int, coefficients: np.ndarray, penalty: float) -> float:
-        if scored:
-            assert holdout is not None
-            return held_out_sse(holdout, c, coefficients)
+        if held_out is not None:
+            return held_out_sse(held_out, c, coefficients)
         return gcv_sse(train, c, coefficients, penalty, redundancy)
 
     picks: list[tuple[int, float, np.ndarray, float]] = []
     for c in range(channels):
         zero = np.zeros(2)
-        best = (1, math.inf, zero, held_out_sse(holdout, c, zero) if scored else float(train.yty[c]))  # the last value
+        last_value_sse = held_out_sse(held_out, c, zero) if held_out is not None else float(train.yty[c])
+        best = (1, math.inf, zero, last_value_sse)
         for order in orders:
             diagonal = np.diagonal(train.xtx[c])[1 : order + 1]
             scale = float(diagonal.mean()) if diagonal.size and diagonal.mean() > 0 else 1.0
@@ -233,7 +233,7 @@ def choose_linear(
         orders=tuple(p[0] for p in picks),
         penalties=tuple(p[1] for p in picks),
         held_out_sse=tuple(p[3] for p in picks),
-        criterion="holdout" if scored else "gcv",
+        criterion="holdout" if held_out is not None else "gcv",
     )
 
 
@@ -257,6 +257,9 @@ def best_blend(network_sse: float, linear_sse: float, cross: float) -> tuple[flo
 
 class LinearForecast(nn.Module):
     """``x[t] + intercept + sum_k w_k x[t-k]`` per channel, on ``x [B, L, C]`` (pads zero, real first)."""
+
+    intercept: torch.Tensor  # [C]
+    weight: torch.Tensor  # [C, order]: lag 0 first
 
     def __init__(self, coefficients: torch.Tensor | np.ndarray) -> None:
         super().__init__()
@@ -344,7 +347,7 @@ class ServedModel(nn.Module):
         self.network = network
         self.kind: ForecasterKind = forecaster.kind
         self.network_weight = 1.0 if forecaster.network_weight is None else float(forecaster.network_weight)
-        self.linear = None
+        self.linear: LinearForecast | None = None
         if forecaster.coefficients is not None:
             device = next(network.parameters()).device
             self.linear = LinearForecast(forecaster.coefficients).to(device)

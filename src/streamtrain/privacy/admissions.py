@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamtrain.checkpoint.files import fsync_directory
 from streamtrain.privacy.window import StepDecision
 
 log = logging.getLogger(__name__)
@@ -258,17 +259,7 @@ class AdmissionRecord:
         finally:
             os.close(fd)
         if created or new_directory:
-            _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # file systems that cannot sync a directory
-    finally:
-        os.close(fd)
+            fsync_directory(path.parent)
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,15 +37,16 @@ from streamtrain.data.bucketing import TokenBudget, plan_batches
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import CryptoRandomness, Randomness
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.model.network import RunningNorm
+from streamtrain.model.normalization import RunningNorm
 from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant
 from streamtrain.privacy.admissions import AdmissionRecord, RecordState
+from streamtrain.privacy.clock import DPClock
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.noise import GRID, BitSource, DiscreteGaussianNoise
 from streamtrain.privacy.per_sample import PerSampleGradients, PerSampleLoss, sensor_per_sample_loss
 from streamtrain.privacy.sampling import PoissonSampler
 from streamtrain.privacy.validators import check_dp_safety
-from streamtrain.privacy.window import DPClock, DPWindow
+from streamtrain.privacy.window import DPWindow
 
 log = logging.getLogger(__name__)
 
@@ -389,9 +390,9 @@ class DPEngine:
                 and int(state["eligible_steps"]) == self.config.eligible_steps
                 and str(state.get("unit", "event")) == self.config.unit):  # fmt: skip
             raise DPConfigError(
-                "the checkpoint was written with another DP schedule or unit (σ, q0, half-life, K, DP_UNIT); units in its "
-                "window were accounted under that schedule: restore those STREAMTRAIN_DP_* settings or use an empty "
-                "checkpoint directory"
+                "the checkpoint was written with another DP schedule or unit (σ, q0, half-life, K, DP_UNIT); "
+                "units in its window were accounted under that schedule: restore those STREAMTRAIN_DP_* settings or "
+                "use an empty checkpoint directory"
             )
         with self._step_lock:
             try:

@@ -27,7 +27,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from streamtrain.model.network import ModelOutput, total_loss
+from streamtrain.model.losses import total_loss
+from streamtrain.model.network import ModelOutput
 from streamtrain.privacy.noise import GRID
 
 PerSampleLoss = Callable[[ModelOutput, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,7 +57,6 @@ class PerSampleGradients:
         self.model = model
         self.clip_norm = float(clip_norm)
         self.loss_fn = loss_fn
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
 
         def loss_of_one(
             params: dict, frozen: dict, x: torch.Tensor, mask: torch.Tensor, label: torch.Tensor

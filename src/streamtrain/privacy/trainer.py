@@ -8,7 +8,7 @@ Steps run on the public clock whether or not anything was sampled.
 Exactly-once participation: every closed step's decisions go to the admission record,
 which is made durable (fsync) before any model is published; on start the record says the
 last step that ran and each partition's watermark, and the engine continues after them
-(:meth:`DPTrainer.resume_from_record`). A model whose record cannot be made durable is not
+(:meth:`DPTrainer.resume_after_restore`). A model whose record cannot be made durable is not
 published. Publication follows the public clock: the model after step t is published at
 the time step t + 1 is due, every ``PUBLISH_INTERVAL_S`` worth of steps, stamped with that
 public time.
@@ -28,12 +28,14 @@ from streamtrain.config import Settings
 from streamtrain.data.randomness import make_randomness
 from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
-from streamtrain.model.network import RunningNorm, build_model
+from streamtrain.model.network import build_model
+from streamtrain.model.normalization import RunningNorm
 from streamtrain.privacy.admissions import ADMISSION_DIR, CLOCK_LOG, AdmissionRecord, AdmissionRecordError
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
-from streamtrain.training.trainer import ModelTrainer, PublishedModel
-from streamtrain.window import RecencyWindow
+from streamtrain.training.protocol import TrainerReport
+from streamtrain.training.publishing import ModelTrainer, PublishedModel
+from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class DPTrainer(ModelTrainer):
         self._publish_after: int | None = None  # a step whose model is published when the next one is due
         self._publish_at_step = 0
         self._exported = DPAggregates()
+        self._checkpoint_synced_step = 0  # the record's synced step when the restored checkpoint was taken
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
 
     # ------------------------------------------------------------------ the Trainer surface
@@ -103,8 +106,24 @@ class DPTrainer(ModelTrainer):
         """Called by ingest for every poll batch of valid events."""
         self.engine.admit(batch, time.time(), next_offsets)
 
+    @property
+    def quality(self) -> None:
+        """None: private events are not scored (a score would be a data-dependent release)."""
+        return None
+
+    @property
+    def min_window_items(self) -> int:
+        return self.settings.min_window_items
+
     def dp_report(self) -> dict[str, Any]:
         return self.engine.model_info()
+
+    def readiness_notes(self) -> list[str]:
+        return [] if self.record_error is None else [f"dp_admission_record_failing: {self.record_error}"]
+
+    def report(self) -> TrainerReport:
+        """Only the public clock and ε: nothing data-dependent."""
+        return TrainerReport(training={"live_step": self.step}, public_progress=False, dp=self.dp_report())
 
     def operator_report(self) -> dict[str, Any]:
         """Data-dependent DP diagnostics (outside the guarantee): admin token only."""
@@ -210,14 +229,14 @@ class DPTrainer(ModelTrainer):
             self._exported = self.engine.report()
             self._checkpoint_synced_step = int(state["dp"].get("record_synced_step", 0))
 
-    def resume_from_record(self) -> None:
+    def resume_after_restore(self) -> None:
         """On start, after any checkpoint is loaded: continue after what the admission record shows.
 
         Refuses (AdmissionRecordError) a record that is damaged, or older than the checkpoint
         it must complement (deleted or rolled back): restoring from it could admit events twice.
         """
         recorded = self.record.load()
-        synced = getattr(self, "_checkpoint_synced_step", 0)
+        synced = self._checkpoint_synced_step
         if recorded.last_step < synced:
             raise AdmissionRecordError(
                 f"the DP admission record in {self.record.directory} ends at step {recorded.last_step}, but the "

@@ -8,12 +8,14 @@ starts consuming; :class:`streamtrain.privacy.DPEngine` calls it again on constr
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant, expected_exposures
 from streamtrain.privacy.config import DPConfig, DPConfigError, env_name
@@ -40,14 +42,18 @@ def check_ranges(config: DPConfig) -> None:
     sigma_low, sigma_high = NOISE_MULTIPLIER_RANGE
     if not (math.isfinite(config.noise_multiplier) and sigma_low <= config.noise_multiplier <= sigma_high):
         raise _range_error(
-            "noise_multiplier", config.noise_multiplier, f"the noise multiplier σ must be in [{sigma_low:g}, {sigma_high:g}]",
+            "noise_multiplier",
+            config.noise_multiplier,
+            f"the noise multiplier σ must be in [{sigma_low:g}, {sigma_high:g}]",
             "below that a step leaks too much for any useful ε; set a σ in range",
-        )  # fmt: skip
+        )
     if not (math.isfinite(config.clip_norm) and CLIP_NORM_RANGE[0] <= config.clip_norm <= CLIP_NORM_RANGE[1]):
         raise _range_error(
-            "clip_norm", config.clip_norm, f"the clip norm C must be finite and in [{CLIP_NORM_RANGE[0]:g}, {CLIP_NORM_RANGE[1]:g}]",
+            "clip_norm",
+            config.clip_norm,
+            f"the clip norm C must be finite and in [{CLIP_NORM_RANGE[0]:g}, {CLIP_NORM_RANGE[1]:g}]",
             "set a positive clip norm (1.0 is a good start)",
-        )  # fmt: skip
+        )
     if not (math.isfinite(config.q0) and 0.0 < config.q0 <= 1.0):
         raise _range_error("q0", config.q0, "the sampling probability q0 must be in (0, 1]", "set e.g. 0.05")
     if not (config.half_life_steps > 0):  # inf allowed
@@ -123,6 +129,13 @@ def _describe(name: str, module: nn.Module) -> str:
     return f"module '{name or '<root>'}' ({type(module).__name__})"
 
 
+def _has_uninitialized_params(module: nn.Module) -> bool:
+    """A lazy (shape not yet known) parameter or buffer of the module's own: what
+    ``LazyModuleMixin.has_uninitialized_params`` tests, for any module that holds one."""
+    own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+    return any(is_lazy(tensor) for tensor in own)
+
+
 def check_model_static(model: nn.Module) -> None:
     """Refuse layers with cross-example statistics or that would be built lazily."""
     for name, module in model.named_modules():
@@ -136,7 +149,7 @@ def check_model_static(model: nn.Module) -> None:
                 f"{_describe(name, module)} keeps running statistics over examples; "
                 "construct it with track_running_stats=False"
             )
-        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        if _has_uninitialized_params(module):
             raise DPConfigError(f"{_describe(name, module)} has uninitialized lazy parameters; use the non-lazy layer")
 
 
@@ -217,8 +230,9 @@ def _check_no_mixing(model: nn.Module, x: torch.Tensor, changed: dict[int, torch
                 raise _mixing_error(model, kept_row, changed_row, training, "output")
 
 
-def check_model_probe(model: nn.Module) -> None:
-    """Run a SensorModel-like model on probe batches of two that differ in one example.
+def check_model_probe(model: nn.Module, channels: int, max_len: int) -> None:
+    """Run a SensorModel-like model (input ``[B, L <= max_len, channels]``) on probe batches
+    of two that differ in one example.
 
     Refused: the other example's outputs, or any tensor entering or leaving any of its
     submodules, change (cross-example computation anywhere in the network, in train or eval
@@ -227,7 +241,7 @@ def check_model_probe(model: nn.Module) -> None:
     """
     from streamtrain.privacy.per_sample import PerSampleGradients
 
-    channels, length = int(model.channels), min(8, int(model.max_len))
+    length = min(8, max_len)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, length, channels, generator=generator)
     changed = {row: x.clone() for row in (0, 1)}  # example `row` replaced, the other kept
@@ -291,9 +305,10 @@ def check_dp_safety(
         )
     if model is not None:
         check_model_static(model)
-        if hasattr(model, "channels") and hasattr(model, "max_len"):
-            check_model_probe(model)
-        channels = getattr(model, "channels", None)
+        # the probe needs the input shape; a model that does not declare it gets the static checks only
+        channels, max_len = getattr(model, "channels", None), getattr(model, "max_len", None)
+        if channels is not None and max_len is not None:
+            check_model_probe(model, int(channels), int(max_len))
         for field in ("norm_mean", "norm_std"):
             given = getattr(config, field)
             if given is not None and channels is not None and len(given) != channels:
@@ -310,6 +325,7 @@ def check_dp_safety(
         )
     if config.unit == "sensor" and SensorLifetimeAccountant(accountant, config.target_epsilon).max_groups < 1:
         raise DPConfigError(  # unreachable while one group fits the target; kept as the explicit rule
-            f"STREAMTRAIN_DP_UNIT=sensor: not one group of a sensor fits STREAMTRAIN_DP_TARGET_EPSILON={config.target_epsilon:g}"
+            "STREAMTRAIN_DP_UNIT=sensor: not one group of a sensor fits "
+            f"STREAMTRAIN_DP_TARGET_EPSILON={config.target_epsilon:g}"
         )
     return accountant

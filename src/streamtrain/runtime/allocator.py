@@ -1,14 +1,10 @@
 """Which malloc the process runs on, said once at start-up.
 
-Why it matters: under glibc's malloc the service's RSS climbs for about ten minutes after
-every start and settles far above what it uses. Measured in the 5,000 events/s soak
-(mallinfo2 sampled inside the service): memory in use flat at 300-450 MB while glibc's
-arenas grew to 1-1.35 GB, the rest free chunks it kept for the training step's transient
-peaks. Capping the arenas (MALLOC_ARENA_MAX=2) helped in one run and not in the next, a
-fixed mmap threshold cost 25-60% of the training steps, malloc_trim released little and
-stalled allocating threads for 20-200 ms. With jemalloc preloaded the same soak's RSS
-was flat from the second minute and training ran faster (docs/operations.md, "Memory").
-So the image preloads jemalloc, and ``deploy/jemalloc.sh`` finds or fetches it elsewhere.
+Under glibc's malloc the service's RSS climbs for minutes after a start and settles far
+above the memory it uses (glibc keeps the training step's freed peaks); with jemalloc
+preloaded it stays flat. So the image preloads jemalloc, ``deploy/jemalloc.sh`` finds or
+fetches it elsewhere, and the start-up log names the allocator in use. The measurements
+behind this are in docs/operations.md, "Memory".
 """
 
 from __future__ import annotations

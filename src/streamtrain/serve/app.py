@@ -7,7 +7,6 @@ into shared forwards (serve/batcher.py); requests beyond the workers and their q
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import math
 import time
@@ -27,8 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
 from streamtrain.metrics import INGEST_RESTART_REASONS
-from streamtrain.model.network import PredictionArrays, predict_arrays
-from streamtrain.runtime.service import RollbackNotTaken, Service
+from streamtrain.model.inference import PredictionArrays, predict_arrays
+from streamtrain.runtime.service import Service
+from streamtrain.runtime.topology import RollbackNotTaken
 from streamtrain.serve import oip
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
@@ -36,8 +36,10 @@ from streamtrain.serve.schemas import (
     ErrorOut,
     Health,
     ModelReport,
+    PredictionOut,
     PredictRequest,
     PredictResponse,
+    Quantiles,
     Readiness,
     RollbackRequest,
     RollbackResult,
@@ -92,8 +94,8 @@ def window_report(service: ServiceDep) -> WindowReport:
         half_life_s=None if math.isinf(stats.half_life_s) else stats.half_life_s,
         tokens=stats.tokens,
         sensors=stats.sensors,
-        age_s=None if stats.age_s is None else stats.age_s.__dict__,
-        length=None if stats.length is None else stats.length.__dict__,
+        age_s=None if stats.age_s is None else Quantiles.model_validate(vars(stats.age_s)),
+        length=None if stats.length is None else Quantiles.model_validate(vars(stats.length)),
         next_offsets={str(p): o for p, o in sorted(service.window.next_offsets.items())},
         last_record_age_s=service.ingest.last_record_age_s,
         ingest_restarts_total={
@@ -116,8 +118,8 @@ def model_report(service: ServiceDep) -> ModelReport:
     """The serving model's version, training progress and, in DP mode, the privacy spent."""
     published = service.published
     trainer = service.trainer
-    dp = trainer.dp_report() if hasattr(trainer, "dp_report") else None
-    if dp is not None:  # only the public clock, the published version and ε: nothing data-dependent
+    report = trainer.report()
+    if not report.public_progress:  # DP: only the public clock, the published version and ε
         return ModelReport(
             quality=None,
             versions=trainer.registry.versions(),
@@ -126,33 +128,13 @@ def model_report(service: ServiceDep) -> ModelReport:
             tokens_trained=None,
             loss=None,
             published_at=None if published is None else published.published_at,
-            dp=dp,
-            training={"live_step": trainer.step},
+            dp=report.dp,
+            training=report.training,
         )
-    diagnostics = trainer.last_pass.as_metrics() if getattr(trainer, "last_pass", None) is not None else {}
-    busy = trainer.step_seconds + trainer.data_wait_seconds
-    training = {
-        "live_step": trainer.step,
-        "forecast_loss": trainer.loss_ema,
-        "naive_last_value_loss": trainer.naive_loss_ema,
-        "last_pass": diagnostics,
-        "data_wait_share": (trainer.data_wait_seconds / busy) if busy > 0 else None,
-    }
-    quality = getattr(trainer, "quality", None)
-    forecaster = None
-    if quality is not None:
-        training["publish_held"] = trainer.publish_held
-        training["last_gate"] = None if trainer.last_gate is None else dataclasses.asdict(trainer.last_gate)
-        training["budget_wait_seconds"] = trainer.budget_wait_seconds
-        selection = trainer.last_selection
-        forecaster = {
-            **(published.forecaster.report() if published is not None else {"kind": None}),
-            "last_publication": None if selection is None else selection.report(),
-        }
     return ModelReport(
-        forecaster=forecaster,
-        replays_per_event=None if quality is None else trainer.replays.per_event,
-        quality=None if quality is None else quality.report(None if published is None else published.version),
+        forecaster=report.forecaster,
+        replays_per_event=report.replays_per_event,
+        quality=report.quality,
         versions=trainer.registry.versions(),
         version=None if published is None else published.version,
         step=trainer.step if published is None else published.step,
@@ -160,7 +142,7 @@ def model_report(service: ServiceDep) -> ModelReport:
         loss=None if published is None or published.loss is None else published.loss,
         published_at=None if published is None else published.published_at,
         dp=None,
-        training=training,
+        training=report.training,
         world_size=service.ctx.world_size,
         rank=service.ctx.rank,
     )
@@ -208,9 +190,11 @@ async def predict(body: PredictRequest, request: Request, service: ServiceDep) -
     return PredictResponse(
         model_version=published.version,
         model_age_s=oip.model_age_s(published),
-        predictions=[{"next": p.next, "anomaly_score": p.anomaly_score, "probs": p.probs}
-                     for p in predictions.to_predictions()],
-    )  # fmt: skip
+        predictions=[
+            PredictionOut(next=p.next, anomaly_score=p.anomaly_score, probs=p.probs)
+            for p in predictions.to_predictions()
+        ],
+    )
 
 
 # ---------------------------------------------------------------------- metrics
@@ -255,10 +239,18 @@ def admin_checkpoint(service: ServiceDep) -> CheckpointResult:
     return CheckpointResult(path=path.name, step=service.trainer.step)
 
 
-@admin.get("/models/{version}", dependencies=[Depends(require_admin)], response_class=Response,
-           responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-                            "description": "safetensors bundle: the model's tensors, its normalization and a JSON description"},
-                      401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}})  # fmt: skip
+_BUNDLE_RESPONSE = {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "safetensors bundle: the model's tensors, its normalization and a JSON description",
+}
+
+
+@admin.get(
+    "/models/{version}",
+    dependencies=[Depends(require_admin)],
+    response_class=Response,
+    responses={200: _BUNDLE_RESPONSE, 401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 404: {"model": ErrorOut}},
+)
 def admin_model(version: str, service: ServiceDep) -> Response:
     """A kept version (or ``serving``) as the bundle ``streamtrain export --url`` reads."""
     registry = service.trainer.registry
@@ -327,10 +319,10 @@ def admin_metrics(service: ServiceDep) -> Response:
 )
 def admin_dp(service: ServiceDep) -> dict[str, Any]:
     """DP operator plane: batch sizes, tokens, step times, window and record state (outside the guarantee)."""
-    report = getattr(service.trainer, "operator_report", None)
+    report = service.trainer.operator_report()
     if report is None:
         raise HTTPException(status_code=404, detail="DP is off (STREAMTRAIN_DP=off)")
-    return report()
+    return report
 
 
 # ---------------------------------------------------------------------- middleware
@@ -449,7 +441,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(model_router)
     app.include_router(metrics_router)
     app.include_router(oip.router)
-    if admin_on:
+    if admin_on and settings.admin_token is not None:
         app.state.admin_token = settings.admin_token.get_secret_value()
         app.include_router(admin)
 

@@ -27,7 +27,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.network.predict_arrays`:
+#: ``predict(model, norm, arrays, token_budget)`` as :func:`streamtrain.model.inference.predict_arrays`:
 #: one answer per array, in order, in anything that slices (a list, PredictionArrays).
 PredictFn = Callable[[Any, Any, Sequence[np.ndarray], int], Any]
 

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from streamtrain import __version__
-from streamtrain.model.network import PredictionArrays
+from streamtrain.model.inference import PredictionArrays
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
     OIPError,
@@ -59,7 +59,7 @@ EXTENSIONS = ["binary_tensor_data"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 _INPUT_TYPES = {"values": ("FP32",), "lengths": ("INT32", "INT64")}
-_NUMPY = {"FP32": np.dtype("<f4"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
+_NUMPY: dict[str, np.dtype[Any]] = {"FP32": np.dtype("<f4"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
 _NUMBER_TYPES = frozenset({int, float})  # bool is not a number here, as in events.parse_values
 
 
@@ -102,7 +102,8 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     text = header_length.strip()
     if not (text.isascii() and text.isdigit()) or int(text) > len(body):
         raise OIPProblem(
-            f"{HEADER_LENGTH}: expected the JSON header's byte count, 0..{len(body)} for this body, got {header_length!r}"
+            f"{HEADER_LENGTH}: expected the JSON header's byte count, 0..{len(body)} for this body, "
+            f"got {header_length!r}"
         )
     return body[: int(text)], body[int(text) :]
 

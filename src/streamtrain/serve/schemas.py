@@ -40,7 +40,8 @@ class WindowReport(BaseModel):
         description="Valid events kept out of the window for the publish gate's holdout (HOLDOUT_SHARE)"
     )
     evicted_total: int = Field(
-        description="Accepted events not in the window: lost the reservoir race (on arrival or later) or expired (MAX_AGE_S)"
+        description="Accepted events not in the window: lost the reservoir race (on arrival or later) "
+        "or expired (MAX_AGE_S)"
     )
     half_life_s: float | None = Field(description="Recency half-life; null means a uniform reservoir")
     tokens: int = Field(description="Sum of lengths in the window")
@@ -92,8 +93,9 @@ class ModelReport(BaseModel):
     versions: list[int] = Field(default_factory=list, description="Kept versions (rollback targets), ascending")
     forecaster: dict[str, Any] | None = Field(
         None,
-        description="What the serving version forecasts with (kind: network, last_value, linear or blend) and, from the last "
-        "publication, each forecaster's held-out MSE and why the candidate was or was not published; null in DP mode",
+        description="What the serving version forecasts with (kind: network, last_value, linear or blend) and, "
+        "from the last publication, each forecaster's held-out MSE and why the candidate was or was not "
+        "published; null in DP mode",
     )
     replays_per_event: float | None = Field(
         None,

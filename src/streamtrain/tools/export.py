@@ -9,7 +9,7 @@ a pickle) or from a checkpoint directory, and is written as
 * a single ONNX file with dynamic batch and length axes;
 * a ``torch.export`` ExportedProgram (``.pt2``) for PyTorch's own runtimes.
 
-Every format holds one module, :class:`streamtrain.model.network.InferenceModel`: input
+Every format holds one module, :class:`streamtrain.model.inference.InferenceModel`: input
 normalization, the network and the output heads, from ``values [batch, length,
 channels]`` and ``lengths [batch]`` to ``next``, ``anomaly_score`` and ``probs``. The
 service's predictions run through the same module, so an export answers as the service
@@ -32,9 +32,11 @@ import safetensors.torch
 import torch
 import torch.fx.experimental._config  # noqa: F401 - _size_oblivious reads it
 
-from streamtrain.checkpoint.shards import load_latest_common
+from streamtrain.checkpoint.sharded_store import load_latest_common
 from streamtrain.model.forecasters import NETWORK, Forecaster, ServedModel
-from streamtrain.model.network import InferenceModel, RunningNorm, SensorModel
+from streamtrain.model.inference import InferenceModel
+from streamtrain.model.network import SensorModel
+from streamtrain.model.normalization import RunningNorm
 
 BUNDLE_FORMAT = "streamtrain.model"
 BUNDLE_VERSION = 1

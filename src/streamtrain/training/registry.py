@@ -14,7 +14,8 @@ from typing import Generic, Protocol, TypeVar
 
 
 class Versioned(Protocol):
-    version: int
+    @property
+    def version(self) -> int: ...
 
 
 V = TypeVar("V", bound=Versioned)

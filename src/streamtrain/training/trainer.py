@@ -1,7 +1,7 @@
 """The continuous trainer: its own thread, fed by the pipeline, publishing frozen models.
 
 The model surface is two verbs, River-style: :meth:`Trainer.train_step` on a
-:class:`~streamtrain.data.collate.Batch` and :func:`streamtrain.model.network.predict` on the
+:class:`~streamtrain.data.collate.Batch` and :func:`streamtrain.model.inference.predict` on the
 published copy. The loop waits for a minimum window, trains on token-budget batches
 (loss normalized by real tokens, so variable batch sizes keep a steady gradient scale),
 refuses non-finite steps and publishes a frozen inference copy at a set interval.
@@ -9,16 +9,12 @@ refuses non-finite steps and publishes a frozen inference copy at a set interval
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import math
-import os
-import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,23 +25,27 @@ from streamtrain.data.bucketing import PassDiagnostics, TokenBudget
 from streamtrain.data.collate import Batch
 from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.passes import pass_sampler_from_settings
-from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, stage_batch
+from streamtrain.data.prefetch import DevicePrefetcher, Prefetcher, pin_batch, place_batch
 from streamtrain.data.randomness import derive_seed, make_randomness
-from streamtrain.device import autocast, describe, is_cuda, settle
+from streamtrain.device import autocast, describe, is_cuda
+from streamtrain.distributed.collectives import Collectives
+from streamtrain.distributed.data_parallel import DataParallelStep
+from streamtrain.distributed.launch import DistContext
+from streamtrain.distributed.wire import StepSignals
+from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
-from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, ServedModel
-from streamtrain.model.network import (
-    ModelOutput,
-    RunningNorm,
-    SensorModel,
-    build_model,
-    forecast_loss,
-    naive_last_value_loss,
-    total_loss,
-)
-from streamtrain.quality.monitor import Drift, GateDecision, QualityConfig, QualityMonitor, Selection
-from streamtrain.training.registry import ModelRegistry, UnknownVersion
-from streamtrain.window import RecencyWindow
+from streamtrain.model.losses import forecast_loss
+from streamtrain.model.network import ModelOutput, build_model
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.quality.config import QualityConfig
+from streamtrain.quality.drift import Drift
+from streamtrain.quality.monitor import QualityMonitor
+from streamtrain.quality.selection import Selection
+from streamtrain.training.protocol import LoopFactory, StepLoop, StepOutcome, TrainerReport
+from streamtrain.training.publishing import ModelTrainer, PublishedModel
+from streamtrain.training.registry import UnknownVersion
+from streamtrain.training.replays import ReplayBudget
+from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +56,6 @@ def _smooth(average: float | None, value: float) -> float | None:
     if not math.isfinite(value):
         return average
     return value if average is None else (1 - _LOSS_SMOOTHING) * average + _LOSS_SMOOTHING * value
-
-
-@dataclass(frozen=True)
-class PublishedModel:
-    """A frozen inference copy: readers take the reference, nobody mutates it.
-
-    ``model`` is the network (what training resumes from after a rollback); ``served``
-    is what answers: the network, or the forecaster chosen on held-out data beside it.
-    """
-
-    model: SensorModel
-    norm: RunningNorm
-    version: int
-    step: int
-    tokens_trained: int
-    loss: float | None
-    published_at: float
-    forecaster: Forecaster = NETWORK
-
-    @cached_property
-    def served(self) -> torch.nn.Module:
-        """The module predict, OIP v2, scoring and export run (built once, on first use)."""
-        return self.model if self.forecaster.kind == "network" else ServedModel(self.model, self.forecaster).eval()
 
 
 @dataclass(frozen=True)
@@ -107,286 +84,6 @@ def build_budget(settings: Settings) -> TokenBudget:
     )
 
 
-class ModelTrainer:
-    """What both trainers share: a worker thread, a lock, and atomic model publishing.
-
-    Subclasses set ``model``, ``norm`` and ``settings`` and implement :meth:`_work`, one
-    unit of training that the thread repeats until stopped; an exception is logged,
-    counted in ``last_error`` and the work resumes a second later.
-    """
-
-    thread_name = "trainer"
-
-    def __init__(self, settings: Settings, metrics: Metrics, clock: Callable[[], float] = time.time) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self._clock = clock
-        self.device = torch.device(settings.device)  # resolved by Settings: never "auto" here
-        self.lock = threading.RLock()  # held for a step; checkpoints take it for a consistent state
-        self.registry: ModelRegistry[PublishedModel] = ModelRegistry(settings.model_versions_keep)
-        self.last_error: str | None = None
-        self.last_gate: GateDecision | None = None
-        self.last_selection: Selection | None = None
-        self.reference: PublishedModel | None = None  # the best network that passed the gate (Trainer._select)
-        self.publish_held = 0
-        self.publish_seconds = 0.0  # the last due publication's duration (gate and forecaster choice included)
-        # Tests corrupt a candidate here (after freezing, before the gate).
-        self.candidate_hook: Callable[[SensorModel], None] | None = None
-        self._version = 0
-        self._last_publish = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    model: SensorModel
-    norm: RunningNorm
-    optimizer: torch.optim.Optimizer
-    step: int
-    tokens_trained: int
-    loss_ema: float | None
-
-    @property
-    def published(self) -> PublishedModel | None:
-        """The version that serves."""
-        return self.registry.serving
-
-    def publish(self) -> PublishedModel:
-        """Freeze a copy of the model (version + 1) and make it serve, unless the gate holds it back.
-
-        Serving switches by a single reference swap: readers see old or new. A held-back
-        candidate is kept (not served) and counted; the serving version answers on.
-        """
-        with self.lock:
-            frozen = copy.deepcopy(self.model).eval()  # on the training device
-            for parameter in frozen.parameters():
-                parameter.requires_grad_(False)
-            settle(self.device)  # predict streams read these weights: the copy must be done
-            norm = RunningNorm(self.settings.channels)
-            norm.load_state_dict(self.norm.state_dict())
-            self._version += 1
-            published = PublishedModel(
-                model=frozen,
-                norm=norm,
-                version=self._version,
-                step=self.step,
-                tokens_trained=self.tokens_trained,
-                loss=self.loss_ema,
-                published_at=self._clock(),
-            )
-        if self.candidate_hook is not None:
-            self.candidate_hook(published.model)
-        selection = self._select(published)
-        decision = selection.decision
-        self.last_gate = decision
-        self.last_selection = selection
-        if decision.publish and selection.forecaster.kind != "network":
-            published = replace(published, forecaster=selection.forecaster)
-        self.registry.add(published, serve=decision.publish)
-        self._last_publish = time.monotonic()
-        if decision.publish:
-            self._show_serving(published)
-        else:
-            self.publish_held += 1
-            self.metrics.publish_held.inc()
-            serving = self.published
-            log.warning(
-                "candidate version %d held back (%s); version %s keeps serving",
-                published.version, decision.reason, None if serving is None else serving.version,
-            )  # fmt: skip
-        return published
-
-    def _show_serving(self, published: PublishedModel) -> None:
-        self.metrics.model_version.set(published.version)
-        for kind in FORECASTER_KINDS:
-            self.metrics.model_forecaster.labels(kind).set(1.0 if kind == published.forecaster.kind else 0.0)
-
-    def _select(self, candidate: PublishedModel) -> Selection:
-        """Whether ``candidate`` may serve, and with which forecaster; subclasses with a gate override it."""
-        return Selection(GateDecision(True, "no gate", 0), NETWORK, candidate, "no gate")
-
-    def rollback(self, version: int, trigger: str = "admin", reason: str = "asked by an admin") -> PublishedModel:
-        """Make kept ``version`` serve again and continue training from its weights.
-
-        Training goes on from the version that serves (else the next publication would
-        bring the rolled-back weights straight back); the optimizer's moments, which
-        belong to the abandoned trajectory, are cleared. :class:`UnknownVersion` when the
-        version is not kept.
-        """
-        with self.lock:
-            before = self.published
-            target = self.registry.get(version)
-            self.model.load_state_dict(target.model.state_dict())
-            self.optimizer.state.clear()
-            self.registry.rollback(version)
-            self.reference = None  # candidates are judged against the version that serves now
-            self._last_publish = time.monotonic()  # the next publication waits a full interval
-        self._show_serving(target)
-        self.metrics.model_rollbacks.labels(trigger).inc()
-        from_version = None if before is None else before.version
-        log.warning("rolled back (%s) from version %s to version %d: %s", trigger, from_version, version, reason)
-        self._note_rollback(version, trigger, reason, from_version)
-        return target
-
-    def _note_rollback(self, version: int, trigger: str, reason: str, from_version: int | None) -> None:
-        """Subclasses that track quality record the rollback there."""
-
-    def registry_state(self) -> dict[str, Any]:
-        """The kept versions (weights, norm, identity) and which one serves, for a checkpoint."""
-        serving = self.published
-        return {
-            "serving": None if serving is None else serving.version,
-            "versions": [
-                {
-                    "version": p.version,
-                    "step": p.step,
-                    "tokens_trained": p.tokens_trained,
-                    "loss": p.loss,
-                    "published_at": p.published_at,
-                    "model": p.model.state_dict(),
-                    "norm": p.norm.state_dict(),
-                    "forecaster": p.forecaster.state_dict(),
-                }
-                for p in (self.registry.get(v) for v in self.registry.versions())
-            ],
-        }
-
-    def load_registry_state(self, state: dict[str, Any]) -> bool:
-        """Bring the kept versions back (the one that served, serving); True when one serves."""
-        serving = state.get("serving")
-        for entry in state.get("versions", []):
-            model = build_model(self.settings)
-            model.load_state_dict(entry["model"])
-            model.to(self.device).eval()
-            for parameter in model.parameters():
-                parameter.requires_grad_(False)
-            norm = RunningNorm(self.settings.channels)
-            norm.load_state_dict(entry["norm"])
-            loss = entry.get("loss")
-            published = PublishedModel(
-                model=model,
-                norm=norm,
-                version=int(entry["version"]),
-                step=int(entry["step"]),
-                tokens_trained=int(entry["tokens_trained"]),
-                loss=None if loss is None else float(loss),
-                published_at=float(entry["published_at"]),
-                forecaster=Forecaster.from_state(entry.get("forecaster")),
-            )
-            self.registry.add(published, serve=published.version == serving)
-        if self.published is None:
-            return False
-        settle(self.device)
-        self._last_publish = time.monotonic()
-        self._show_serving(self.published)
-        return True
-
-    def _publish_if_due(self) -> None:
-        """Publish every PUBLISH_INTERVAL_S, but give publishing (the gate's scoring, the linear
-        fit) at most PUBLISH_MAX_SHARE of the trainer's time: a slower publication waits longer."""
-        interval = max(self.settings.publish_interval_s, self.publish_seconds / self.settings.publish_max_share)
-        if self.published is None or time.monotonic() - self._last_publish >= interval:
-            started = time.perf_counter()
-            self.publish()
-            self.publish_seconds = time.perf_counter() - started
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        torch.set_num_threads(self.settings.torch_threads)
-        lower_thread_priority(self.settings.train_nice)
-        while not self._stop.is_set():
-            try:
-                self._work()
-            except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.exception("%s failed; resuming in 1s", self.thread_name)
-                self._stop.wait(1.0)
-
-    def _work(self) -> None:
-        raise NotImplementedError
-
-
-def lower_thread_priority(niceness: int) -> bool:
-    """Make the calling thread (and the threads it starts later) yield the CPU to the rest.
-
-    Training is background work: it can use every idle cycle, but a predict request or a
-    poll batch should not wait behind a training step. Linux keeps a nice value per
-    thread, so this lowers the trainer and its prefetch thread only; elsewhere (or where
-    refused) it does nothing and says so.
-    """
-    if niceness <= 0:
-        return False
-    if not sys.platform.startswith("linux"):
-        log.info("train_nice=%d ignored: per-thread priorities need Linux", niceness)
-        return False
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-    except OSError as err:
-        log.warning("could not lower the training threads' priority: %s", err)
-        return False
-    return True
-
-
-class ReplayBudget:
-    """How many times, on average, the trainer may train each event: a trainer faster than
-    its stream idles instead of memorizing its window.
-
-    Every accepted event adds ``per_event_limit`` item-trainings to an allowance that each
-    trained item spends; the allowance never exceeds ``per_event_limit`` passes over the
-    window as it is now, so a fast phase leaves no credit for replaying a slow one. 0 turns
-    the budget off.
-    """
-
-    def __init__(self, per_event_limit: float) -> None:
-        self.limit = float(per_event_limit)
-        self.allowance = 0.0
-        self.accepted_seen = 0  # window.accepted_total already credited
-        self.trained_items = 0
-        self.accepted = 0
-
-    def allows(self, items: int, accepted_total: int, window_size: int) -> bool:
-        new = max(0, accepted_total - self.accepted_seen)
-        self.accepted_seen = max(self.accepted_seen, accepted_total)
-        self.accepted += new
-        if self.limit <= 0:
-            return True
-        self.allowance = min(self.allowance + self.limit * new, self.limit * max(window_size, 1))
-        return self.allowance >= min(items, self.limit * max(window_size, 1))
-
-    def spend(self, items: int) -> None:
-        self.trained_items += items
-        if self.limit > 0:
-            self.allowance -= items
-
-    @property
-    def per_event(self) -> float:
-        """Mean item-trainings per accepted event so far."""
-        return self.trained_items / self.accepted if self.accepted else 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "allowance": self.allowance, "accepted_seen": self.accepted_seen,
-            "trained_items": self.trained_items, "accepted": self.accepted,
-        }  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.allowance = float(state["allowance"])
-        self.accepted_seen = int(state["accepted_seen"])
-        self.trained_items = int(state["trained_items"])
-        self.accepted = int(state["accepted"])
-
-
 class Trainer(ModelTrainer):
     """Owns the model, optimizer and normalization; trains from the window on a thread."""
 
@@ -399,9 +96,13 @@ class Trainer(ModelTrainer):
         clock: Callable[[], float] = time.time,
         data_seed: int | None = None,
         min_items: int | None = None,
+        loop: LoopFactory | None = None,
     ) -> None:
         """``data_seed`` and ``min_items`` (default: ``SEED``, ``MIN_WINDOW_ITEMS``) are a
-        scaled-out rank's own: its passes are drawn from its own window share."""
+        scaled-out rank's own: its passes are drawn from its own window share. ``loop``
+        builds the lockstep loop of a scaled-out rank: the thread then runs it instead of
+        training alone, automatic rollbacks are asked of every rank through it, and the
+        quality monitor's holdout sums are summed over the ranks."""
         super().__init__(settings, metrics, clock)
         self.window = window
         torch.manual_seed(settings.seed)
@@ -417,11 +118,22 @@ class Trainer(ModelTrainer):
             self.model.parameters(),
             lr=settings.learning_rate,
             weight_decay=settings.weight_decay,
-            **({"fused": True} if is_cuda(self.device) else {}),  # one kernel for the whole update
+            fused=True if is_cuda(self.device) else None,  # one kernel for the whole update
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self._prefetcher: Prefetcher | None = None
+        # One process is a world of one rank: its step is the data-parallel step, whose
+        # collectives are then local (the skip, clip and update rules exist once).
+        self._one_rank = DataParallelStep(
+            Collectives(DistContext()),
+            self.model,
+            self.norm,
+            self.optimizer,
+            grad_clip_norm=settings.grad_clip_norm,
+            scheduler=self.scheduler,
+            amp=settings.amp,
+        )
+        self._prefetcher: Prefetcher[Batch] | None = None
         data_seed = settings.seed if data_seed is None else data_seed
         # SAMPLING: which items each pass trains
         self.sampler = pass_sampler_from_settings(settings.model_copy(update={"seed": data_seed}))
@@ -440,8 +152,6 @@ class Trainer(ModelTrainer):
             track_trained=True,  # train_step marks each batch, so a checkpoint resumes after the last trained one
             min_batches_per_pass=settings.min_batches_per_pass,
         )
-        self.step = 0
-        self.tokens_trained = 0
         self.loss_ema: float | None = None
         self.naive_loss_ema: float | None = None  # the last-value forecast on the same batches
         self.last_pass: PassDiagnostics | None = None
@@ -459,68 +169,83 @@ class Trainer(ModelTrainer):
         self.drift_reactions = 0
         self.replays = ReplayBudget(settings.max_replays_per_event)
         self.budget_wait_seconds = 0.0
-        # A scaled-out service sets this: the thread's work is then the lockstep loop of
-        # streamtrain.distributed.lockstep, which trains with every rank and returns at the agreed stop.
-        self.loop: Callable[[], None] | None = None
-        # Scaled out, an automatic rollback is asked of every rank (version, reason) instead
-        # of applied here: the lockstep loop applies it on all ranks at one step.
-        self.request_rollback: Callable[[int, str], bool] | None = None
+        self.loop: StepLoop | None = None if loop is None else loop(self)
+        if self.loop is not None:
+            self.quality.combine = self.loop.sum_rows  # every rank judges the union of the holdouts
+
+    # ------------------------------------------------------------------ the service's hooks
+    @property
+    def min_window_items(self) -> int:
+        return self.dataset.min_items
+
+    def admit(self, batch: EventBatch, next_offsets: dict[int, int]) -> None:
+        """Nothing to do: the window is the trainer's only input (DP has its own admission)."""
+
+    def on_partitions_assigned(self, partitions: list[int]) -> None:
+        """Nothing to do: the window follows the consumer's assignment itself."""
+
+    def on_partitions_revoked(self, partitions: list[int]) -> None:
+        """Nothing to do: the window follows the consumer's assignment itself."""
+
+    def resume_after_restore(self) -> None:
+        """Nothing to do: the checkpoint holds everything training resumes from."""
+
+    def readiness_notes(self) -> list[str]:
+        return []
+
+    def dp_report(self) -> dict[str, Any] | None:
+        return None
+
+    def operator_report(self) -> dict[str, Any] | None:
+        return None
+
+    def report(self) -> TrainerReport:
+        published = self.published
+        busy = self.step_seconds + self.data_wait_seconds
+        selection = self.last_selection
+        return TrainerReport(
+            training={
+                "live_step": self.step,
+                "forecast_loss": self.loss_ema,
+                "naive_last_value_loss": self.naive_loss_ema,
+                "last_pass": {} if self.last_pass is None else self.last_pass.as_metrics(),
+                "data_wait_share": (self.data_wait_seconds / busy) if busy > 0 else None,
+                "publish_held": self.publish_held,
+                "last_gate": None if self.last_gate is None else dataclasses.asdict(self.last_gate),
+                "budget_wait_seconds": self.budget_wait_seconds,
+            },
+            quality=self.quality.report(None if published is None else published.version),
+            forecaster={
+                **(published.forecaster.report() if published is not None else {"kind": None}),
+                "last_publication": None if selection is None else selection.report(),
+            },
+            replays_per_event=self.replays.per_event,
+        )
 
     # ------------------------------------------------------------------ the verbs
     def train_step(self, batch: Batch) -> StepReport:
-        """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged.
+        """One optimizer step on ``batch``; non-finite loss or gradients skip it unchanged
+        (the normalization statistics too).
 
         ``batch`` is a host batch, a batch already on the training device, or a
         :class:`~streamtrain.data.prefetch.StagedBatch` (both: the trainer's own pipeline).
         """
-        started = time.perf_counter()
-        batch, on_device = self._placed(batch)
         with self.lock:
-            if self._reset_optimizer_due:
-                self._reset_optimizer_due = False
-                self.optimizer.state.clear()
-            norm_before = self.norm.state_dict()  # a refused step must not move the normalization
-            self.norm.update(batch.values, batch.mask)  # float64, on the host
-            x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
-            with autocast(self.device, self.settings.amp):
-                output = self.model(x_norm, on_device.mask)
-            output = _float32(output)  # the loss, its gradient seed and the EMAs in float32
-            loss = total_loss(output, x_norm, on_device.mask, on_device.labels)
-            if self.fault_injector is not None:
-                loss = self.fault_injector(loss)
-            skipped = None
-            if not torch.isfinite(loss):
-                skipped = "non_finite_loss"
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip_norm)
-                if not torch.isfinite(grad_norm):
-                    skipped = "non_finite_grad"
-                else:
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.step += 1
-                    self.tokens_trained += batch.real_tokens
-            self.optimizer.zero_grad(set_to_none=True)
-            if skipped is not None:
-                self.norm.load_state_dict(norm_before)
-            self.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
-            value = float(loss.detach())
-            if skipped is None:
-                self.loss_ema = _smooth(self.loss_ema, float(forecast_loss(output, x_norm, on_device.mask).detach()))
-                self.naive_loss_ema = _smooth(self.naive_loss_ema, float(naive_last_value_loss(x_norm, on_device.mask)))
-        seconds = time.perf_counter() - started
-        self._record(batch, skipped, seconds)
+            reset, self._reset_optimizer_due = self._reset_optimizer_due, False
+            self._one_rank.fault_injector = self.fault_injector
+            report = self._one_rank.step(batch, step=self.step, signals=StepSignals(reset_optimizer=reset))
+            host = batch.to("cpu") if batch.values.device.type != "cpu" else batch
+            self.dataset.mark_trained(host)  # applied or refused, the stream moves past it
+            self.apply_step(report.outcome(), host)
         return StepReport(
             step=self.step,
-            applied=skipped is None,
-            loss=value,
-            skipped_reason=skipped,
-            real_tokens=batch.real_tokens,
-            padded_tokens=batch.padded_tokens,
-            sequences=batch.batch_size,
-            seconds=seconds,
+            applied=report.applied,
+            loss=report.loss,
+            skipped_reason=report.skipped_reason,
+            real_tokens=host.real_tokens,
+            padded_tokens=host.padded_tokens,
+            sequences=host.batch_size,
+            seconds=report.seconds,
         )
 
     def evaluate(self, batch: Batch) -> float:
@@ -534,14 +259,7 @@ class Trainer(ModelTrainer):
 
     def _placed(self, batch: Batch) -> tuple[Batch, Batch]:
         """(host batch, its values/mask/labels on the training device) for any batch given."""
-        on_device = getattr(batch, "on_device", None)
-        if on_device is None and batch.values.device == self.device:
-            on_device = batch
-        if batch.values.device.type != "cpu":  # a hand-made batch on the device: statistics need a host copy
-            batch = batch.to("cpu")
-        if on_device is None:
-            on_device = stage_batch(batch, self.device).ready().on_device
-        return batch, on_device
+        return place_batch(batch, self.device)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop at once, also while waiting for the window to fill (the prefetcher is closed)."""
@@ -594,22 +312,34 @@ class Trainer(ModelTrainer):
                 return False
         return True
 
-    def _record(self, batch: Batch, skipped: str | None, seconds: float) -> None:
+    def apply_step(self, outcome: StepOutcome, batch: Batch | None) -> None:
+        """Count one step: the trainer's counters from ``outcome``, this process's metrics from
+        its own ``batch`` (None: a scaled-out rank that had no data this step). Called with
+        :attr:`lock` held, by :meth:`train_step` and by the lockstep loop for each agreed step."""
         m = self.metrics
-        self.step_seconds += seconds
-        m.train_step_seconds.observe(seconds)
-        if skipped is not None:
-            m.train_skipped_steps.labels(skipped).inc()
-            log.warning("step skipped: %s", skipped)
+        if outcome.skipped_reason in ("stop", "no_data"):  # no step ran anywhere
             return
+        self.step_seconds += outcome.seconds
+        m.train_step_seconds.observe(outcome.seconds)
+        if not outcome.applied:
+            assert outcome.skipped_reason is not None
+            m.train_skipped_steps.labels(outcome.skipped_reason).inc()
+            log.warning("step skipped: %s", outcome.skipped_reason)
+            return
+        self._step += 1
+        self._tokens_trained += outcome.real_tokens
+        self.loss_ema = _smooth(self.loss_ema, outcome.forecast_loss)
+        self.naive_loss_ema = _smooth(self.naive_loss_ema, outcome.naive_loss)
         m.train_steps.inc()
+        if self.loss_ema is not None:
+            m.train_loss.set(self.loss_ema)
+        if batch is None:
+            return
         self.replays.spend(batch.batch_size)
         m.train_replays_per_event.set(self.replays.per_event)
         m.train_tokens.inc(batch.real_tokens)
         m.train_padding_tokens.inc(batch.padded_tokens - batch.real_tokens)
         m.train_batch_sequences.observe(batch.batch_size)
-        if self.loss_ema is not None:
-            m.train_loss.set(self.loss_ema)
         ages = self._clock() - batch.ts.numpy()
         ages = ages[np.isfinite(ages)]
         if ages.size:
@@ -661,8 +391,8 @@ class Trainer(ModelTrainer):
         return True
 
     def _auto_rollback(self, version: int, reason: str) -> bool:
-        if self.request_rollback is not None:
-            return self.request_rollback(version, reason)
+        if self.loop is not None:  # every rank rolls back at one agreed step
+            return self.loop.request_automatic_rollback(version, reason)
         try:
             self.rollback(version, trigger="automatic", reason=reason)
         except UnknownVersion:
@@ -689,7 +419,8 @@ class Trainer(ModelTrainer):
                 "loss_ema": self.loss_ema,
                 "version": self._version,
                 "replays": self.replays.state_dict(),
-                "dataset": self.dataset.state_dict(),  # with the sampler's counters; every data stream derives from them
+                # with the sampler's counters; every data stream derives from them
+                "dataset": self.dataset.state_dict(),
                 "rng": {"torch": torch.get_rng_state()},  # the only generator the trainer draws from itself
             }
 
@@ -704,8 +435,8 @@ class Trainer(ModelTrainer):
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.norm.load_state_dict(state["norm"])
-            self.step = int(state["step"])
-            self.tokens_trained = int(state["tokens_trained"])
+            self._step = int(state["step"])
+            self._tokens_trained = int(state["tokens_trained"])
             loss = state.get("loss_ema")
             self.loss_ema = None if loss is None or not math.isfinite(loss) else float(loss)
             self._version = int(state.get("version", 0))

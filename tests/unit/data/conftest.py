@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from streamtrain.events import NO_LABEL, EventBatch
-from streamtrain.window import WindowSnapshot
+from streamtrain.window.snapshot import WindowSnapshot
 
 
 def lognormal_lengths(n: int, seed: int = 0, median: float = 48.0, sigma: float = 0.8) -> np.ndarray:

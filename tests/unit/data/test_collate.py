@@ -201,3 +201,32 @@ def test_collate_flat_refusals_say_the_rule_in_full(
 def test_collate_of_no_items_says_so_in_full() -> None:
     with pytest.raises(ValueError, match=r"^collate needs at least one sequence, got an empty list$"):
         collate([])
+
+
+@pytest.mark.parametrize(
+    "item, rule",
+    [
+        (np.array([["a"]]), "holds <U1 values"),
+        (np.array([["1.5"]]), "holds <U3 values"),
+        (np.array([[b"1"]]), "holds \\|S1 values"),
+        (np.array([[None]], dtype=object), "holds object values"),
+        (np.array([[1.0]], dtype=object), "holds object values"),
+        (np.array([[1j]]), "holds complex128 values"),
+        (np.array([["2020-01-01"]], dtype="datetime64[D]"), "holds datetime64\\[D\\] values"),
+        ([[1.0], [1.0, 2.0]], "is ragged"),
+    ],
+)
+def test_items_that_are_not_real_numbers_are_refused_by_collate_naming_the_item(item: object, rule: str) -> None:
+    with pytest.raises(ValueError, match=rf"^collate: item 1 {rule}; "):
+        collate([np.ones((2, 1), np.float32), item])
+
+
+def test_bool_and_integer_items_are_numbers() -> None:
+    batch = collate([np.array([[True], [False]]), np.array([[3]], np.int64), np.array([[2]], np.uint8)])
+    assert batch.values[:, :, 0].tolist() == [[1.0, 0.0], [3.0, 0.0], [2.0, 0.0]]
+
+
+@pytest.mark.parametrize("flat", [np.array([["1.5"]]), np.array([[1.0]], dtype=object)])
+def test_collate_flat_refuses_readings_that_are_not_real_numbers(flat: np.ndarray) -> None:
+    with pytest.raises(ValueError, match=rf"^collate: flat values hold {flat.dtype} values; "):
+        collate_flat(flat, [1])

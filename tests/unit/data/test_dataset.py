@@ -21,7 +21,8 @@ from streamtrain.data.dataset import WindowBatchDataset
 from streamtrain.data.passes import PassSampler
 from streamtrain.data.policies import SensorBalancedPolicy
 from streamtrain.data.randomness import derive_seed
-from streamtrain.window import RecencyWindow, WindowSnapshot
+from streamtrain.window.reservoir import RecencyWindow
+from streamtrain.window.snapshot import WindowSnapshot
 
 BUDGET = TokenBudget(max_tokens=1024, pad_to_multiple_of=4)
 

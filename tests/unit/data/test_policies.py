@@ -28,7 +28,7 @@ from streamtrain.data.policies import (
     water_fill,
 )
 from streamtrain.data.randomness import CryptoRandomness, Randomness, SeededRandomness
-from streamtrain.window import WindowSnapshot
+from streamtrain.window.snapshot import WindowSnapshot
 
 MODES = ["seeded", "crypto"]
 

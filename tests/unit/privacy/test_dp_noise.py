@@ -45,8 +45,11 @@ def chi_square_pvalue(draws: np.ndarray, pmf, min_expected: float = 20.0) -> flo
     # merge from both ends until every cell expects enough
     keep = expected >= min_expected
     first, last = np.flatnonzero(keep)[[0, -1]]
-    cells_e = np.concatenate([[expected[: first].sum() + (1 - pmf(support).sum()) * draws.size / 2], expected[first : last + 1],
-                              [expected[last + 1 :].sum() + (1 - pmf(support).sum()) * draws.size / 2]])  # fmt: skip
+    # the mass outside the support, split evenly between the two tail cells
+    outside = (1 - pmf(support).sum()) * draws.size / 2
+    cells_e = np.concatenate(
+        [[expected[:first].sum() + outside], expected[first : last + 1], [expected[last + 1 :].sum() + outside]]
+    )
     cells_o = np.concatenate([[observed[:first].sum()], observed[first : last + 1], [observed[last + 1 :].sum()]])
     return float(stats.chisquare(cells_o, cells_e * cells_o.sum() / cells_e.sum()).pvalue)
 

@@ -9,7 +9,8 @@ import torch
 from streamtrain.data.bucketing import TokenBudget, plan_batches
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import SeededRandomness
-from streamtrain.model.network import SensorModel, total_loss
+from streamtrain.model.losses import total_loss
+from streamtrain.model.network import SensorModel
 from streamtrain.privacy.noise import GRID
 from streamtrain.privacy.per_sample import NORM_EPS, PerSampleGradients, clip_factors
 

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from streamtrain.data.randomness import SeededRandomness
-from streamtrain.model.network import ModelOutput, RunningNorm, SensorModel
+from streamtrain.model.network import ModelOutput, SensorModel
+from streamtrain.model.normalization import RunningNorm
 from streamtrain.privacy import DPConfig, DPConfigError, DPEngine, check_dp_safety
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/unit: the shared model fixtures
@@ -51,7 +52,8 @@ def test_running_input_norm_from_private_data_is_refused() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("noise_multiplier", 0.1), ("noise_multiplier", math.inf), ("noise_multiplier", math.nan), ("noise_multiplier", -1.0),
+        ("noise_multiplier", 0.1), ("noise_multiplier", math.inf),
+        ("noise_multiplier", math.nan), ("noise_multiplier", -1.0),
         ("q0", 0.0), ("q0", 1.5), ("q0", math.nan),
         ("clip_norm", 0.0), ("clip_norm", -1.0), ("clip_norm", math.inf),
         ("half_life_steps", 0.0), ("eligible_steps", 0), ("admit_per_step", 0), ("admit_per_step", 1_000_000),

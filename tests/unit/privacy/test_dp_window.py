@@ -1,16 +1,13 @@
-"""DP window, public clock and Poisson sampling: caps, eligibility, rates within binomial bounds."""
+"""DP window: admission caps, eligibility for exactly K steps, watermarks, the sensor unit."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats
 
-from streamtrain.data.randomness import CryptoRandomness, SeededRandomness
+from streamtrain.data.randomness import SeededRandomness
 from streamtrain.events import EventBatch, SensorEvent
-from streamtrain.privacy.config import DPConfig
-from streamtrain.privacy.sampling import PoissonSampler
-from streamtrain.privacy.window import DPClock, DPWindow
+from streamtrain.privacy.window import DPWindow
 
 Z = 5.0  # two-sided binomial bound; with fixed seeds the outcome is deterministic anyway
 
@@ -29,20 +26,6 @@ def ids(values: list[np.ndarray]) -> list[int]:
 def within_binomial(successes: int, trials: int, p: float) -> bool:
     sd = np.sqrt(trials * p * (1 - p))
     return abs(successes - trials * p) <= Z * sd
-
-
-def test_clock_numbers_steps_by_time_only() -> None:
-    clock = DPClock(step_rate_hz=2.0)
-    assert clock.due_steps(100.0) == 0  # anchored at the first reading
-    assert clock.arrival_step(100.2) == 1
-    assert clock.due_steps(100.49) == 0 and clock.due_steps(100.5) == 1 and clock.due_steps(101.6) == 3
-    clock.steps_done = 3
-    assert clock.arrival_step(101.6) == 4  # step 3 is done: arrivals go to the next one
-    assert clock.next_due_at(101.6) == pytest.approx(102.0)
-    restored = DPClock(2.0)
-    restored.load_state_dict(clock.state_dict())
-    assert restored.due_steps(5000.0) == 0  # re-anchored: no catch-up burst after downtime
-    assert restored.due_steps(5000.5) == 1 and restored.steps_done == 3
 
 
 def test_admission_caps_at_r_and_admits_all_below() -> None:
@@ -124,34 +107,6 @@ def test_window_state_dict_round_trip() -> None:
         DPWindow(eligible_steps=5, admit_per_step=4, randomness=SeededRandomness(0)).load_state_dict(
             window.state_dict()
         )
-
-
-def test_poisson_inclusion_rates_per_age_within_binomial_bounds() -> None:
-    config = DPConfig(q0=0.3, half_life_steps=2.0, eligible_steps=6)
-    schedule = config.sampling_schedule()
-    sampler = PoissonSampler(schedule, SeededRandomness(6))
-    per_age, rounds = 500, 40
-    ages = np.repeat(np.arange(6), per_age)
-    included = np.zeros(6, dtype=np.int64)
-    sizes = []
-    for _ in range(rounds):
-        chosen = sampler.sample(ages)
-        sizes.append(chosen.size)
-        included += np.bincount(ages[chosen], minlength=6)
-    for age in range(6):
-        assert within_binomial(int(included[age]), per_age * rounds, float(schedule[age]))
-    # Independent inclusion: the batch size is a sum of Bernoullis, its variance sum p(1-p).
-    expected_var = per_age * float((schedule * (1 - schedule)).sum())
-    chi2 = (rounds - 1) * np.var(sizes, ddof=1) / expected_var
-    assert stats.chi2.ppf(1e-6, rounds - 1) <= chi2 <= stats.chi2.ppf(1 - 1e-6, rounds - 1)
-
-
-def test_poisson_sampler_uses_the_os_csprng_by_default_and_checks_ages() -> None:
-    sampler = PoissonSampler(np.array([1.0, 0.0]))
-    assert isinstance(sampler.randomness, CryptoRandomness)
-    assert sampler.sample(np.array([0, 1, 0, 1])).tolist() == [0, 2]
-    with pytest.raises(ValueError, match="ages"):
-        sampler.sample(np.array([2]))
 
 
 def kafka_batch(offsets: list[int], partition: int = 0, sensors: list[str] | None = None) -> EventBatch:
@@ -281,15 +236,3 @@ def test_sensor_window_state_round_trip_keeps_ledger_and_groups() -> None:
         DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(
             window.state_dict()
         )
-
-
-def test_record_sampling_takes_a_group_whole() -> None:
-    sampler = PoissonSampler(np.array([0.5]), SeededRandomness(16))
-    records = np.array([0, 0, 1, 1, 1, 2])
-    seen = set()
-    for _ in range(50):
-        chosen = sampler.sample_records(np.zeros(6, np.int64), records)
-        groups = set(records[chosen].tolist())
-        assert chosen.tolist() == np.flatnonzero(np.isin(records, list(groups))).tolist()
-        seen |= {frozenset(groups)}
-    assert len(seen) > 4

@@ -1,0 +1,333 @@
+"""State trees <-> tensors and a JSON skeleton: what a checkpoint holds, never a pickle.
+
+A state tree (a trainer's, a window's) is split into the tensors a safetensors payload
+holds and a JSON skeleton that holds everything else, with every bulky leaf replaced by
+a reference into the payload (``{"$tensor": "0"}``, ``{"$ndarray": "1"}``, ...).
+Decoding builds only the types this module names (dicts, lists, tuples, numbers, str,
+bytes, None, tensors, numpy arrays); a skeleton node it does not know is refused, so
+reading a checkpoint never runs code from the file. Round trips are exact: dtypes,
+shapes, bits (nan, -0.0), integer size, dict key order and a state_dict's ``_metadata``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+# Integers beyond 2**53 lose precision in most JSON readers; they travel as decimal strings.
+_JSON_SAFE_INT = 2**53
+
+Skeleton = Any
+"""JSON-able description of a state tree; tensors appear as references into the payload."""
+
+_SAFETENSORS_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+    }
+)
+# numpy dtypes that map one-to-one onto a safetensors dtype (native byte order only)
+_NUMPY_TYPED = frozenset(
+    np.dtype(name)
+    for name in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+    )
+)
+
+
+def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Skeleton]:
+    """Split a state tree into safetensors-ready tensors and a JSON-able skeleton.
+
+    Leaves: torch tensors (any dense dtype, any device; they come back on the CPU,
+    detached, as plain tensors), numpy arrays and scalars (dtype kept; object arrays of
+    str or of other leaves), None, bool, int (any size), float (inf and nan too), str,
+    bytes. Containers: dict (any keys of those scalar types, order kept; an OrderedDict
+    keeps its ``_metadata``, which ``Module.load_state_dict`` reads), list, tuple.
+    Subclasses of int, float, str, list, tuple and dict come back as the base type.
+    """
+    flattener = _Flattener()
+    skeleton = flattener.encode(tree, ())
+    return flattener.tensors, skeleton
+
+
+def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Skeleton) -> Any:
+    """Rebuild the tree `flatten_state` split; ValueError if the two do not fit together."""
+    unflattener = _Unflattener(tensors)
+    tree = unflattener.decode(skeleton)
+    unused = set(tensors) - unflattener.used
+    if unused:
+        raise ValueError(
+            f"the payload holds {len(unused)} tensors the skeleton never names "
+            f"(e.g. {sorted(unused)[:3]}); the header and payload come from different saves"
+        )
+    return tree
+
+
+def _format_path(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{key!r}]" for key in path)
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[tuple[str, int]] = set()
+        self._open_containers: set[int] = set()
+
+    def encode(self, node: Any, path: tuple[Any, ...]) -> Skeleton:
+        if node is None or type(node) in (bool, str):
+            return node
+        if isinstance(node, torch.Tensor):
+            return self._encode_tensor(node, path)
+        if isinstance(node, np.ndarray):
+            return self._encode_array(node, path)
+        if isinstance(node, np.generic):
+            return {"$npscalar": self._encode_array(np.asarray(node), path)}
+        if isinstance(node, int):
+            integer = int(node)
+            return integer if -_JSON_SAFE_INT <= integer <= _JSON_SAFE_INT else {"$int": str(integer)}
+        if isinstance(node, float):
+            number = float(node)
+            return number if math.isfinite(number) else {"$float": repr(number)}
+        if isinstance(node, str):
+            return str(node)
+        if isinstance(node, (bytes, bytearray)):
+            data = torch.from_numpy(np.frombuffer(node, dtype=np.uint8).copy())
+            return {"$bytes": self._add(data)}
+        if isinstance(node, (dict, list, tuple)):
+            return self._encode_container(node, path)
+        raise TypeError(
+            f"{_format_path(path)} is a {type(node).__qualname__}, which a checkpoint cannot "
+            "hold: states are dicts/lists/tuples of tensors, numpy arrays, numbers, str, bytes "
+            "and None. Convert it first (e.g. its state_dict(), or a dict of its fields)."
+        )
+
+    def _encode_container(self, node: dict | list | tuple, path: tuple[Any, ...]) -> Skeleton:
+        if id(node) in self._open_containers:
+            raise ValueError(f"{_format_path(path)} contains itself; a checkpoint state must be a tree")
+        self._open_containers.add(id(node))
+        try:
+            if isinstance(node, list):
+                return [self.encode(item, path + (index,)) for index, item in enumerate(node)]
+            if isinstance(node, tuple):
+                return {"$tuple": [self.encode(item, path + (index,)) for index, item in enumerate(node)]}
+            items = [[self._encode_key(key, path), self.encode(value, path + (key,))] for key, value in node.items()]
+            metadata = getattr(node, "_metadata", None)
+            if isinstance(node, collections.OrderedDict) and isinstance(metadata, dict):
+                return {"$dict": items, "metadata": self.encode(metadata, path + ("_metadata",))}
+            return {"$dict": items}
+        finally:
+            self._open_containers.discard(id(node))
+
+    def _encode_key(self, key: Any, path: tuple[Any, ...]) -> Skeleton:
+        if not _is_scalar_key(key):
+            raise TypeError(
+                f"{_format_path(path)} has a key of type {type(key).__qualname__}; checkpoint "
+                "dict keys must be None, bool, int, float, str, bytes or tuples of those"
+            )
+        return self.encode(key, path)
+
+    def _add(self, tensor: torch.Tensor) -> str:
+        name = str(len(self.tensors))
+        self.tensors[name] = tensor
+        return name
+
+    def _encode_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> Skeleton:
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{_format_path(path)} is a {tensor.layout} tensor; call .to_dense() before saving it")
+        plain = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        if plain.numel():
+            # safetensors refuses tensors that share memory (tied weights, views of one array)
+            storage = (str(plain.device), plain.untyped_storage().data_ptr())
+            if storage in self._storages:
+                plain = plain.clone()
+                storage = (str(plain.device), plain.untyped_storage().data_ptr())
+            self._storages.add(storage)
+        if plain.dtype in _SAFETENSORS_DTYPES:
+            return {"$tensor": self._add(plain)}
+        # complex128, float8 variants, ...: raw bytes, dtype and shape alongside
+        try:
+            raw = plain.reshape(-1).view(torch.uint8) if plain.numel() else torch.empty(0, dtype=torch.uint8)
+        except RuntimeError as exc:
+            raise TypeError(
+                f"{_format_path(path)} has dtype {plain.dtype}, which cannot be saved as bytes: {exc}"
+            ) from exc
+        return {
+            "$tensor": self._add(raw),
+            "dtype": str(plain.dtype).removeprefix("torch."),
+            "shape": list(plain.shape),
+        }
+
+    def _encode_array(self, array: np.ndarray, path: tuple[Any, ...]) -> Skeleton:
+        if array.dtype == np.dtype(object):
+            return self._encode_object_array(array, path)
+        if array.dtype.fields is not None or array.dtype.hasobject:
+            raise TypeError(
+                f"{_format_path(path)} is a structured numpy array ({array.dtype}); save its fields as separate arrays"
+            )
+        contiguous = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+        if not contiguous.flags.writeable:
+            contiguous = contiguous.copy()  # torch.from_numpy refuses to wrap read-only memory quietly
+        if array.dtype in _NUMPY_TYPED:
+            return {"$ndarray": self._add(torch.from_numpy(contiguous))}
+        # byte-swapped, datetime, fixed-width str/bytes, void: raw bytes, dtype string alongside
+        raw = contiguous.reshape(-1).view(np.uint8) if contiguous.nbytes else np.empty(0, np.uint8)
+        return {"$ndarray": self._add(torch.from_numpy(raw)), "dtype": array.dtype.str, "shape": list(array.shape)}
+
+    def _encode_object_array(self, array: np.ndarray, path: tuple[Any, ...]) -> Skeleton:
+        items = array.reshape(-1).tolist()
+        shape = list(array.shape)
+        if set(map(type, items)) <= {str}:
+            # sensor ids: one UTF-8 blob plus per-item lengths in code points, so loading decodes once
+            blob = "".join(items).encode("utf-8", "surrogatepass")
+            lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+            encoded_blob = self._add(torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()))
+            return {"$strarray": encoded_blob, "lengths": self._add(torch.from_numpy(lengths)), "shape": shape}
+        return {"$objarray": [self.encode(item, path + (index,)) for index, item in enumerate(items)], "shape": shape}
+
+
+def _is_scalar_key(key: Any) -> bool:
+    if isinstance(key, tuple):
+        return all(_is_scalar_key(item) for item in key)
+    return key is None or isinstance(key, (bool, int, float, str, bytes))
+
+
+class _Unflattener:
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.used: set[str] = set()
+
+    def decode(self, node: Skeleton) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [self.decode(item) for item in node]
+        if not isinstance(node, dict):
+            raise ValueError(f"skeleton node of type {type(node).__name__} is not part of the format")
+        tags = [key for key in node if key.startswith("$")]
+        if len(tags) != 1 or tags[0] not in self._DECODERS:
+            raise ValueError(f"skeleton node with keys {sorted(node)} has no single known $tag")
+        return self._DECODERS[tags[0]](self, node)
+
+    def _tensor(self, name: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not isinstance(name, str) or name not in self.tensors:
+            raise ValueError(f"skeleton names tensor {name!r}, which the payload does not hold")
+        if name in self.used:
+            raise ValueError(f"skeleton names tensor {name!r} twice")
+        self.used.add(name)
+        tensor = self.tensors[name]
+        if dtype is not None and tensor.dtype != dtype:
+            raise ValueError(f"payload tensor {name!r} is {tensor.dtype}, expected {dtype}")
+        return tensor
+
+    def _decode_tensor(self, node: dict) -> torch.Tensor:
+        if "dtype" not in node:
+            return self._tensor(node["$tensor"])
+        raw = self._tensor(node["$tensor"], torch.uint8)
+        dtype = getattr(torch, node["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown torch dtype {node['dtype']!r}")
+        shape = [int(size) for size in node["shape"]]
+        if raw.numel() == 0:
+            return torch.empty(shape, dtype=dtype)
+        return raw.view(dtype).reshape(shape)
+
+    def _decode_array(self, node: dict) -> np.ndarray:
+        if "dtype" not in node:
+            return self._tensor(node["$ndarray"]).numpy()
+        raw = self._tensor(node["$ndarray"], torch.uint8).numpy()
+        dtype = np.dtype(node["dtype"])
+        if dtype.hasobject:
+            raise ValueError(f"raw numpy dtype {node['dtype']!r} would hold Python objects")
+        shape = tuple(int(size) for size in node["shape"])
+        if raw.size == 0:
+            return np.zeros(shape, dtype=dtype)
+        return raw.view(dtype).reshape(shape)
+
+    def _decode_npscalar(self, node: dict) -> np.generic:
+        array = self.decode(node["$npscalar"])
+        if not isinstance(array, np.ndarray) or array.shape != ():
+            raise ValueError("$npscalar must wrap a 0-d array")
+        return cast(np.generic, array[()])  # indexing a 0-d array with () gives its scalar
+
+    def _decode_strarray(self, node: dict) -> np.ndarray:
+        blob = self._tensor(node["$strarray"], torch.uint8).numpy()
+        lengths = self._tensor(node["lengths"], torch.int64).numpy()
+        text = blob.tobytes().decode("utf-8", "surrogatepass")
+        ends = np.cumsum(lengths)
+        if (lengths < 0).any() or (ends[-1] if len(ends) else 0) != len(text):
+            raise ValueError("string array lengths do not add up to its text")
+        starts = (ends - lengths).tolist()
+        return _object_array([text[start:end] for start, end in zip(starts, ends.tolist())], node["shape"])
+
+    def _decode_objarray(self, node: dict) -> np.ndarray:
+        return _object_array([self.decode(item) for item in node["$objarray"]], node["shape"])
+
+    def _decode_dict(self, node: dict) -> dict:
+        items = [(self.decode(key), self.decode(value)) for key, value in node["$dict"]]
+        if "metadata" not in node:
+            return dict(items)
+        ordered = collections.OrderedDict(items)
+        ordered._metadata = self.decode(node["metadata"])  # type: ignore[attr-defined]
+        return ordered
+
+    def _decode_int(self, node: dict) -> int:
+        return int(node["$int"])
+
+    def _decode_float(self, node: dict) -> float:
+        if node["$float"] not in ("inf", "-inf", "nan"):
+            raise ValueError(f"$float holds {node['$float']!r}; only inf, -inf and nan travel tagged")
+        return float(node["$float"])
+
+    def _decode_bytes(self, node: dict) -> bytes:
+        return self._tensor(node["$bytes"], torch.uint8).numpy().tobytes()
+
+    def _decode_tuple(self, node: dict) -> tuple:
+        return tuple(self.decode(item) for item in node["$tuple"])
+
+    _DECODERS: dict[str, Callable[[_Unflattener, dict], Any]] = {
+        "$tensor": _decode_tensor,
+        "$ndarray": _decode_array,
+        "$npscalar": _decode_npscalar,
+        "$strarray": _decode_strarray,
+        "$objarray": _decode_objarray,
+        "$dict": _decode_dict,
+        "$int": _decode_int,
+        "$float": _decode_float,
+        "$bytes": _decode_bytes,
+        "$tuple": _decode_tuple,
+    }
+
+
+def _object_array(items: list[Any], shape: list[int]) -> np.ndarray:
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array.reshape([int(size) for size in shape])

@@ -1,0 +1,141 @@
+"""The kafka-python 3.0.12 patches: three bugs of its clients, each worked around as a client is opened.
+
+Every consumer and producer the service opens gets the patches that apply to it before
+its first request (:func:`streamtrain.ingest.consumers.open_consumer` installs all three,
+the dead-letter outbox the first). Each patch replaces or adjusts private kafka-python
+state, so each first checks that the attributes it relies on are still there and
+otherwise raises a ``RuntimeError`` naming the patch (``re-check
+streamtrain.ingest.kafka_compat.<name>``): a kafka-python upgrade that moves them fails
+at the first client, never silently. ``tests/integration/test_liveness.py`` reproduces
+both consumer-group bugs with and without their patch, and fails the day kafka-python
+fixes one, so the patch can go.
+
+- :func:`forbid_topic_auto_creation`: ``allow_auto_create_topics=False`` is accepted and
+  ignored, so a deleted topic would be auto-created with the broker's defaults.
+- :func:`keep_rejoin_pending`: a group rejoin that a metadata change starts can be
+  dropped half-way, leaving the member without partitions for good (KAFKA-9815).
+- :func:`rejoin_on_partition_changes`: only the member that computed the last assignment
+  watches for added partitions, and after a static member's restart none did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kafka import KafkaConsumer
+
+__all__ = [
+    "PARTITION_COUNTS_USER_DATA",
+    "forbid_topic_auto_creation",
+    "keep_rejoin_pending",
+    "rejoin_on_partition_changes",
+]
+
+
+def forbid_topic_auto_creation(client: Any) -> Any:
+    """Make a kafka-python producer or consumer never create topics by asking for them.
+
+    kafka-python 3.0.12 accepts ``allow_auto_create_topics=False`` but never passes it to
+    its cluster metadata, which keeps asking the broker to auto-create every topic it
+    requests: a deleted dead-letter topic would come back with the broker's defaults
+    (1 MB limit, 1 partition) instead of being created again with its size limit.
+    """
+    cluster = getattr(client, "_metadata", None) or getattr(client, "_cluster", None)
+    if cluster is None or "allow_auto_create_topics" not in getattr(cluster, "config", {}):
+        raise RuntimeError(
+            "kafka-python's cluster metadata changed: "
+            "re-check streamtrain.ingest.kafka_compat.forbid_topic_auto_creation"
+        )
+    cluster.config["allow_auto_create_topics"] = False
+    return client
+
+
+def keep_rejoin_pending(consumer: KafkaConsumer) -> None:
+    """Keep a group rejoin that kafka-python has started pending until it completes.
+
+    The root cause of ingest stalling for good after the service created its topic
+    (kafka-python 3.0.12, ``ConsumerCoordinator``): when the topic's metadata changes
+    after the leader's assignment (a just-created topic's partitions show up, partitions
+    are added), ``need_rejoin()`` turns true only through a snapshot comparison, not the
+    ``rejoin_needed`` flag. ``poll()`` then revokes the partitions, starts JoinGroup as a
+    task, and gives up waiting when its own timer runs out, leaving the task in flight.
+    That task's assignment step (``_perform_assignment``) sets the assignment snapshot to
+    the current metadata, so the next ``poll()`` finds ``need_rejoin()`` false, never
+    awaits the task and never applies its assignment: the member stays ``REBALANCING``
+    with its partitions revoked and heartbeats off, every poll fetches nothing, and the
+    broker expires it at the session timeout. The Java client closed the same hole by
+    setting ``rejoinNeeded`` when the metadata check fires (KAFKA-9815); this does the
+    same: once ``need_rejoin()`` says yes, it stays yes until a join completes (which
+    clears the flag). tests/integration/test_liveness.py reproduces the bug and the fix.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or not callable(getattr(coordinator, "request_rejoin", None)):
+        raise RuntimeError(
+            "kafka-python's coordinator changed: re-check streamtrain.ingest.kafka_compat.keep_rejoin_pending"
+        )
+    decide = coordinator.need_rejoin
+
+    def need_rejoin() -> bool:
+        needed = bool(decide())
+        if needed:
+            coordinator.request_rejoin()
+        return needed
+
+    coordinator.need_rejoin = need_rejoin
+
+
+#: Prefix of the subscription user data this service's members send (range and round-robin
+#: assignors send none and read none).
+PARTITION_COUNTS_USER_DATA = b"streamtrain-partition-counts:"
+
+
+def rejoin_on_partition_changes(consumer: KafkaConsumer) -> None:
+    """Every member rejoins when a subscribed topic's partitions change, and says so in its join.
+
+    kafka-python 3.0.12 watches the topic's metadata for a rebalance only in the member
+    that computed the last assignment. With static membership (KIP-345) a member that
+    restarts takes its old member's place without a rebalance, so after a restart nobody
+    has computed the current assignment and partitions added to the topic stay unassigned
+    until the next membership change (found by bench/chaos.py: added partitions waited up
+    to two minutes for a second member to come and go). Here every member compares the
+    metadata with the metadata of its last join, and puts the partition counts in its
+    subscription's user data: a rejoin with changed metadata makes the broker rebalance
+    even a Stable group of static members, and the assignor then sees every partition.
+    Assignors that send user data of their own (sticky) are left as they are.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    snapshot = getattr(coordinator, "_metadata_snapshot", None)
+    if (
+        coordinator is None
+        or not isinstance(snapshot, dict)
+        or not callable(getattr(coordinator, "group_protocols", None))
+    ):
+        raise RuntimeError(
+            "kafka-python's coordinator changed: re-check streamtrain.ingest.kafka_compat.rejoin_on_partition_changes"
+        )
+    protocols, decide = coordinator.group_protocols, coordinator.need_rejoin
+    joined: dict[str, Any] = {"snapshot": None}
+
+    def group_protocols() -> list[tuple[str, Any]]:
+        current = {topic: set(partitions) for topic, partitions in coordinator._metadata_snapshot.items()}
+        joined["snapshot"] = current
+        counts = ",".join(f"{topic}={len(partitions)}" for topic, partitions in sorted(current.items())).encode()
+        chosen = []
+        for name, metadata in protocols():
+            if not metadata.user_data:
+                metadata = type(metadata)(metadata.version, metadata.topics, PARTITION_COUNTS_USER_DATA + counts)
+            chosen.append((name, metadata))
+        return chosen
+
+    def need_rejoin() -> bool:
+        if decide():
+            return True
+        last = joined["snapshot"]
+        return (
+            last is not None
+            and coordinator._subscription.partitions_auto_assigned()
+            and coordinator._metadata_snapshot != last
+        )
+
+    coordinator.group_protocols = group_protocols
+    coordinator.need_rejoin = need_rejoin

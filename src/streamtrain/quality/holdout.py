@@ -1,0 +1,176 @@
+"""The holdout: fresh events kept out of the window, never trained on, that the gate judges by.
+
+With ``HOLDOUT_SHARE > 0`` a share of fresh events (one in ``1 / share`` of each sensor's
+blocks of events, from a phase drawn by the configured randomness mode) is kept out of the
+window in a bounded buffer (the most recent ``HOLDOUT_CAPACITY`` events). Invariant: a
+held-out event is never trained on, and neither is an event next to a held-out block that
+shares readings with it (the guards of :class:`HoldoutSplitter`), so the holdout measures
+forecasting, not memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from streamtrain.data.randomness import ShuffleMode, make_randomness
+from streamtrain.events import EventBatch
+from streamtrain.quality.config import HOLDOUT_STREAM
+
+
+@dataclass
+class _SensorBlocks:
+    count: int  # this sensor's events counted into blocks of ``block``
+    phase: int  # its blocks with (index + phase) % period == 0 are held out
+    block: int  # events per block: HOLDOUT_BLOCK_EVENTS, or twice the overlap once its events overlap
+    guard: int = 0  # neighbours of a held-out block kept out too (overlapping events)
+    last: np.ndarray | None = None  # its previous event's readings (to see overlap)
+
+
+class HoldoutSplitter:
+    """Which fresh events are held out: whole blocks of a sensor's consecutive events.
+
+    A held-out event must not share readings with a trained one, or the holdout cannot
+    tell a memorizing network from one that forecasts: a producer that sends sliding
+    windows (each event the previous one shifted by a reading) would put almost every
+    held-out reading into some trained event too. So each sensor's events are cut into
+    blocks in arrival order, one block in ``round(1 / share)`` is held out (from a random
+    phase per sensor, drawn by the configured randomness), and when a sensor's consecutive
+    events overlap, the ``guard`` events on either side of a held-out block that share
+    readings with it are kept out of training as well (counted as held out, not scored).
+    A block is ``block_events`` long (default one: the holdout spread evenly over time, as
+    a random share would be), and at least twice the overlap for a sensor whose events
+    overlap, so the guards cost no more than the block itself. Events that do not overlap
+    cost no guard. Per-sensor state is bounded (least recently seen sensors are forgotten
+    first).
+    """
+
+    MAX_SENSORS = 100_000
+
+    def __init__(self, share: float, block_events: int, mode: ShuffleMode, seed: int) -> None:
+        self.share = share
+        self.block_events = max(1, int(block_events))
+        self.period = max(2, round(1.0 / share)) if share > 0 else 0
+        self.mode, self.seed = mode, seed
+        self._sensors: OrderedDict[str, _SensorBlocks] = OrderedDict()
+
+    def _held(self, sensor: _SensorBlocks, block: int) -> bool:
+        return block >= 0 and (block + sensor.phase) % self.period == 0
+
+    def _phase(self, sensor_id: str) -> int:
+        key = int.from_bytes(hashlib.blake2b(sensor_id.encode(), digest_size=8).digest(), "little") >> 1
+        rng = make_randomness(self.mode, self.seed, key, worker=HOLDOUT_STREAM)
+        return int(rng.integers(self.period, 1)[0])
+
+    def split(self, batch: EventBatch) -> tuple[np.ndarray, np.ndarray]:
+        """(held-out rows, guard rows) of ``batch``, ascending; the rest trains."""
+        held: list[int] = []
+        guard: list[int] = []
+        if self.period == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts, lengths = batch.starts, batch.lengths
+        for i, sensor_id in enumerate(batch.sensor_ids.tolist()):
+            values = batch.values[int(starts[i]) : int(starts[i]) + int(lengths[i])]
+            state = self._sensors.get(sensor_id)
+            if state is None:
+                state = _SensorBlocks(0, self._phase(sensor_id), self.block_events)
+                self._sensors[sensor_id] = state
+                if len(self._sensors) > self.MAX_SENSORS:
+                    self._sensors.popitem(last=False)
+            else:
+                self._sensors.move_to_end(sensor_id)
+                state.guard = _overlapping_neighbours(state.last, values)
+                if 2 * state.guard > state.block:  # blocks grow once, when the overlap is first seen
+                    state.block, state.count = 2 * state.guard, 0
+            block, at = divmod(state.count, state.block)
+            if self._held(state, block):
+                held.append(i)
+            elif (self._held(state, block + 1) and at >= state.block - state.guard) or (
+                self._held(state, block - 1) and at < state.guard
+            ):
+                guard.append(i)
+            state.count += 1
+            state.last = np.array(values)
+        return np.array(held, dtype=np.int64), np.array(guard, dtype=np.int64)
+
+    def redundancy_sums(self) -> np.ndarray:
+        """[sum over sensors of the events each reading is in, sensors]: overlapping events
+        repeat readings, and a fit on them has less evidence than its rows suggest."""
+        return np.array([float(sum(v.guard + 1 for v in self._sensors.values())), float(len(self._sensors))])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "sensors": [str(k) for k in self._sensors],
+            "counts": np.array([v.count for v in self._sensors.values()], dtype=np.int64),
+            "phases": np.array([v.phase for v in self._sensors.values()], dtype=np.int64),
+            "guards": np.array([v.guard for v in self._sensors.values()], dtype=np.int64),
+            "blocks": np.array([v.block for v in self._sensors.values()], dtype=np.int64),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._sensors.clear()
+        for name, count, phase, guard, block in zip(
+            state["sensors"], np.asarray(state["counts"]).tolist(), np.asarray(state["phases"]).tolist(),
+            np.asarray(state["guards"]).tolist(), np.asarray(state["blocks"]).tolist(), strict=True,
+        ):  # fmt: skip
+            self._sensors[str(name)] = _SensorBlocks(
+                int(count), int(phase) % max(self.period, 1), int(block), int(guard)
+            )
+
+
+def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
+    """How many later events share readings with one, if each starts where ``current`` starts
+    within ``previous`` (a sliding window of stride s shares readings with ceil(L / s) - 1 others)."""
+    if previous is None or len(previous) == 0 or len(current) == 0:
+        return 0
+    candidates = np.flatnonzero((previous == current[0]).all(axis=-1))
+    for start in candidates.tolist():
+        shared = min(len(previous) - start, len(current))
+        if start > 0 and np.array_equal(previous[start : start + shared], current[:shared]):
+            return -(-len(current) // start) - 1
+    return 0
+
+
+class HoldoutBuffer:
+    """The most recent held-out events (readings and labels), never trained on."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.values: deque[np.ndarray] = deque(maxlen=capacity)
+        self.labels: deque[int] = deque(maxlen=capacity)
+        self.version = 0  # bumps when the content changes
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def add(self, batch: EventBatch, rows: np.ndarray) -> None:
+        starts = batch.starts
+        for i in rows.tolist():
+            start = int(starts[i])
+            self.values.append(np.array(batch.values[start : start + int(batch.lengths[i])], dtype=np.float32))
+            self.labels.append(int(batch.labels[i]))
+        if rows.size:
+            self.version += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        lengths = np.array([len(v) for v in self.values], dtype=np.int64)
+        channels = self.values[0].shape[1] if self.values else 0
+        flat = np.concatenate(list(self.values)) if self.values else np.zeros((0, channels), np.float32)
+        return {"lengths": lengths, "values": flat, "labels": np.array(list(self.labels), dtype=np.int64)}
+
+    def load_state_dict(self, state: dict[str, Any], channels: int) -> None:
+        lengths = np.asarray(state["lengths"], dtype=np.int64)
+        flat = np.asarray(state["values"], dtype=np.float32).reshape(-1, channels)
+        if int(lengths.sum()) != flat.shape[0]:
+            raise ValueError("holdout state is inconsistent: lengths do not sum to the stored values")
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        self.values.clear()
+        self.labels.clear()
+        for i, label in enumerate(np.asarray(state["labels"], dtype=np.int64).tolist()):
+            self.values.append(flat[bounds[i] : bounds[i + 1]].copy())
+            self.labels.append(int(label))
+        self.version += 1

@@ -1,0 +1,254 @@
+"""The publish gate and the forecaster that serves, both judged on the holdout.
+
+A candidate network is published only if its MSE on the holdout is at most
+``(1 + PUBLISH_GATE_TOLERANCE)`` times the reference network's (the best that passed), and
+it serves with whichever of the last value, the linear forecaster, the network and their
+blend forecasts the holdout best. Every model is scored in the candidate's normalized
+units, so the errors compare on one scale. Scaled out, every sum goes through one
+``combined`` function, in the same order on every rank, so all ranks choose alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamtrain.data.collate import collate
+from streamtrain.model.forecasters import (
+    LAST_VALUE,
+    NETWORK,
+    Forecaster,
+    LagSums,
+    LinearChoice,
+    ServedModel,
+    best_blend,
+    choose_linear,
+)
+from streamtrain.model.inference import plan_predict_batches
+from streamtrain.model.network import SensorModel
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.quality.config import QualityConfig
+from streamtrain.quality.scoring import Scorable, forward_in_data_units
+
+_BLEND_MARGIN = 0.01  # a blend (its weight fitted on the holdout) serves only when 1% better than both parts
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    publish: bool
+    reason: str
+    holdout_events: int
+    candidate_mse: float | None = None
+    serving_mse: float | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a publication serves: the network gate's verdict and the forecaster chosen.
+
+    ``network`` is the candidate when it passed the gate, else None (nothing new serves).
+    ``mse`` holds each model's held-out error per step in the candidate's units.
+    """
+
+    decision: GateDecision
+    forecaster: Forecaster
+    network: Scorable | None
+    reason: str
+    holdout_events: int = 0
+    mse: dict[str, float | None] = field(default_factory=dict)
+    new_reference: bool = False
+    linear: dict[str, Any] | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "kind": self.forecaster.kind,
+            "reason": self.reason,
+            "holdout_events": self.holdout_events,
+            "holdout_mse": dict(self.mse),
+            "linear": self.linear,
+        }
+
+
+@dataclass(frozen=True)
+class _Served:
+    """A candidate's network and norm with another forecaster: a Scorable for the baselines."""
+
+    published: Scorable
+    forecaster: Forecaster
+
+    @property
+    def model(self) -> SensorModel:
+        return self.published.model
+
+    @property
+    def norm(self) -> RunningNorm:
+        return self.published.norm
+
+    @property
+    def version(self) -> int:
+        return self.published.version
+
+    @property
+    def served(self) -> torch.nn.Module:
+        return ServedModel(self.published.model, self.forecaster)
+
+
+class ForecasterSelector:
+    """Judges a candidate on the holdout: the network gate, then the forecaster that serves.
+
+    ``combined`` adds a float64 vector over the ranks (the identity in one process);
+    ``redundancy_sums`` gives the splitter's [sum over sensors of the events each reading
+    is in, sensors]: overlapping events repeat readings, and the linear fit on them has
+    less evidence than its rows suggest.
+    """
+
+    def __init__(
+        self,
+        config: QualityConfig,
+        combined: Callable[[np.ndarray], np.ndarray],
+        redundancy_sums: Callable[[], np.ndarray],
+    ) -> None:
+        self.config = config
+        self._combined = combined
+        self._redundancy_sums = redundancy_sums
+
+    def select(
+        self,
+        candidate: Scorable,
+        reference: Scorable | None,
+        training_values: Callable[[], Sequence[np.ndarray]],
+        values: list[np.ndarray],
+    ) -> Selection:
+        """The network gate, then the forecaster that serves: the least held-out error of the
+        last value, the linear forecaster, the network and the best blend of the last two.
+
+        ``values`` are this rank's held-out events. ``reference`` is the network the
+        candidate must not fall behind: the best one that passed the gate so far (or the
+        serving one), re-scored on today's holdout, so a run of candidates each a little
+        worse than the last cannot ratchet the quality down. With a held-back candidate
+        nothing new serves. ``training_values`` gives the readings the linear forecaster is
+        fitted on (a sample of the window).
+        """
+        cfg = self.config
+        units = candidate.norm  # every model is scored in the same units
+        n = int(round(self._combined(np.array([float(len(values))]))[0]))
+        if n < cfg.holdout_min_events:
+            # The network cannot be judged yet; the linear forecaster can, by generalized
+            # cross-validation on the window, against the last value (its all-zero choice).
+            linear = self._fit_linear(candidate, [], training_values)
+            forecaster, kind = LAST_VALUE, "the last value"
+            if linear is not None and not linear.is_last_value:
+                forecaster, kind = Forecaster("linear", linear.coefficients), "the linear forecaster (chosen by GCV)"
+            reason = f"holdout has {n} of the {cfg.holdout_min_events} events the gate needs: {kind} serves"
+            return Selection(
+                GateDecision(True, reason, n), forecaster, candidate, reason, n, new_reference=reference is None,
+                linear=None if linear is None else linear.report(),
+            )  # fmt: skip
+        linear = self._fit_linear(candidate, values, training_values)
+        linear_forecaster = None if linear is None else Forecaster("linear", linear.coefficients)
+        # One scoring pass: the networks against each other, the baselines beside them.
+        models: list[Scorable | None] = [
+            candidate,
+            None if reference is None else _Served(reference, NETWORK),
+            _Served(candidate, LAST_VALUE),
+            None if linear_forecaster is None else _Served(candidate, linear_forecaster),
+        ]
+        steps, gram = self._error_gram(values, models, units)
+        if steps == 0:
+            reason = "holdout events have no steps to forecast"
+            return Selection(
+                GateDecision(True, reason, n), NETWORK, candidate, reason, n, new_reference=reference is None
+            )
+        sse = np.diagonal(gram)
+        mse: dict[str, float | None] = {"candidate": sse[0] / steps, "last_value": sse[2] / steps}
+        mse["reference"] = None if reference is None else sse[1] / steps
+        if linear is not None:
+            mse["linear"] = sse[3] / steps
+        candidate_mse, reference_mse = mse["candidate"], mse["reference"]
+        tolerance = cfg.publish_gate_tolerance
+        assert candidate_mse is not None
+        if not math.isfinite(candidate_mse):
+            decision = GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, reference_mse)
+        elif reference_mse is None or candidate_mse <= reference_mse * (1.0 + tolerance):
+            decision = GateDecision(True, "not worse than the reference network", n, candidate_mse, reference_mse)
+        else:
+            reason = f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x reference {reference_mse:.4g}"
+            decision = GateDecision(False, reason, n, candidate_mse, reference_mse)
+        if not decision.publish:
+            return Selection(decision, NETWORK, None, decision.reason, n, mse)
+        new_reference = reference_mse is None or candidate_mse <= reference_mse
+        options: list[tuple[str, float, Forecaster]] = [("last_value", sse[2] / steps, LAST_VALUE)]
+        if linear is not None and linear_forecaster is not None:
+            options.append(("linear", sse[3] / steps, linear_forecaster))
+        options.append(("network", candidate_mse, NETWORK))
+        if linear is not None:
+            weight, blend_sse = best_blend(gram[0, 0], gram[3, 3], gram[0, 3])
+            mse["blend"] = blend_sse / steps
+            if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[0, 0], gram[3, 3]):
+                options.append(("blend", blend_sse / steps, Forecaster("blend", linear.coefficients, weight)))
+        finite = [option for option in options if math.isfinite(option[1])]
+        kind, _, forecaster = min(finite, key=lambda option: option[1])  # ties: the simpler (listed first)
+        shown = ", ".join(f"{k} {v:.4g}" for k, v, _ in options)
+        return Selection(
+            decision, forecaster, candidate, f"{kind} forecasts the holdout best ({shown})", n, mse,
+            new_reference=new_reference, linear=None if linear is None else linear.report(),
+        )  # fmt: skip
+
+    def _fit_linear(
+        self, candidate: Scorable, holdout: list[np.ndarray], training_values: Callable[[], Sequence[np.ndarray]]
+    ) -> LinearChoice | None:
+        """The linear forecaster in the candidate's units: fitted on the window, order and penalty by the holdout."""
+        max_order = max(1, min(self.config.linear_max_order, candidate.model.max_len))
+        channels, units = candidate.model.channels, candidate.norm
+        sums = []
+        mean, std = units.mean.numpy(), units.std.numpy()
+        for values in (training_values(), holdout):
+            local = LagSums.of(values, max_order, channels, mean, std)
+            sums.append(LagSums.from_array(self._combined(local.as_array()), channels, max_order))
+        readings, sensors = self._combined(self._redundancy_sums())
+        return choose_linear(sums[0], sums[1], max_order, redundancy=readings / sensors if sensors else 1.0)
+
+    def _error_gram(
+        self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm
+    ) -> tuple[float, np.ndarray]:
+        """(steps, G) over the holdout of every rank: ``G[i, j]`` sums, over one-step targets,
+        the channel mean of model i's error times model j's (so ``G[i, i]`` is model i's summed
+        squared error, and any blend's follows from G). A model that is None is absent on every rank."""
+        k = len(models)
+        local = np.zeros(1 + k * k)
+        budget = self.config.token_budget
+        present = [i for i, model in enumerate(models) if model is not None]
+        if values and present:
+            unit_std = units.std.float()
+            lengths = np.array([len(v) for v in values], dtype=np.int64)
+            gram = np.zeros((k, k))
+            steps = 0.0
+            with torch.inference_mode():
+                for group in plan_predict_batches(lengths, budget):
+                    batch = collate([values[i] for i in group])
+                    mask, data = batch.mask, batch.values
+                    valid = (mask[:, :-1] & mask[:, 1:]).double()[..., None]
+                    errors = torch.zeros(k, *data[:, 1:].shape, dtype=torch.float64)
+                    for i in present:
+                        model = models[i]
+                        assert model is not None
+                        module = model.served
+                        was_training = module.training
+                        module.eval()
+                        try:
+                            _, forecast = forward_in_data_units(module, model.norm, data, mask)
+                        finally:
+                            module.train(was_training)
+                        errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double() * valid
+                    flat = errors.reshape(k, -1)
+                    gram += (flat @ flat.T).numpy() / data.shape[-1]
+                    steps += float(valid.sum())
+            local[0] = steps
+            local[1:] = gram.ravel()
+        total = self._combined(local)
+        return float(total[0]), total[1:].reshape(k, k)

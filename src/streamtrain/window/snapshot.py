@@ -1,0 +1,116 @@
+"""An immutable view of the window, one per training pass.
+
+Under the window's lock a snapshot copies the small per-item columns and takes references
+to the reading chunks (never written after insert); a pass's subset then gathers only its
+own items' readings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from streamtrain.window.storage import gather_tokens, token_positions
+
+
+@dataclass(frozen=True)
+class WindowSnapshot:
+    """A consistent, immutable view of the window for readers (one training pass).
+
+    ``flat_values`` holds the readings: one float32 array ``[T, C]``, or a tuple of such
+    arrays (the window's reading chunks, shared, not copied) that behave as their
+    concatenation. Item ``i`` is ``flat[starts[i] : starts[i] + lengths[i]]`` of that
+    concatenation. ``values`` gives the same as a list of views, built on first use.
+    """
+
+    flat_values: np.ndarray | tuple[np.ndarray, ...]
+    starts: np.ndarray
+    lengths: np.ndarray
+    ts: np.ndarray
+    labels: np.ndarray
+    keys: np.ndarray
+    sensor_ids: np.ndarray
+    partitions: np.ndarray
+    offsets: np.ndarray
+    next_offsets: dict[int, int] = field(default_factory=dict)
+    version: int = 0
+    taken_at: float = 0.0
+    seq: np.ndarray | None = None  # int64 [n]: arrival order (number of events accepted before it)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @cached_property
+    def _readings(self) -> tuple[np.ndarray, np.ndarray]:
+        """(one array of readings, item starts in it); over chunks, only live readings are gathered."""
+        if isinstance(self.flat_values, np.ndarray):
+            return self.flat_values, self.starts
+        flat, lengths = self._gather_from_chunks(self.starts, self.lengths)
+        starts = np.zeros(lengths.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        return flat, starts
+
+    def subset(self, index: np.ndarray) -> WindowSnapshot:
+        """The items ``index`` as a snapshot of their own.
+
+        Over one array, readings are shared, not copied. Over the window's chunks, only
+        the chosen items' readings are gathered (a small pass never copies the window).
+        """
+        index = np.asarray(index)
+        if isinstance(self.flat_values, np.ndarray) or "_readings" in self.__dict__:
+            flat, all_starts = self._readings
+            starts = all_starts[index]
+        else:
+            flat, lengths = self._gather_from_chunks(self.starts[index], self.lengths[index])
+            starts = np.zeros(lengths.shape[0], dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
+        return WindowSnapshot(
+            flat_values=flat,
+            starts=starts,
+            lengths=self.lengths[index],
+            ts=self.ts[index],
+            labels=self.labels[index],
+            keys=self.keys[index],
+            sensor_ids=self.sensor_ids[index],
+            partitions=self.partitions[index],
+            offsets=self.offsets[index],
+            next_offsets=self.next_offsets,
+            version=self.version,
+            taken_at=self.taken_at,
+            seq=None if self.seq is None else self.seq[index],
+        )
+
+    def _gather_from_chunks(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Readings of items ``(starts, lengths)`` back to back, one gather per chunk."""
+        chunks = self.flat_values
+        assert isinstance(chunks, tuple)
+        sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
+        bases = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=bases[1:])
+        chunk_of = np.searchsorted(bases, starts, side="right") - 1
+        channels = chunks[0].shape[1] if chunks else 1
+        out = np.empty((int(lengths.sum()), channels), dtype=np.float32)
+        out_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=out_starts[1:])
+        for chunk in np.unique(chunk_of).tolist():
+            rows = np.flatnonzero(chunk_of == chunk)
+            local = gather_tokens(chunks[chunk], starts[rows] - bases[chunk], lengths[rows])
+            out[token_positions(out_starts[rows], lengths[rows])] = local
+        return out, lengths
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @cached_property
+    def values(self) -> list[np.ndarray]:
+        flat, starts = self._readings
+        return [flat[a:b] for a, b in zip(starts.tolist(), (starts + self.lengths).tolist())]
+
+    def gather_values(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Readings of items ``index`` back to back, and their lengths (vectorized)."""
+        flat, starts = self._readings
+        lengths = self.lengths[index]
+        return gather_tokens(flat, starts[index], lengths), lengths

@@ -1,0 +1,76 @@
+"""How a window stores its items: the per-item columns, reading chunks off the malloc heap,
+and vectorized gathers of items' readings; the decay rate of its keys."""
+
+from __future__ import annotations
+
+import math
+import mmap
+from typing import Any
+
+import numpy as np
+
+_LN2 = math.log(2.0)
+
+
+def decay_rate(half_life_s: float) -> float:
+    """λ = ln 2 / half-life; 0 for an infinite half-life (uniform reservoir)."""
+    return 0.0 if math.isinf(half_life_s) else _LN2 / half_life_s
+
+
+# The per-item columns of a window and their dtypes: its storage, its state_dict (which
+# adds the items' readings as "values") and a checkpoint's partition sections hold these.
+ITEM_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("keys", np.float64),
+    ("ts", np.float64),
+    ("labels", np.int64),
+    ("lengths", np.int64),
+    ("partitions", np.int32),
+    ("offsets", np.int64),
+    ("seq", np.int64),
+    ("sensor_ids", object),
+)
+
+
+def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + length)`` for every item, without a Python loop.
+
+    A running sum of steps: +1 inside an item, a jump to the next item's start at its
+    first token (about 2 ns a token, half of ``repeat`` + ``arange``).
+    """
+    nonempty = lengths > 0
+    starts, lengths = starts[nonempty], lengths[nonempty]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    steps = np.ones(total, dtype=np.int64)
+    first = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=first[1:])
+    steps[0] = starts[0]
+    steps[first[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
+
+
+def gather_tokens(
+    flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Readings of items ``(starts, lengths)`` of ``flat`` back to back (into ``out`` if given)."""
+    return np.take(flat, token_positions(starts, lengths), axis=0, out=out)
+
+
+# Chunks this large (~340 events of median length 48 in one channel) get an anonymous
+# mapping of their own; for smaller ones the page rounding would waste more and the
+# mappings would count against vm.max_map_count.
+OFF_HEAP_MIN_BYTES = 64 * 1024
+
+
+def chunk_array(tokens: int, channels: int) -> np.ndarray:
+    """Storage for a chunk of readings, off the malloc heap when it is large.
+
+    Window chunks live for minutes; on the heap each would sit between blocks that live
+    for milliseconds (poll batches, training tensors) and keep their free space from going
+    back to the OS. In their own mapping their pages are returned when they die.
+    """
+    nbytes = tokens * channels * 4
+    if nbytes < OFF_HEAP_MIN_BYTES:
+        return np.empty((tokens, channels), dtype=np.float32)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.float32).reshape(tokens, channels)

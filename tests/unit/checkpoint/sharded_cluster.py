@@ -1,0 +1,205 @@
+"""A Kafka topic in memory and a cluster of ranks, one window each, for the sharded checkpoint tests.
+
+Ranks are simulated in one process (one window per rank, the shards written one after
+another, the manifest last); the collective path with real processes is in
+tests/unit/distributed/test_distributed_processes.py.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from streamtrain.checkpoint.collective import DistributedCheckpointer, SaveResult
+from streamtrain.checkpoint.manifest import read_manifest, write_manifest
+from streamtrain.checkpoint.rescale import RestoredShare, restore_share
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
+from streamtrain.checkpoint.shards import write_common, write_shard
+from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.distributed.collectives import Collectives
+from streamtrain.distributed.launch import DistContext, capacity_share
+from streamtrain.distributed.ownership import Ownership
+from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.window.reservoir import RecencyWindow
+
+TOPIC = "sensor-events"
+
+
+LN2 = math.log(2.0)
+
+
+class Topic:
+    """A Kafka topic in memory: events per partition, offsets from 0."""
+
+    def __init__(self, partitions: int, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.events: list[list[SensorEvent]] = [[] for _ in range(partitions)]
+        self.clock = 1.7e9
+
+    @property
+    def partition_count(self) -> int:
+        return len(self.events)
+
+    def grow(self, partitions: int) -> None:
+        self.events += [[] for _ in range(partitions - len(self.events))]
+
+    def produce(self, count: int) -> None:
+        for _ in range(count):
+            p = int(self.rng.integers(0, len(self.events)))
+            length = int(self.rng.integers(1, 12))
+            self.clock += float(self.rng.exponential(2.0))
+            values = self.rng.normal(size=(length, 1)).astype(np.float32)
+            self.events[p].append(
+                SensorEvent(f"s{p}-{len(self.events[p])}", self.clock, values, int(self.rng.integers(-1, 3)))
+            )
+
+    def sent(self) -> set[tuple[int, int]]:
+        return {(p, o) for p, events in enumerate(self.events) for o in range(len(events))}
+
+
+class Cluster:
+    """``world_size`` ranks, each with its own window over the partitions it owns."""
+
+    def __init__(self, world_size: int, capacity: int, half_life_s: float, seed: int = 0) -> None:
+        self.world_size = world_size
+        self.capacity = capacity
+        self.windows = [
+            RecencyWindow(
+                capacity_share(capacity, rank, world_size), half_life_s, rng=np.random.default_rng(seed + rank)
+            )
+            for rank in range(world_size)
+        ]
+
+    def consume(self, topic: Topic) -> None:
+        """Every rank reads its partitions from its next offsets to the end (as ingest will)."""
+        ownership = Ownership(self.world_size, topic.partition_count)
+        for rank, window in enumerate(self.windows):
+            offsets = window.next_offsets
+            for p in ownership.partitions_of(rank):
+                start = offsets.get(p, 0)
+                events = topic.events[p][start:]
+                if events:
+                    batch = EventBatch.from_events(events, [p] * len(events), range(start, start + len(events)))
+                    window.insert_batch(batch, {p: start + len(events)})
+
+    def save(self, root: Path, step: int, partition_count: int, topic: str = TOPIC, **shard_extra: Any) -> Path:
+        """The collective save, one rank after another; the manifest last."""
+        ownership = Ownership(self.world_size, partition_count)
+        directory = ShardedCheckpointStore(root).create_directory(step, 1000 + step)
+        receipts = [
+            write_shard(
+                directory,
+                step=step,
+                rank=rank,
+                ownership=ownership,
+                topic=topic,
+                window_state=window.state_dict(),
+                **shard_extra,
+            )
+            for rank, window in enumerate(self.windows)
+        ]
+        common = write_common(directory, {"trainer": {"step": step, "weights": torch.arange(4.0)}}, step=step)
+        write_manifest(directory, step=step, topic=topic, ownership=ownership, common=common, shards=receipts)
+        return directory
+
+    @classmethod
+    def restore(
+        cls, directory: Path, world_size: int, capacity: int, half_life_s: float, partition_count: int
+    ) -> tuple[Cluster, list[RestoredShare]]:
+        cluster = cls(world_size, capacity, half_life_s, seed=99)
+        manifest = read_manifest(directory)
+        shares = []
+        for rank, window in enumerate(cluster.windows):
+            share = restore_share(
+                manifest, rank=rank, world_size=world_size, partition_count=partition_count, topic=TOPIC
+            )
+            window.load_state_dict(share.window_state)
+            shares.append(share)
+        return cluster, shares
+
+    def items(self) -> list[tuple[int, int]]:
+        out = []
+        for window in self.windows:
+            snap = window.snapshot()
+            out += list(zip(snap.partitions.tolist(), snap.offsets.tolist()))
+        return out
+
+    def next_offsets(self) -> dict[int, int]:
+        merged: dict[int, int] = {}
+        for window in self.windows:
+            for p, o in window.next_offsets.items():
+                assert p not in merged, f"partition {p} is in two windows"
+                merged[p] = o
+        return merged
+
+    def race_draws(self) -> dict[tuple[int, int], float]:
+        """``key − λ·(ts − L)`` per event: its ``−ln E``, which no restore may change."""
+        draws = {}
+        for window in self.windows:
+            snap, state = window.snapshot(), window.state_dict()
+            decay = 0.0 if math.isinf(window.half_life_s) else LN2 / window.half_life_s
+            reference = state["reference_ts"] or 0.0
+            for p, o, key, ts in zip(
+                snap.partitions.tolist(), snap.offsets.tolist(), snap.keys.tolist(), snap.ts.tolist()
+            ):
+                draws[(p, o)] = key - decay * (ts - reference)
+        return draws
+
+
+def assert_exact(cluster: Cluster, topic: Topic) -> None:
+    items = cluster.items()
+    assert len(items) == len(set(items)), "an event is held twice"
+    assert set(items) == topic.sent(), "an event was lost or invented"
+    assert cluster.next_offsets() == {p: len(e) for p, e in enumerate(topic.events) if e}
+
+
+def two_checkpoints(root: Path) -> tuple[Topic, Path, Path]:
+    topic = Topic(partitions=3, seed=7)
+    cluster = Cluster(2, 10_000, math.inf)
+    topic.produce(100)
+    cluster.consume(topic)
+    older = cluster.save(root, step=5, partition_count=3)
+    topic.produce(100)
+    cluster.consume(topic)
+    newer = cluster.save(root, step=9, partition_count=3)
+    return topic, older, newer
+
+
+def flip(path: Path, at: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def damage_section(d: Path) -> None:
+    flip(d / "shard-00001.stsh", 0.8)
+
+
+def damage_common(d: Path) -> None:
+    flip(d / "common.stck", 0.7)
+
+
+def one_rank_window(topic: Topic) -> RecencyWindow:
+    cluster = Cluster(1, 10_000, math.inf)
+    cluster.consume(topic)
+    return cluster.windows[0]
+
+
+def save_one_rank(checkpointer: DistributedCheckpointer, window: RecencyWindow, step: int) -> SaveResult:
+    return checkpointer.save(
+        step=step, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": step}}
+    )
+
+
+def mixed_directory(root: Path) -> tuple[Topic, RecencyWindow, CheckpointStore, DistributedCheckpointer]:
+    """One directory holding one-file checkpoints (one process) and sharded ones (scaled out)."""
+    topic = Topic(partitions=3, seed=5)
+    topic.produce(60)
+    window = one_rank_window(topic)
+    single_file = CheckpointStore(root)
+    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(root), Collectives(DistContext()), topic=TOPIC)
+    return topic, window, single_file, checkpointer

@@ -1,0 +1,61 @@
+"""Durable files: whole or nothing under the final name, private, and a directory fsync that tolerates only 'cannot'."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamtrain.checkpoint import files
+from streamtrain.checkpoint.files import file_sha256, fsync_directory, temp_path, write_atomically
+
+
+def test_a_write_is_whole_private_and_hashed_as_written(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    written = write_atomically(path, [b"abc", b"", b"def"], sha256=True)
+    assert path.read_bytes() == b"abcdef" and written.size == 6
+    assert written.sha256 == hashlib.sha256(b"abcdef").hexdigest() == file_sha256(path)[1]
+    assert written.stat.st_ino == path.stat().st_ino and path.stat().st_mode & 0o777 == 0o600
+    assert write_atomically(path, [b"x"]).sha256 is None  # hashing only when asked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob"]
+
+
+def test_a_failed_write_leaves_the_old_contents_and_no_temp_file(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    write_atomically(path, [b"old"])
+
+    def chunks() -> Any:
+        yield b"new, half"
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(path, chunks())
+    assert path.read_bytes() == b"old" and not temp_path(path).exists()
+
+
+def test_the_temp_name_carries_the_writers_pid(tmp_path: Path) -> None:
+    assert temp_path(tmp_path / "ckpt-1-2.stck").name == f".ckpt-1-2.stck.{os.getpid()}.tmp"
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOTSUP])
+def test_a_directory_that_cannot_be_synced_is_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    def cannot(fd: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(files.os, "fsync", cannot)
+    fsync_directory(tmp_path)
+
+
+def test_a_directory_sync_that_fails_is_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(files.os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        fsync_directory(tmp_path)

@@ -1,0 +1,350 @@
+"""The dead-letter outbox against a scripted producer: nothing lost, nothing retried forever."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka.errors import (
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    NotEnoughReplicasError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+)
+
+import streamtrain.ingest.dead_letters as dead_letters
+from streamtrain.config import load_settings
+from streamtrain.ingest.dead_letters import CONTRACT_HEADERS, STAND_IN_HEADERS, DeadLetterOutbox
+from streamtrain.metrics import Metrics
+
+Message = namedtuple("Message", "topic partition offset key value")
+SETTINGS = load_settings(topic="events", dlq_send_attempts=3, dlq_stand_in_bytes=16)
+
+
+class Done:
+    """A kafka-python future that is already resolved: callbacks run when added."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def add_callback(self, fn: Callable[..., Any]) -> Done:
+        if self.error is None:
+            fn(object())
+        return self
+
+    def add_errback(self, fn: Callable[..., Any]) -> Done:
+        if self.error is not None:
+            fn(self.error)
+        return self
+
+
+class ScriptedProducer:
+    """Answers each send with the next scripted outcome for that record (then success)."""
+
+    def __init__(self, script: Callable[[tuple[int, int], int], BaseException | None]) -> None:
+        self.script = script
+        self.attempts: dict[tuple[int, int], int] = {}
+        self.written: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def send(self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> Done:
+        meta = {k: v.decode() for k, v in headers}
+        identity = (int(meta["source_partition"]), int(meta["source_offset"]))
+        with self.lock:
+            attempt = self.attempts.get(identity, 0)
+            self.attempts[identity] = attempt + 1
+            outcome = self.script(identity, attempt)
+            if isinstance(outcome, KafkaTimeoutError):
+                raise outcome  # metadata never came: send() itself raises
+            if outcome is None:
+                self.written.append({"topic": topic, "key": key, "value": value, "headers": meta})
+        return Done(outcome)
+
+    def close(self, timeout: float | None = None) -> None:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dead_letters, "_BACKOFF_S", (0.001, 0.002, 0.005))
+
+
+def outbox_with(script: Callable[[tuple[int, int], int], BaseException | None], **kw: Any):
+    producer = ScriptedProducer(script)
+    repairs: list[int] = []
+    metrics = Metrics()
+    box = DeadLetterOutbox(
+        kw.pop("settings", SETTINGS), metrics, producer_factory=lambda size: producer,
+        repair_topic=lambda limit: repairs.append(limit) or True,
+    )  # fmt: skip
+    return box, producer, repairs, metrics
+
+
+def message(i: int, size: int = 40) -> Message:
+    return Message("events", i % 3, 100 + i, f"k{i}".encode(), bytes([i % 251]) * size)
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_a_dead_letter_goes_unchanged_with_the_four_headers() -> None:
+    box, producer, _, metrics = outbox_with(lambda identity, attempt: None)
+    box.start()
+    try:
+        box.submit(message(1), "schema")
+        assert box.wait_acknowledged(box.mark(), 5)
+    finally:
+        box.close(1)
+    [written] = producer.written
+    assert written["topic"] == "events.dlq" and written["key"] == b"k1" and written["value"] == message(1).value
+    assert written["headers"] == {
+        "reason": "schema",
+        "source_topic": "events",
+        "source_partition": "1",
+        "source_offset": "101",
+    }
+    assert sample(metrics, "streamtrain_dead_letters_written_total", form="raw") == 1
+    assert box.pending == 0 and sample(metrics, "streamtrain_dead_letters_pending") == 0
+
+
+def test_a_failed_send_is_kept_and_the_checkpoint_keeps_waiting_until_it_is_acknowledged() -> None:
+    """The lost-dead-letter bug: a failure must not be forgotten by the next flush."""
+    release = threading.Event()
+    box, producer, _, metrics = outbox_with(
+        lambda identity, attempt: None if release.is_set() else NotEnoughReplicasError(),
+        settings=load_settings(topic="events", dlq_send_attempts=1000),
+    )
+    box.start()
+    try:
+        box.submit(message(2), "decode")
+        mark = box.mark()
+        assert not box.wait_acknowledged(mark, 0.3)
+        assert sample(metrics, "streamtrain_dead_letters_failed_total") >= 1
+        assert not box.wait_acknowledged(mark, 0.3)  # still not: nothing was reset
+        assert box.pending == 1 and "not acknowledged" in box.describe() and "NotEnoughReplicas" in box.describe()
+        release.set()
+        assert box.wait_acknowledged(mark, 5)
+    finally:
+        box.close(1)
+    assert [w["value"] for w in producer.written] == [message(2).value]  # once, unchanged
+
+
+def test_a_record_the_dlq_refuses_goes_as_a_bounded_stand_in_at_once() -> None:
+    box, producer, _, metrics = outbox_with(
+        lambda identity, attempt: MessageSizeTooLargeError() if attempt == 0 else None
+    )
+    big = Message("events", 2, 7, b"K" * 40, bytes(range(256)) * 100)
+    box.start()
+    try:
+        box.submit(big, "too_large")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    [written] = producer.written
+    assert written["value"] == big.value[:16] and written["key"] == big.key[:16]
+    headers = written["headers"]
+    assert set(headers) == set(CONTRACT_HEADERS) | set(STAND_IN_HEADERS)
+    assert headers["reason"] == "too_large" and headers["source_partition"] == "2" and headers["source_offset"] == "7"
+    assert headers["original_size"] == str(len(big.value))
+    assert headers["original_sha256"] == hashlib.sha256(big.value).hexdigest()
+    assert headers["stand_in_cause"] == "too_large_for_dlq"
+    assert producer.attempts[(2, 7)] == 2  # one raw try, then the stand-in: never retried forever
+    assert sample(metrics, "streamtrain_dead_letters_written_total", form="stand_in") == 1
+
+
+def test_after_the_allowed_attempts_a_stand_in_goes_instead() -> None:
+    box, producer, _, _ = outbox_with(lambda identity, attempt: NotEnoughReplicasError() if attempt < 3 else None)
+    box.start()
+    try:
+        box.submit(message(3), "schema")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    [written] = producer.written
+    assert producer.attempts[(0, 103)] == 4 and written["headers"]["stand_in_cause"] == "send_attempts_exhausted"
+
+
+def test_a_stand_in_is_retried_until_acknowledged() -> None:
+    box, producer, _, _ = outbox_with(
+        lambda identity, attempt: TopicAuthorizationFailedError() if attempt < 6 else None
+    )
+    box.start()
+    try:
+        box.submit(message(4), "schema")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    [written] = producer.written
+    assert written["headers"]["stand_in_cause"] == "not_authorized" and producer.attempts[(1, 104)] == 7
+
+
+def test_a_missing_dlq_is_created_again_before_the_next_attempt() -> None:
+    box, producer, repairs, _ = outbox_with(
+        lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None
+    )
+    box.configure(16 << 20, 8 << 20)
+    box.start()
+    try:
+        box.submit(message(5), "decode")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    assert repairs == [16 << 20]  # with the event topic's size limit
+    assert [w["value"] for w in producer.written] == [message(5).value]
+
+
+def test_send_raising_at_once_is_a_failed_attempt_too() -> None:
+    box, producer, repairs, _ = outbox_with(lambda identity, attempt: KafkaTimeoutError() if attempt < 2 else None)
+    box.start()
+    try:
+        box.submit(message(6), "decode")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    assert repairs and [w["value"] for w in producer.written] == [message(6).value]
+
+
+def test_letters_after_the_mark_do_not_hold_up_a_checkpoint() -> None:
+    blocked = {(1, 107)}
+    box, producer, _, _ = outbox_with(
+        lambda identity, attempt: NotEnoughReplicasError() if identity in blocked else None,
+        settings=load_settings(topic="events", dlq_send_attempts=1000),
+    )
+    box.start()
+    try:
+        box.submit(message(6), "decode")
+        mark = box.mark()
+        box.submit(message(7), "decode")  # after the checkpoint's state: it may wait
+        assert box.wait_acknowledged(mark, 5)
+        assert not box.wait_acknowledged(None, 0.2)
+        blocked.clear()
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+
+
+def test_the_request_size_follows_the_fetch_limits() -> None:
+    sizes: list[int] = []
+    box = DeadLetterOutbox(
+        SETTINGS, Metrics(), producer_factory=lambda size: sizes.append(size) or ScriptedProducer(lambda i, a: None)
+    )
+    box.configure(16 << 20, 1 << 20)
+    box.configure(16 << 20, 1 << 20)  # every reconnect configures it again: the same size, the same producer
+    box.start()
+    try:
+        box.submit(message(8), "decode")
+        assert box.wait_acknowledged(None, 5)
+        box.configure(16 << 20, 1 << 20)
+        box.submit(message(9), "decode")
+        assert box.wait_acknowledged(None, 5)
+    finally:
+        box.close(1)
+    assert sizes == [(16 << 20) + 64 * 1024]
+
+
+OUTCOMES = st.sampled_from(["ok", "transient", "too_large", "missing", "timeout", "denied"])
+ERRORS: dict[str, Callable[[], BaseException | None]] = {
+    "ok": lambda: None,
+    "transient": NotEnoughReplicasError,
+    "too_large": MessageSizeTooLargeError,
+    "missing": UnknownTopicOrPartitionError,
+    "timeout": KafkaTimeoutError,
+    "denied": TopicAuthorizationFailedError,
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(0, 200), min_size=1, max_size=12),
+    scripts=st.lists(st.lists(OUTCOMES, max_size=6), min_size=12, max_size=12),
+)
+def test_every_dead_letter_arrives_exactly_once_whole_or_as_its_stand_in(
+    sizes: list[int], scripts: list[list[str]]
+) -> None:
+    messages = [
+        Message("events", i % 2, 10 + i, None if i % 5 == 4 else f"k{i}".encode(), bytes([i]) * n)
+        for i, n in enumerate(sizes)
+    ]
+
+    def script(identity: tuple[int, int], attempt: int) -> BaseException | None:
+        plan = scripts[identity[1] - 10]
+        return ERRORS[plan[attempt]]() if attempt < len(plan) else None
+
+    box, producer, _, metrics = outbox_with(script)
+    box.start()
+    try:
+        for m in messages:
+            box.submit(m, "schema")
+        assert box.wait_acknowledged(None, 20)
+    finally:
+        box.close(1)
+    by_identity: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for w in producer.written:
+        by_identity.setdefault((int(w["headers"]["source_partition"]), int(w["headers"]["source_offset"])), []).append(
+            w
+        )
+    assert sorted(by_identity) == sorted((m.partition, m.offset) for m in messages)
+    for m in messages:
+        [w] = by_identity[(m.partition, m.offset)]
+        if "stand_in_cause" in w["headers"]:
+            assert w["value"] == m.value[:16] and len(w["value"]) <= 16
+            assert w["headers"]["original_sha256"] == hashlib.sha256(m.value).hexdigest()
+            assert w["headers"]["original_size"] == str(len(m.value))
+        else:
+            assert w["value"] == m.value and w["key"] == m.key
+    written = sum(sample(metrics, "streamtrain_dead_letters_written_total", form=f) for f in ("raw", "stand_in"))
+    assert written == len(messages) and box.pending == 0
+
+
+def test_a_checkpoint_is_neither_written_nor_committed_past_an_unacknowledged_dead_letter(tmp_path: Any) -> None:
+    """Service level: the old flush forgot a failure, so the next checkpoint (and commit) passed it."""
+    from streamtrain.runtime.service import Service
+
+    settings = load_settings(
+        kafka_bootstrap="127.0.0.1:9",
+        topic="events",
+        checkpoint_dir=tmp_path / "ckpt",
+        d_model=16,
+        n_heads=2,
+        n_layers=1,
+        token_budget=512,
+        max_len=32,
+    )
+    service = Service(settings)
+    deliver = threading.Event()
+    clock = [0.0]
+    box, producer, _, _ = outbox_with(lambda identity, attempt: None if deliver.is_set() else NotEnoughReplicasError(),
+                                      settings=load_settings(topic="events", dlq_send_attempts=1000))  # fmt: skip
+    box._clock = lambda: clock[0]
+    service.ingest.dead_letters = box
+    flush = service.ingest.flush_dead_letters
+    service.ingest.flush_dead_letters = lambda timeout_s=10.0, upto=None: flush(0.3, upto)  # type: ignore[method-assign]
+    commits: list[dict[int, int]] = []
+    service.ingest.request_commit = lambda offsets, timeout_s=10.0: commits.append(dict(offsets)) or True  # type: ignore[method-assign]
+    box.start()
+    try:
+        box.submit(message(9), "schema")
+        service.window.advance_offsets({0: 110})  # the window state covers the rejected message's offset
+        for _ in range(2):  # and the second attempt must fail as the first did
+            assert service.checkpoint() is None
+            assert "not acknowledged" in (service.checkpoint_error or "")
+        assert not list((tmp_path / "ckpt").glob("*.stck")) and commits == []
+        clock[0] = 31.0
+        _, reasons = service.readiness()
+        assert any(r.startswith("dead_letters_pending: 1 dead letters not acknowledged") for r in reasons), reasons
+        deliver.set()
+        assert box.wait_acknowledged(None, 5)
+        assert service.checkpoint() is not None and commits == [{0: 110}]
+        assert service.checkpoint_error is None
+    finally:
+        box.close(1)
+    assert [w["value"] for w in producer.written] == [message(9).value]

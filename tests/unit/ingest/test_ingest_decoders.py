@@ -1,0 +1,59 @@
+"""The decode worker: same answers as in-thread decoding, and a broken worker loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import orjson
+
+from streamtrain.events import EventLimits, decode_batch
+from streamtrain.ingest.decoders import Decoder
+
+LIMITS = EventLimits(max_len=16)
+NOW = time.time()
+RAWS = [orjson.dumps({"sensor_id": f"s{i}", "ts": NOW, "values": [float(i)] * (1 + i % 5)}) for i in range(50)] + [
+    b"bad"
+]
+ARGS = (RAWS, LIMITS, NOW, [0] * len(RAWS), list(range(len(RAWS))))
+
+
+def same(a, b) -> bool:
+    return (
+        np.array_equal(a.events.values, b.events.values)
+        and np.array_equal(a.events.offsets, b.events.offsets)
+        and a.rejections == b.rejections
+    )
+
+
+def test_worker_process_decodes_like_the_ingest_thread() -> None:
+    decoder = Decoder(1)
+    try:
+        future = decoder.submit(*ARGS)
+        assert future is not None
+        assert same(decoder.result(future, ARGS), decode_batch(*ARGS))
+    finally:
+        decoder.close()
+
+
+def test_no_workers_decodes_in_thread() -> None:
+    decoder = Decoder(0)
+    assert decoder.submit(*ARGS) is None
+    assert same(decoder.result(None, ARGS), decode_batch(*ARGS))
+
+
+def test_a_killed_worker_falls_back_without_losing_the_batch() -> None:
+    decoder = Decoder(1)
+    try:
+        decoder.result(decoder.submit(*ARGS), ARGS)  # start the worker
+        for pid in list(decoder._pool._processes):  # noqa: SLF001 - the test kills the worker on purpose
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        future = decoder.submit(*ARGS)
+        assert same(decoder.result(future, ARGS), decode_batch(*ARGS))
+        # and the next batch gets a fresh worker
+        assert same(decoder.result(decoder.submit(*ARGS), ARGS), decode_batch(*ARGS))
+    finally:
+        decoder.close()

@@ -1,0 +1,245 @@
+"""The network: shapes, causality, padding and company invariance, level-shift equivariance, learning.
+
+Every model-level invariant is a small ``assert_*`` check run on a model whose random body
+and random head both reach the forecast (an untrained SensorModel's zero head would make
+its forecast the last reading whatever the body does), and run again on a copy broken
+against it (:mod:`broken_models`), which must fail it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from broken_models import mixes_batch, non_causal, pools_over_padding, reads_padding
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from model_fixtures import pad_batch, ragged, small_model, untrained_model
+
+from streamtrain.data.collate import collate
+from streamtrain.model.inference import predict
+from streamtrain.model.losses import forecast_loss, naive_last_value_loss
+from streamtrain.model.network import SensorModel
+from streamtrain.model.normalization import RunningNorm
+
+torch.set_num_threads(1)
+
+
+def test_shapes_and_logits() -> None:
+    model = small_model()
+    x = torch.randn(5, 12, 2)
+    mask = torch.ones(5, 12, dtype=torch.bool)
+    out = model(x, mask)
+    assert out.forecast.shape == (5, 12, 2)
+    assert out.logits is not None and out.logits.shape == (5, 3)
+    assert small_model(n_classes=0)(x, mask).logits is None
+
+
+def test_rejects_wrong_channels_and_too_long() -> None:
+    model = small_model()
+    with pytest.raises(ValueError, match="expected x_norm"):
+        model(torch.randn(2, 5, 3), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.randn(1, 65, 2), torch.ones(1, 65, dtype=torch.bool))
+
+
+def assert_padding_values_ignored(model: SensorModel) -> None:
+    """Garbage (huge, NaN) in the padding changes no output, and pad forecasts are zero."""
+    x = torch.randn(3, 10, model.channels, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, 4:] = False
+    mask[1, 1:] = False
+    garbage = x.clone()
+    garbage[~mask] = torch.tensor([1e30, float("nan")])
+    with torch.no_grad():
+        a, b = model(x, mask), model(garbage, mask)
+    assert torch.isfinite(b.forecast).all() and torch.isfinite(b.logits).all()
+    torch.testing.assert_close(a.forecast, b.forecast)
+    torch.testing.assert_close(a.logits, b.logits)
+    assert (b.forecast[~mask] == 0).all()
+
+
+def test_padding_values_do_not_matter_and_pad_outputs_are_zero() -> None:
+    assert_padding_values_ignored(small_model())
+
+
+def test_fully_masked_row_gives_no_nan() -> None:
+    model = small_model()
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[1, :3] = True
+    out = model(torch.randn(2, 6, 2), mask)
+    assert torch.isfinite(out.forecast).all() and torch.isfinite(out.logits).all()
+
+
+def assert_causal(model: SensorModel) -> None:
+    """Changing the readings from position ``cut`` on changes no forecast before ``cut``."""
+    x = torch.randn(3, 10, model.channels, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    with torch.no_grad():
+        reference = model(x, mask).forecast
+        for cut in (1, 6, 9):
+            changed = x.clone()
+            changed[:, cut:] += 5.0
+            torch.testing.assert_close(model(changed, mask).forecast[:, :cut], reference[:, :cut])
+
+
+def test_causal_future_does_not_change_past() -> None:
+    assert_causal(small_model())
+
+
+def assert_alone_equals_padded_in_company(model: SensorModel) -> None:
+    """Each instance's forecasts and logits are the same alone as padded in a batch of others."""
+    rng = np.random.default_rng(1)
+    items = ragged(rng, 7, model.channels)
+    values, mask = pad_batch(items)
+    with torch.no_grad():
+        together = model(values, mask)
+        for i, item in enumerate(items):
+            alone = model(torch.from_numpy(item)[None], torch.ones(1, len(item), dtype=torch.bool))
+            torch.testing.assert_close(together.forecast[i, : len(item)], alone.forecast[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(together.logits[i], alone.logits[0], atol=1e-5, rtol=0)
+
+
+def test_alone_equals_padded_in_company() -> None:
+    assert_alone_equals_padded_in_company(small_model())
+
+
+# ------------------------------------------------------------------ the checks catch what they guard
+
+
+def test_the_models_under_test_compute_something() -> None:
+    """The invariants mean nothing on a model whose forecast is the last reading: the one they run
+    on forecasts something else, while the zero head hides a broken body completely."""
+    x, mask = pad_batch(ragged(np.random.default_rng(8), 5, 2))
+    with torch.no_grad():
+        assert (small_model()(x, mask).forecast - x * mask[..., None]).abs().max() > 0.5
+        untrained = untrained_model()
+        torch.testing.assert_close(non_causal(untrained)(x, mask).forecast, untrained(x, mask).forecast, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("check", "breaks"),
+    [
+        pytest.param(assert_causal, non_causal, id="causality-non-causal mask"),
+        pytest.param(assert_padding_values_ignored, reads_padding, id="padding values-mask ignored"),
+        pytest.param(assert_alone_equals_padded_in_company, pools_over_padding, id="padding-pooled over padding"),
+        pytest.param(assert_alone_equals_padded_in_company, mixes_batch, id="company-mixes the batch"),
+    ],
+)
+def test_each_invariant_check_fails_on_the_model_broken_against_it(
+    check: Callable[[SensorModel], None], breaks: Callable[[SensorModel], SensorModel]
+) -> None:
+    model = small_model()
+    check(model)
+    with pytest.raises(AssertionError):
+        check(breaks(model))
+
+
+# ------------------------------------------------------------------ learning
+
+
+def ar1_batch(rng: np.random.Generator, batch: int, phi: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
+    items = []
+    for _ in range(batch):
+        length = int(rng.integers(8, 33))
+        x = np.empty(length)
+        x[0] = rng.normal()
+        noise = rng.normal(size=length) * np.sqrt(1 - phi**2)
+        for t in range(1, length):
+            x[t] = phi * x[t - 1] + noise[t]
+        items.append(x[:, None].astype(np.float32))
+    return pad_batch(items)
+
+
+def test_tiny_training_beats_last_value_baseline() -> None:
+    rng = np.random.default_rng(5)
+    torch.manual_seed(5)
+    model = SensorModel(1, d_model=32, n_heads=4, n_layers=1, max_len=64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        x, mask = ar1_batch(rng, 32)
+        loss = forecast_loss(model(x, mask), x, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    x, mask = ar1_batch(np.random.default_rng(99), 256)
+    with torch.no_grad():
+        trained = forecast_loss(model(x, mask), x, mask).item()
+    naive = naive_last_value_loss(x, mask).item()
+    # AR(1) with phi = 0.6: naive ≈ 2(1 - phi) = 0.8, best possible ≈ 1 - phi² = 0.64.
+    assert trained < 0.9 * naive, (trained, naive)
+
+
+# ------------------------------------------------------------------ level shifts
+
+
+@settings(max_examples=30, deadline=None)
+@given(shift=st.floats(-1e3, 1e3), seed=st.integers(0, 2**16))
+def test_a_level_shift_moves_every_forecast_by_the_same_amount(shift: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    model = small_model(seed=seed % 7)  # a random head, not the zero start
+    items = ragged(rng, 4, 2, max_len=20)
+    values, mask = pad_batch(items)
+    offset = torch.tensor([shift, -0.5 * shift], dtype=torch.float64)
+    shifted = (values.double() + offset).float() * mask[..., None]
+    a, b = model(values, mask), model(shifted, mask)
+    expected = (a.forecast.double() + offset) * mask[..., None]
+    tolerance = 1e-4 * (1.0 + abs(shift))  # float32 rounding of the shifted readings
+    torch.testing.assert_close(b.forecast.double(), expected, atol=tolerance, rtol=0)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-3, rtol=0)
+
+
+def test_an_untrained_model_forecasts_the_last_value() -> None:
+    model = untrained_model()
+    x, mask = pad_batch(ragged(np.random.default_rng(8), 5, 2))
+    torch.testing.assert_close(model(x, mask).forecast, x * mask[..., None])
+
+
+def level_shift_series(rng: np.random.Generator, steps: int, levels: list[float]) -> np.ndarray:
+    """A noisy oscillation (period 12) around a level that jumps to each of ``levels`` in turn."""
+    level = np.repeat(levels, -(-steps // len(levels)))[:steps]
+    t = np.arange(steps)
+    return level + np.sin(2 * np.pi * t / 12 + rng.uniform(0, 2 * np.pi)) + 0.2 * rng.normal(size=steps)
+
+
+def fit_on_windows(model: SensorModel, windows: list[np.ndarray], steps: int, seed: int) -> RunningNorm:
+    """The trainer's recipe in a loop: running norm, AdamW, clipped token-mean loss."""
+    rng = np.random.default_rng(seed)
+    norm = RunningNorm(windows[0].shape[1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model.train()
+    for _ in range(steps):
+        batch = collate([windows[i] for i in rng.choice(len(windows), size=min(64, len(windows)), replace=False)])
+        norm.update(batch.values, batch.mask)
+        x = norm.normalize(batch.values).float() * batch.mask[..., None]
+        loss = forecast_loss(model(x, batch.mask), x, batch.mask)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return norm
+
+
+def one_step_ratios(model: SensorModel, norm: RunningNorm, series: np.ndarray, start: int, length: int) -> np.ndarray:
+    """Per channel: served forecast MSE / last-value MSE over ``series[start:]``."""
+    instances = [series[t - length : t] for t in range(start, len(series))]
+    forecast = np.array([p.next for p in predict(model, norm, instances, token_budget=4096)])
+    target, last = series[start:], series[start - 1 : -1]
+    return ((forecast - target) ** 2).mean(0) / ((last - target) ** 2).mean(0)
+
+
+def test_forecasts_beat_the_last_value_on_levels_never_seen_in_training() -> None:
+    rng = np.random.default_rng(11)
+    torch.manual_seed(11)
+    train = level_shift_series(rng, 3000, [0.0, 3.0, -2.0])[:, None].astype(np.float32)
+    windows = [train[i : i + 24] for i in range(len(train) - 24)]
+    model = SensorModel(1, d_model=32, n_heads=4, n_layers=2, max_len=64)
+    norm = fit_on_windows(model, windows, steps=300, seed=11)
+    for level in (25.0, -40.0, 500.0):  # far outside what the running norm has seen
+        future = level_shift_series(rng, 400, [level])[:, None].astype(np.float32)
+        ratio = one_step_ratios(model, norm, np.concatenate([train, future]), start=len(train) + 24, length=24)
+        # Last value: MSE ~ 2(1 - cos(30 deg)) * 0.5 + 2 * 0.04 = 0.21; the best forecast's ~0.04.
+        assert ratio[0] <= 0.7, (level, ratio)

@@ -1,0 +1,237 @@
+"""What serves: the gate against a broken or degraded candidate, the gate's fixed reference
+against a slow slide, the forecaster chosen by held-out error, the replay budget on a burst,
+and the choice surviving a checkpoint, predict and export (inside a real Service where a
+test needs one: ingest not started, no Kafka)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from torch import nn
+
+from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.metrics import Metrics
+from streamtrain.model.forecasters import LAST_VALUE, ServedModel
+from streamtrain.model.inference import predict
+from streamtrain.model.network import SensorModel
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.quality.config import QualityConfig
+from streamtrain.quality.monitor import QualityMonitor
+from streamtrain.quality.scoring import score_events
+from streamtrain.runtime.service import Service
+from streamtrain.serve.app import create_app
+from streamtrain.tools.export import decode_bundle, encode_bundle
+from streamtrain.training.publishing import PublishedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the shared quality fixtures
+from quality_fixtures import Frozen, events, monitor  # noqa: E402
+from quality_service_fixtures import build_service, feed, train  # noqa: E402
+
+
+def trained_like(seed: int) -> SensorModel:
+    torch.manual_seed(seed)
+    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=64).eval()
+    nn.init.normal_(model.forecast_head.weight, std=0.05)
+    return model
+
+
+def gate_with(values: list[list[float]], min_events: int = 32) -> QualityMonitor:
+    quality = monitor(None, holdout_share=0.5, holdout_min_events=min_events, holdout_capacity=256)
+    quality.holdout.add(events(*values), np.arange(len(values)))
+    return quality
+
+
+def test_gate_holds_back_a_broken_candidate_and_passes_an_equal_one() -> None:
+    rng = np.random.default_rng(0)
+    quality = gate_with([np.cumsum(rng.normal(size=20)).tolist() for _ in range(64)])
+    norm = RunningNorm.from_public([0.0], [3.0])
+    serving = Frozen(trained_like(1), norm, 1)
+    same = Frozen(trained_like(1), norm, 2)
+    no_data: Callable[[], list[np.ndarray]] = list
+    assert quality.select(same, serving, no_data).decision.publish
+    broken_model = trained_like(1)
+    with torch.no_grad():
+        broken_model.forecast_head.bias.fill_(5.0)  # a test hook's corruption: forecasts far off
+    broken = quality.select(Frozen(broken_model, norm, 3), serving, no_data).decision
+    assert not broken.publish and broken.candidate_mse > 10 * broken.serving_mse
+    nan_model = trained_like(1)
+    with torch.no_grad():
+        nan_model.forecast_head.weight.fill_(float("nan"))
+    assert not quality.select(Frozen(nan_model, norm, 4), serving, no_data).decision.publish
+    few = gate_with([[0.0, 1.0]])
+    assert few.select(Frozen(broken_model, norm, 5), serving, no_data).decision.publish  # too few to judge
+
+
+def ar2_events(rng: np.random.Generator, n: int, now: float, length: int = 24) -> EventBatch:
+    """A damped oscillator x[t] = 1.6 x[t-1] - 0.8 x[t-2] + noise: a linear model on two lags is near optimal."""
+    items = []
+    for i in range(n):
+        x = np.zeros(length)
+        x[:2] = rng.normal(size=2)
+        for t in range(2, length):
+            x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + 0.1 * rng.normal()
+        items.append(SensorEvent(f"s{i % 7}", now - n + i, x[:, None].astype(np.float32)))
+    return EventBatch.from_events(items)
+
+
+def walk_events(rng: np.random.Generator, n: int, now: float, length: int = 24) -> EventBatch:
+    """Random walks: the last value is the best forecast there is."""
+    items = [
+        SensorEvent(f"s{i % 7}", now - n + i, np.cumsum(rng.normal(size=length))[:, None].astype(np.float32))
+        for i in range(n)
+    ]
+    return EventBatch.from_events(items)
+
+
+def served_service(tmp: Path, **overrides: Any) -> Service:
+    return build_service(tmp, holdout_share=0.25, holdout_min_events=16, **overrides)
+
+
+def test_a_candidate_with_its_head_scaled_by_100_is_refused(tmp_path: Path) -> None:
+    service = served_service(tmp_path)
+    feed(service, ar2_events(np.random.default_rng(0), 400, time.time()))
+    train(service, 20)
+    trainer = service.trainer
+    first = trainer.publish()
+    assert trainer.published is first
+
+    def degrade(model: SensorModel) -> None:
+        with torch.no_grad():
+            model.forecast_head.weight.mul_(100.0)
+            model.forecast_head.bias.add_(1.0)  # an untrained head is zero: scaling alone would change nothing
+
+    trainer.candidate_hook = degrade
+    train(service, 2)
+    degraded = trainer.publish()
+    assert trainer.published is first and not trainer.last_gate.publish
+    assert degraded.version in trainer.registry.versions()
+    assert trainer.last_gate.candidate_mse > 1.05 * trainer.last_gate.serving_mse
+
+
+def test_the_linear_forecaster_serves_when_it_forecasts_the_holdout_best(tmp_path: Path) -> None:
+    service = served_service(tmp_path)
+    feed(service, ar2_events(np.random.default_rng(1), 600, time.time()))
+    trainer = service.trainer
+    published = trainer.publish()  # an untrained network: the last value
+    selection = trainer.last_selection
+    assert selection is not None and selection.holdout_events >= 16
+    assert published.forecaster.kind == "linear", selection.reason
+    mse = selection.mse
+    assert mse["linear"] < 0.5 * mse["last_value"] and mse["candidate"] == pytest.approx(mse["last_value"])
+    with TestClient(create_app(service)) as client:
+        report = client.get("/v1/model").json()
+    assert report["forecaster"]["kind"] == "linear" and report["forecaster"]["order"] >= 2
+    assert report["forecaster"]["last_publication"]["holdout_mse"]["linear"] == pytest.approx(mse["linear"])
+
+
+def test_on_random_walks_no_forecaster_beats_the_last_value_enough_to_replace_it(tmp_path: Path) -> None:
+    service = served_service(tmp_path)
+    feed(service, walk_events(np.random.default_rng(2), 600, time.time()))
+    published = service.trainer.publish()
+    assert published.forecaster.kind != "network"  # untrained, it ties with the last value: the simpler serves
+    fresh = walk_events(np.random.default_rng(3), 400, time.time())
+    instances = [fresh.values[a : a + n] for a, n in zip(fresh.starts.tolist(), fresh.lengths.tolist(), strict=True)]
+    served = score_events(published.served, published.norm, instances)
+    assert served.sse.sum() <= 1.01 * served.naive_sse.sum()  # what serves stays at the last value's error
+
+
+def scorable(bias: float, norm: Any, version: int) -> PublishedModel:
+    torch.manual_seed(0)
+    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=64).eval()
+    with torch.no_grad():
+        model.forecast_head.bias.fill_(bias)
+    return PublishedModel(model, norm, version, 0, 0, None, 0.0)
+
+
+def test_a_slow_slide_of_candidates_each_a_little_worse_is_stopped_by_the_fixed_reference() -> None:
+    monitor = QualityMonitor(QualityConfig(holdout_share=0.5, holdout_min_events=16), Metrics(), lambda: None)
+    monitor.observe(ar2_events(np.random.default_rng(3), 200, 1000.0))
+    norm = RunningNorm.from_public([0.0], [1.0])
+    biases = np.linspace(0.0, 0.45, 18)
+    candidates = [scorable(float(b), norm, v) for v, b in enumerate(biases, start=1)]
+    errors = [monitor.select(c, None, list).mse["candidate"] for c in candidates]
+    steps = [b / a for a, b in zip(errors, errors[1:])]
+    assert max(steps) <= 1.05 and errors[-1] > 1.3 * errors[0]  # each within tolerance of the last, the slide is not
+    reference, passed = None, []
+    for candidate in candidates:
+        selection = monitor.select(candidate, reference, list)
+        passed.append(selection.decision.publish)
+        if selection.new_reference:
+            reference = candidate
+    assert passed[0] and not all(passed)  # comparing with the previous candidate would pass all 18
+    # The reference stays the first (the best): exactly the candidates within tolerance of it pass.
+    assert passed == [e <= 1.05 * errors[0] for e in errors]
+
+
+def test_the_replay_budget_holds_on_a_burst(tmp_path: Path) -> None:
+    service = served_service(tmp_path, max_replays_per_event=4.0, publish_interval_s=0.5)
+    feed(service, ar2_events(np.random.default_rng(4), 300, time.time()))
+    trainer = service.trainer
+    accepted = service.window.accepted_total
+    trainer.start()
+    deadline = time.monotonic() + 20.0
+    while trainer.budget_wait_seconds == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    trainer.stop()
+    assert trainer.budget_wait_seconds > 0  # it idled instead of replaying
+    assert trainer.replays.trained_items <= 4.0 * accepted
+    assert 3.0 <= trainer.replays.per_event <= 4.0
+    # New events give new budget.
+    waited = trainer.replays.trained_items
+    feed(service, ar2_events(np.random.default_rng(5), 50, time.time()))
+    assert trainer.replays.allows(1, service.window.accepted_total, len(service.window))
+    assert waited == trainer.replays.trained_items
+
+
+def test_the_chosen_forecaster_survives_a_checkpoint_and_answers_predict_and_export_alike(tmp_path: Path) -> None:
+    service = served_service(tmp_path)
+    feed(service, ar2_events(np.random.default_rng(6), 600, time.time()))
+    published = service.trainer.publish()
+    assert published.forecaster.kind == "linear"
+    instances = [np.asarray(v, dtype=np.float32)[:, None] for v in ([0.1, 0.9, 1.2, 0.5], [2.0, 1.0, -0.5])]
+    expected = [p.next for p in predict(published.served, published.norm, instances, 4096)]
+    network = [p.next for p in predict(published.model, published.norm, instances, 4096)]
+    assert not np.allclose(expected, network)  # the linear forecast is not the network's
+    with TestClient(create_app(service)) as client:
+        answer = client.post(
+            "/v1/predict", json={"instances": [{"values": v.ravel().tolist()} for v in instances]}
+        ).json()
+    np.testing.assert_allclose([p["next"] for p in answer["predictions"]], expected, atol=1e-5)
+    bundle = decode_bundle(encode_bundle(published))
+    values = torch.zeros(2, 4, 1)
+    values[0, :, 0] = torch.tensor([0.1, 0.9, 1.2, 0.5])
+    values[1, :3, 0] = torch.tensor([2.0, 1.0, -0.5])
+    exported = bundle.inference_model()(values, torch.tensor([4, 3]))[0]
+    np.testing.assert_allclose(exported.numpy(), expected, atol=1e-5)
+    assert service.checkpoint() is not None
+    restored = served_service(tmp_path)
+    restored.restore()
+    kept = restored.trainer.registry.get(published.version)
+    assert kept.forecaster.kind == "linear"
+    np.testing.assert_array_equal(kept.forecaster.coefficients, published.forecaster.coefficients)
+    assert isinstance(kept.served, ServedModel) and LAST_VALUE.kind == "last_value"
+
+
+def test_publishing_takes_at_most_its_share_of_the_trainers_time(tmp_path: Path) -> None:
+    service = served_service(tmp_path, publish_interval_s=1.0, publish_max_share=0.1)
+    feed(service, ar2_events(np.random.default_rng(7), 100, time.time()))
+    trainer = service.trainer
+    trainer._publish_if_due()
+    first = trainer.published
+    assert first is not None and trainer.publish_seconds > 0
+    trainer.publish_seconds = 0.5  # a slow publication: the next waits 0.5 / 0.1 = 5 s, not 1 s
+    trainer._last_publish = time.monotonic() - 2.0
+    trainer._publish_if_due()
+    assert trainer.published is first
+    trainer._last_publish = time.monotonic() - 5.1
+    trainer._publish_if_due()
+    assert trainer.published is not first

@@ -1,0 +1,428 @@
+"""The recency reservoir: exactness, inclusion probabilities, state round trips."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.window.reservoir import RecencyWindow
+from streamtrain.window.storage import token_positions
+
+
+def make_batch(start: int, n: int, *, ts: np.ndarray | None = None, rng=None, channels: int = 1) -> EventBatch:
+    rng = rng or np.random.default_rng(start)
+    lengths = rng.integers(1, 6, n)
+    events = [
+        SensorEvent(
+            f"s{(start + i) % 7}",
+            float(start + i if ts is None else ts[i]),
+            np.full((lengths[i], channels), start + i, np.float32),
+            (start + i) % 3,
+        )
+        for i in range(n)
+    ]
+    return EventBatch.from_events(events, partitions=np.zeros(n), offsets=np.arange(start, start + n))
+
+
+def feed(window: RecencyWindow, total: int, batch: int) -> None:
+    for start in range(0, total, batch):
+        n = min(batch, total - start)
+        window.insert_batch(make_batch(start, n), {0: start + n})
+
+
+def expected_top_keys(seed: int, total: int, batch: int, capacity: int, half_life: float) -> set[int]:
+    rng = np.random.default_rng(seed)
+    decay = 0.0 if math.isinf(half_life) else math.log(2) / half_life
+    keys = np.concatenate(
+        [
+            decay * (np.arange(s, min(s + batch, total), dtype=float) - 0.0)
+            - np.log(rng.standard_exponential(min(batch, total - s)))
+            for s in range(0, total, batch)
+        ]
+    )
+    return set(np.argsort(keys)[-capacity:].tolist())
+
+
+@pytest.mark.parametrize("half_life", [50.0, math.inf])
+@pytest.mark.parametrize(("capacity", "batch", "slack"), [(100, 37, None), (100, 500, 3), (1000, 64, 10)])
+def test_window_is_exactly_the_top_keys_of_the_stream(half_life, capacity, batch, slack) -> None:
+    window = RecencyWindow(capacity, half_life, rng=np.random.default_rng(7), slack=slack)
+    feed(window, 5000, batch)
+    snap = window.snapshot()
+    assert set(snap.offsets.tolist()) == expected_top_keys(7, 5000, batch, capacity, half_life)
+    assert len(snap) == capacity == len(window)
+    assert window.evicted_total == 5000 - capacity
+    # readings travel with their items
+    for values, offset in zip(snap.values, snap.offsets):
+        assert np.all(values == offset)
+    assert snap.tokens == window.tokens == int(sum(v.shape[0] for v in snap.values))
+    assert snap.next_offsets == {0: 5000}
+
+
+def test_uniform_inclusion_probability_is_w_over_n() -> None:
+    """Each of n items kept with probability W/n: binomial bound over seeded trials."""
+    capacity, total, trials = 20, 200, 600
+    counts = np.zeros(total)
+    for trial in range(trials):
+        window = RecencyWindow(capacity, math.inf, rng=np.random.default_rng(trial), slack=5)
+        for start in range(0, total, 30):
+            window.insert_batch(make_batch(start, min(30, total - start)))
+        counts[window.snapshot().offsets] += 1
+    p = capacity / total
+    # every item's count within a Bonferroni-corrected two-sided binomial interval
+    alpha = 1e-3 / total
+    lo, hi = stats.binom.ppf(alpha / 2, trials, p), stats.binom.isf(alpha / 2, trials, p)
+    assert counts.min() >= lo and counts.max() <= hi
+    # and the overall spread matches a uniform law (chi-square)
+    chi2 = ((counts - trials * p) ** 2 / (trials * p * (1 - p))).sum()
+    assert chi2 < stats.chi2.isf(1e-4, total - 1)
+
+
+def successive_sampling(weights: np.ndarray, draws: int, reps: int, rng: np.random.Generator) -> np.ndarray:
+    """Reference sampler, independent of keys: ``draws`` successive draws without replacement,
+    each with probability proportional to the weights left. Efraimidis–Spirakis' theorem says
+    the top-W keys are distributed exactly so. Returns the chosen indices, ``[reps, draws]``."""
+    left = np.tile(weights, (reps, 1))
+    chosen = np.empty((reps, draws), dtype=np.int64)
+    rows = np.arange(reps)
+    for d in range(draws):
+        cdf = np.cumsum(left, axis=1)
+        target = rng.random(reps) * cdf[:, -1]
+        chosen[:, d] = (cdf < target[:, None]).sum(axis=1)
+        left[rows, chosen[:, d]] = 0.0
+    return chosen
+
+
+def test_weighted_inclusion_by_age_matches_exact_successive_sampling() -> None:
+    """The window's decay rate, checked to a few percent.
+
+    Statistics of the kept ages (mean age, share younger than one half-life) from
+    independent seeded trials, against the exact law simulated by a key-free reference
+    sampler. Each z uses both sides' empirical standard errors (trials are i.i.d.), so
+    |z| < 4 is a sound bound; the same test must reject a decay rate 5% off either way.
+    """
+    capacity, total, trials, half_life = 50, 400, 1000, 40.0
+    lam = math.log(2) / half_life
+    age = (total - 1) - np.arange(total)
+
+    def statistics(kept_ages: np.ndarray) -> np.ndarray:  # [reps, W] -> [reps, 2]
+        return np.stack([kept_ages.mean(axis=1), (kept_ages < half_life).mean(axis=1)], axis=1)
+
+    batches = [make_batch(start, min(64, total - start)) for start in range(0, total, 64)]  # ts = offset
+    ours = np.empty((trials, capacity))
+    for trial in range(trials):
+        window = RecencyWindow(capacity, half_life, rng=np.random.default_rng(1000 + trial), slack=17)
+        for batch in batches:
+            window.insert_batch(batch)
+        ours[trial] = age[window.snapshot().offsets]
+    ours_stats = statistics(ours)
+
+    def z_scores(rate: float, seed: int) -> np.ndarray:
+        reference = statistics(
+            age[successive_sampling(np.exp(-rate * age), capacity, 6000, np.random.default_rng(seed))]
+        )
+        se = np.sqrt(ours_stats.var(axis=0, ddof=1) / trials + reference.var(axis=0, ddof=1) / len(reference))
+        return (ours_stats.mean(axis=0) - reference.mean(axis=0)) / se
+
+    assert np.all(np.abs(z_scores(lam, seed=1)) < 4), z_scores(lam, seed=1)
+    for off in (0.95, 1.05):  # the tolerance is tighter than a 5% error in the decay rate
+        assert np.all(np.abs(z_scores(lam * off, seed=2)) > 4), off
+    # and recent items are kept far more often than old ones
+    counts = np.bincount(ours.astype(np.int64).ravel(), minlength=total)
+    assert counts[:50].mean() > 3 * counts[-100:].mean()
+
+
+def test_state_dict_round_trip_is_exact() -> None:
+    window = RecencyWindow(300, 100.0, channels=2, rng=np.random.default_rng(3))
+    for start in range(0, 2000, 111):
+        n = min(111, 2000 - start)
+        window.insert_batch(make_batch(start, n, channels=2), {0: start + n, 1: 7})
+    state = window.state_dict()
+    restored = RecencyWindow(300, 100.0, channels=2, rng=np.random.default_rng(99))
+    restored.load_state_dict(state)
+    a, b = window.snapshot(), restored.snapshot()
+    order_a, order_b = np.argsort(a.offsets), np.argsort(b.offsets)
+    for name in ("offsets", "keys", "ts", "labels", "lengths", "partitions"):
+        assert np.array_equal(getattr(a, name)[order_a], getattr(b, name)[order_b]), name
+    assert [x.tolist() for x in np.array(a.values, dtype=object)[order_a]] == [
+        x.tolist() for x in np.array(b.values, dtype=object)[order_b]
+    ]
+    assert b.next_offsets == {0: 2000, 1: 7}
+    assert restored.accepted_total == window.accepted_total and restored.evicted_total == window.evicted_total
+    # the restored window continues identically (same RNG state)
+    window.insert_batch(make_batch(5000, 100, channels=2))
+    restored.insert_batch(make_batch(5000, 100, channels=2))
+    assert set(window.snapshot().offsets.tolist()) == set(restored.snapshot().offsets.tolist())
+
+
+def test_max_age_expires_items() -> None:
+    now = [1000.0]
+    window = RecencyWindow(100, math.inf, max_age_s=50, clock=lambda: now[0], rng=np.random.default_rng(0))
+    window.insert_batch(make_batch(0, 10, ts=np.full(10, 960.0)))
+    window.insert_batch(make_batch(10, 10, ts=np.full(10, 990.0)))
+    assert len(window.snapshot()) == 20
+    now[0] = 1020.0
+    snap = window.snapshot()
+    assert sorted(snap.offsets.tolist()) == list(range(10, 20))
+    assert window.evicted_total == 10
+
+
+class ScriptedDraws:
+    """The window's key randomness, scripted: the E of each event in turn (key = −ln E)."""
+
+    def __init__(self, draws: list[float]) -> None:
+        self.draws = list(draws)
+
+    def standard_exponential(self, n: int) -> np.ndarray:
+        out, self.draws = self.draws[:n], self.draws[n:]
+        return np.asarray(out, dtype=np.float64)
+
+
+def test_with_max_age_an_expired_winner_leaves_a_hole_only_newer_events_fill() -> None:
+    """The module docstring's rule: a cut drops the expired, then keeps the top W of the rest;
+    an event a cut pushed out does not come back when the winner that beat it expires."""
+    now = [1000.0]
+
+    def window_of_one() -> RecencyWindow:
+        # the winner (E = 0.01, key 4.6) is older than the two it beats (keys 0 and -0.69) and the late one
+        return RecencyWindow(
+            1, math.inf, max_age_s=50, slack=10, clock=lambda: now[0], rng=ScriptedDraws([0.01, 1.0, 2.0, 1.0])
+        )
+
+    # read while the winner is young: that cut pushes the two fresh events out for good
+    read_between = window_of_one()
+    now[0] = 1000.0
+    read_between.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
+    read_between.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
+    assert read_between.snapshot().offsets.tolist() == [0]
+    now[0] = 1015.0  # the winner (ts 960) expired; the other two are young
+    assert len(read_between.snapshot()) == 0 and len(read_between) == 0
+    assert read_between.evicted_total == 3 and read_between.stats().size == 0
+    read_between.insert_batch(make_batch(3, 1, ts=np.array([1010.0])))
+    assert read_between.snapshot().offsets.tolist() == [3]  # only a newer event fills the hole
+
+    # no cut while the winner was young (the store stays within W + S): the first cut drops it
+    # first, then the best young event wins
+    not_read = window_of_one()
+    now[0] = 1000.0
+    not_read.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
+    not_read.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
+    now[0] = 1015.0
+    assert not_read.snapshot().offsets.tolist() == [1]
+    assert not_read.evicted_total == 2
+
+
+def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
+    window = RecencyWindow(500, 30.0, rng=np.random.default_rng(0), slack=50)
+    stop = threading.Event()
+
+    def writer() -> None:
+        start = 0
+        while not stop.is_set():
+            window.insert_batch(make_batch(start, 40), {0: start + 40})
+            start += 40
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(200):
+            snap = window.snapshot()
+            assert len(snap) <= 500
+            assert len(set(snap.offsets.tolist())) == len(snap)  # no duplicates
+            assert all(v.shape[0] == n for v, n in zip(snap.values, snap.lengths))
+            assert all(np.all(v == o) for v, o in zip(snap.values, snap.offsets))
+            if len(snap):
+                assert snap.offsets.max() < snap.next_offsets[0]  # state covers its offsets
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_stats() -> None:
+    window = RecencyWindow(10, math.inf, rng=np.random.default_rng(0))
+    assert window.stats().size == 0 and window.stats().age_s is None
+    window.insert_batch(make_batch(0, 4, ts=np.array([10.0, 20.0, 30.0, 40.0])))
+    st_ = window.stats(now=50.0)
+    assert st_.size == 4 and st_.capacity == 10 and st_.sensors == 4
+    assert st_.age_s.min == 10.0 and st_.age_s.max == 40.0 and st_.age_s.mean == 25.0
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        RecencyWindow(0)
+    with pytest.raises(ValueError, match="half_life_s"):
+        RecencyWindow(10, 0.0)
+    with pytest.raises(ValueError, match="tokens, 1"):
+        RecencyWindow(10).insert_batch(make_batch(0, 3, channels=2))
+
+
+def test_token_positions() -> None:
+    starts, lengths = np.array([5, 0, 9, 20]), np.array([2, 0, 3, 1])
+    assert token_positions(starts, lengths).tolist() == [5, 6, 9, 10, 11, 20]
+    assert token_positions(np.array([3]), np.array([0])).tolist() == []
+
+
+# --------------------------------------------------------------------------------------- counters
+
+
+def test_the_ledger_counts_every_covered_message_once_across_a_restore() -> None:
+    window = RecencyWindow(100, 50.0, rng=np.random.default_rng(0), slack=10)
+    for start in range(0, 1000, 100):
+        window.insert_batch(make_batch(start, 90), {0: start + 100}, rejected={"decode": 7, "schema": 3})
+    window.advance_offsets({0: 1010}, rejected={"too_large": 10})
+    stats = window.stats()
+    assert stats.accepted_total == 900 and stats.rejected_total == {"decode": 70, "schema": 30, "too_large": 10}
+    assert stats.seen_total == 1010 == window.seen_total == stats.accepted_total + sum(stats.rejected_total.values())
+    assert stats.size == 100 == stats.accepted_total - stats.evicted_total
+    assert window.evicted_since_start == window.evicted_total == 800
+
+    restored = RecencyWindow(100, 50.0, rng=np.random.default_rng(1))
+    restored.load_state_dict(window.state_dict())
+    again = restored.stats()
+    assert (again.seen_total, again.accepted_total, again.rejected_total, again.evicted_total) == (
+        stats.seen_total, stats.accepted_total, stats.rejected_total, stats.evicted_total)  # fmt: skip
+    # what this process evicts starts at zero, and only grows
+    assert restored.evicted_since_start == 0
+    seen = [0]
+    for start in range(1010, 1500, 70):
+        restored.insert_batch(make_batch(start, 70), {0: start + 70}, rejected={"empty": 1})
+        assert restored.evicted_since_start >= seen[-1]
+        seen.append(restored.evicted_since_start)
+    assert restored.evicted_since_start == restored.evicted_total - stats.evicted_total == 490
+    assert restored.stats().seen_total == 1010 + 490 + 7
+
+
+def test_insert_report_drops_only_events_that_can_never_enter() -> None:
+    window = RecencyWindow(50, math.inf, rng=np.random.default_rng(3), slack=5)
+    starts = range(0, 4000, 40)
+    reports = [window.insert_batch(make_batch(start, 40)) for start in starts]
+    assert all(r.offered == 40 and r.stored + r.dropped == 40 for r in reports)
+    assert reports[0].dropped == 0  # nothing is cut before the window first overflows
+    assert sum(r.dropped for r in reports) > 3000  # a uniform stream is mostly dropped at once
+    kept = window.snapshot().offsets
+    for report, start in zip(reports, starts):
+        if report.dropped == 40:  # a batch dropped whole has nothing in the window
+            assert not np.any((kept >= start) & (kept < start + 40)), start
+    assert any(r.dropped == 40 for r in reports)
+
+
+# --------------------------------------------------------------------------------------- restore under changed settings
+
+
+def day_long_window(half_life: float, seed: int) -> tuple[RecencyWindow, np.ndarray]:
+    """A window fed one event a second for a day; returns it and every event's E draw."""
+    rng = np.random.default_rng(seed)
+    window = RecencyWindow(500, half_life, rng=rng)
+    draws = np.random.default_rng(seed)  # the same stream: the window's exponential draws
+    exps = []
+    for start in range(0, 86_400, 2_400):
+        ts = 1.7e9 + np.arange(start, start + 2_400, dtype=np.float64)
+        window.insert_batch(make_batch(start, 2_400, ts=ts), {0: start + 2_400})
+        exps.append(draws.standard_exponential(2_400))
+    return window, np.concatenate(exps)
+
+
+def test_a_window_saved_with_another_half_life_is_rekeyed_with_its_own_draws(caplog: pytest.LogCaptureFixture) -> None:
+    old, exps = day_long_window(3600.0, seed=5)
+    state = old.state_dict()
+    for new_half_life in (math.inf, 600.0):
+        window = RecencyWindow(500, new_half_life, rng=np.random.default_rng(9))
+        with caplog.at_level("WARNING", logger="streamtrain.window"):
+            window.load_state_dict(state)
+        assert "re-keyed its 500 items for HALF_LIFE_S=" in caplog.text
+        snap = window.snapshot()
+        lam = 0.0 if math.isinf(new_half_life) else math.log(2) / new_half_life
+        expected = lam * (snap.ts - 1.7e9) - np.log(exps[snap.offsets])
+        np.testing.assert_allclose(snap.keys, expected, rtol=0, atol=1e-9)
+        assert set(snap.offsets.tolist()) == set(old.snapshot().offsets.tolist())  # the same items
+
+
+def test_after_switching_to_uniform_the_window_keeps_taking_events() -> None:
+    """The bug the re-keying fixes: a day of 1 h-half-life keys (up to λ·86400 = 16.6) would
+    outrank every uniform key −ln E of the new events, and the window would freeze."""
+    old, _ = day_long_window(3600.0, seed=6)
+    state = old.state_dict()
+    kept = old.snapshot()
+    # the window's own stream continues (its RNG state travels with the checkpoint)
+    draws = np.random.default_rng(6)
+    draws.standard_exponential(86_400)
+    new_keys = -np.log(np.concatenate([draws.standard_exponential(500) for _ in range(10)]))
+
+    def restored_then_fed(state: dict) -> RecencyWindow:
+        window = RecencyWindow(500, math.inf, rng=np.random.default_rng(1))
+        window.load_state_dict(state)
+        for start in range(86_400, 86_400 + 5_000, 500):
+            window.insert_batch(make_batch(start, 500, ts=np.full(500, 1.7e9 + start)))
+        return window
+
+    window = restored_then_fed(state)
+    # exactly the top W of the re-keyed old items and the new events
+    old_keys = kept.keys - math.log(2) / 3600.0 * (kept.ts - 1.7e9)
+    keys = np.concatenate([old_keys, new_keys])
+    offsets = np.concatenate([kept.offsets, np.arange(86_400, 91_400)])
+    assert set(window.snapshot().offsets.tolist()) == set(offsets[np.argsort(keys)[-500:]].tolist())
+    assert (window.snapshot().offsets >= 86_400).mean() > 0.05
+    frozen = dict(state, half_life_s=math.inf)  # what loading the old keys as they were did
+    assert (restored_then_fed(frozen).snapshot().offsets >= 86_400).sum() == 0
+
+
+def test_a_window_saved_with_other_channels_is_refused_before_anything_changes() -> None:
+    old = RecencyWindow(50, math.inf, channels=1, rng=np.random.default_rng(0))
+    old.insert_batch(make_batch(0, 30), {0: 30})
+    window = RecencyWindow(50, math.inf, channels=2, rng=np.random.default_rng(0))
+    window.insert_batch(make_batch(100, 5, channels=2), {0: 105})
+    with pytest.raises(ValueError, match="CHANNELS=1.*CHANNELS=2"):
+        window.load_state_dict(old.state_dict())
+    assert len(window) == 5 and window.next_offsets == {0: 105}
+
+
+# --------------------------------------------------------------------------------------- snapshots
+
+
+def test_a_pass_subset_gathers_only_its_own_readings() -> None:
+    window = RecencyWindow(2000, 30.0, rng=np.random.default_rng(2), slack=500)
+    for start in range(0, 6000, 250):
+        window.insert_batch(make_batch(start, 250), {0: start + 250})
+    snap = window.snapshot()
+    assert isinstance(snap.flat_values, tuple) and len(snap.flat_values) > 1  # shared chunks, no copy
+    pick = np.sort(np.random.default_rng(0).choice(len(snap), 100, replace=False))
+    sub = snap.subset(pick)
+    assert isinstance(sub.flat_values, np.ndarray) and sub.flat_values.shape[0] == sub.tokens  # nothing else copied
+    for values, offset in zip(sub.values, sub.offsets):
+        assert np.all(values == offset)
+    assert sub.subset(np.arange(10)).flat_values is sub.flat_values  # a subset of a subset shares them
+    flat, lengths = snap.gather_values(pick)
+    assert np.array_equal(flat, sub.flat_values) and np.array_equal(lengths, sub.lengths)
+
+
+def test_large_chunks_live_off_the_heap_and_hold_only_admitted_readings() -> None:
+    import mmap
+
+    from streamtrain.window.storage import OFF_HEAP_MIN_BYTES, chunk_array
+
+    def backing(array: np.ndarray) -> object:
+        while isinstance(array, np.ndarray):
+            array = array.base
+        return array.obj if isinstance(array, memoryview) else array
+
+    big, small = chunk_array(OFF_HEAP_MIN_BYTES // 4, 1), chunk_array(OFF_HEAP_MIN_BYTES // 4 - 1, 1)
+    assert isinstance(backing(big), mmap.mmap) and big.flags.writeable and big.shape == (OFF_HEAP_MIN_BYTES // 4, 1)
+    assert backing(small) is None
+    # batches of 20,000 events (~60,000 readings of 2 channels, ~480 kB) into a window of 5,000:
+    # the window keeps copies of the readings of the events it stores, not the batches' arrays
+    window = RecencyWindow(5000, channels=2, rng=np.random.default_rng(4), slack=1000)
+    first, second = (make_batch(start, 20_000, rng=np.random.default_rng(start), channels=2) for start in (0, 20_000))
+    window.insert_batch(first, {0: 20_000})
+    report = window.insert_batch(second, {0: 40_000})
+    assert 0 < report.stored < report.offered  # below the first cut's threshold: dropped, never copied
+    chunks = window.snapshot().flat_values
+    assert all(not np.shares_memory(chunk, batch.values) for chunk in chunks for batch in (first, second))
+    snap = window.snapshot()
+    for values, offset in zip(snap.values, snap.offsets):
+        assert np.all(values == offset)
+    assert any(isinstance(backing(chunk), mmap.mmap) for chunk in snap.flat_values)
