@@ -28,8 +28,9 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-# deploy/kafka.sh's functions (need_java, fetch_jars, run_java, die) and its jar cache: sourcing
-# it runs its read-only "status" command, whose output and exit status are dropped here.
+# deploy/kafka.sh's functions (need_java, fetch_jars, run_java, start_broker, stop_broker) and its
+# jar cache: sourcing it runs its read-only "status" command, whose output and exit status are
+# dropped here.
 # shellcheck source=kafka.sh
 source "$here/kafka.sh" status >/dev/null 2>&1 || true
 set -euo pipefail
@@ -173,28 +174,13 @@ cmd_up() {
   run_java kafka.tools.StorageTool format --standalone --ignore-formatted \
       -t "$cluster_id" -c "$props" "${scram[@]}" >>"$home_dir/format.log" 2>&1 \
     || { tail -n 20 "$home_dir/format.log" >&2; die "storage format failed"; }
-  : > "$log_file"
-  nohup bash -c "exec java $heap -XX:+UseG1GC -Djava.awt.headless=true \
-      -Dlog4j2.configurationFile='$here/kafka/log4j2.yaml' -cp '$(classpath)' kafka.Kafka '$props'" \
-      >>"$log_file" 2>&1 < /dev/null &
-  echo $! > "$pid_file"
-  local deadline=$((SECONDS + ${KAFKA_START_TIMEOUT_S:-90}))
-  until grep -q "Kafka Server started" "$log_file"; do
-    if ! pid_alive; then tail -n 30 "$log_file" >&2; die "broker exited during start-up"; fi
-    [ $SECONDS -lt $deadline ] || { tail -n 30 "$log_file" >&2; die "broker not ready after ${KAFKA_START_TIMEOUT_S:-90}s"; }
-    sleep 0.5
-  done
+  start_broker
   grant || die "creating the topics and ACLs as admin failed"
   echo "kafka-secure.sh: running (pid $(cat "$pid_file")) on 127.0.0.1:$port (SSL), 127.0.0.1:$sasl_port (SASL_SSL); secrets in $secrets"
 }
 
 cmd_down() {
-  if ! pid_alive; then rm -f "$pid_file"; echo "kafka-secure.sh: stopped"; return; fi
-  local pid; pid="$(cat "$pid_file")"
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$pid_file"
+  stop_broker
   echo "kafka-secure.sh: stopped"
 }
 

@@ -96,6 +96,13 @@ cmd_up() {
   run_java kafka.tools.StorageTool format --standalone --ignore-formatted \
       -t "$cluster_id" -c "$props" >>"$home_dir/format.log" 2>&1 \
     || { tail -n 20 "$home_dir/format.log" >&2; die "storage format failed"; }
+  start_broker
+  echo "kafka.sh: running (pid $(cat "$pid_file")) on 127.0.0.1:$port"
+}
+
+# Start kafka.Kafka on $props in the background ($pid_file, $log_file) and wait until it serves.
+# deploy/kafka-secure.sh sources this file and calls it with its own paths.
+start_broker() {
   : > "$log_file"
   nohup bash -c "exec java $heap -XX:+UseG1GC -Djava.awt.headless=true \
       -Dlog4j2.configurationFile='$here/kafka/log4j2.yaml' -cp '$(classpath)' kafka.Kafka '$props'" \
@@ -107,16 +114,21 @@ cmd_up() {
     [ $SECONDS -lt $deadline ] || { tail -n 30 "$log_file" >&2; die "broker not ready after ${KAFKA_START_TIMEOUT_S:-90}s"; }
     sleep 0.5
   done
-  echo "kafka.sh: running (pid $(cat "$pid_file")) on 127.0.0.1:$port"
+}
+
+# Stop the broker of $pid_file: SIGTERM, up to 30 s for a clean shutdown, then SIGKILL.
+stop_broker() {
+  if pid_alive; then
+    local pid; pid="$(cat "$pid_file")"
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pid_file"
 }
 
 cmd_down() {
-  if ! pid_alive; then rm -f "$pid_file"; echo "kafka.sh: stopped"; return; fi
-  local pid; pid="$(cat "$pid_file")"
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$pid_file"
+  stop_broker
   echo "kafka.sh: stopped"
 }
 

@@ -242,6 +242,99 @@ def test_a_denied_principal_reads_nothing_and_is_told_what_is_missing(
     SEEN.append(service.log_path.read_text())
 
 
+def _client_certificate(broker: SecureBroker, directory: Path, name: str, days: int) -> dict[str, str]:
+    """Mutual-TLS settings with a client certificate for ``name`` signed by the broker's CA now
+    (``days`` < 0: already expired)."""
+    key, csr, pem, raw = (directory / f"{name}.{ext}" for ext in ("key", "csr", "pem", "rsa"))
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run(
+        "req", "-newkey", "rsa:2048", "-nodes", "-sha256", "-subj", f"/CN={name}", "-keyout", str(raw), "-out", str(csr)
+    )
+    extensions = directory / f"{name}.ext"
+    extensions.write_text("extendedKeyUsage=clientAuth\n")
+    run("x509", "-req", "-in", str(csr), "-CA", str(broker.secret("ca.pem")), "-CAkey", str(broker.secret("ca.key")),
+        "-set_serial", str(int(time.time() * 1000)), "-days", str(days), "-sha256", "-extfile", str(extensions),
+        "-out", str(pem))  # fmt: skip
+    run("pkcs8", "-topk8", "-nocrypt", "-in", str(raw), "-out", str(key))
+    return {
+        "KAFKA_BOOTSTRAP": broker.tls, "KAFKA_SECURITY_PROTOCOL": "SSL",
+        "KAFKA_SSL_CAFILE": str(broker.secret("ca.pem")), "KAFKA_SSL_CERTFILE": str(pem), "KAFKA_SSL_KEYFILE": str(key),
+    }  # fmt: skip
+
+
+def _grant_reader(broker: SecureBroker, principal: str) -> None:
+    """The service's minimal ACL set (docs/operations.md) for ``principal``, granted while it runs."""
+    from kafka.admin import ACL, ACLOperation, ACLPermissionType, KafkaAdminClient, ResourcePattern, ResourceType
+
+    wanted = [
+        (ACLOperation.READ, ResourceType.TOPIC, TOPIC), (ACLOperation.DESCRIBE_CONFIGS, ResourceType.TOPIC, TOPIC),
+        (ACLOperation.WRITE, ResourceType.TOPIC, f"{TOPIC}.dlq"),
+        (ACLOperation.DESCRIBE_CONFIGS, ResourceType.TOPIC, f"{TOPIC}.dlq"),
+        (ACLOperation.READ, ResourceType.GROUP, GROUP),
+    ]  # fmt: skip
+    admin = KafkaAdminClient(request_timeout_ms=20000, **broker.admin_options())
+    try:
+        result = admin.create_acls(
+            [ACL(principal, "*", op, ACLPermissionType.ALLOW, ResourcePattern(kind, name)) for op, kind, name in wanted]
+        )
+        assert not result["failed"], result["failed"]
+    finally:
+        admin.close()
+
+
+def test_an_acl_granted_while_it_runs_lets_it_in_without_a_restart(broker: SecureBroker, tmp_path: Path) -> None:
+    security = _client_certificate(broker, tmp_path, "late", days=1)
+    with _service(broker, tmp_path, "late", security) as service:
+        reasons = wait_for(
+            lambda: [r for r in _reasons(service) if r.startswith("kafka_authorization_failed:")],
+            60,
+            "kafka_authorization_failed",
+        )
+        assert reasons, reasons
+        assert service.get("/v1/window")["seen_total"] == 0
+        _grant_reader(broker, "User:late")
+        _simulate(broker, 100, seed=5)
+        service.wait_ready(180)  # the same process: no restart, no crash loop
+        wait_for(lambda: service.get("/v1/window")["seen_total"] > 0, 60, "events read after the grant")
+        assert not [r for r in _reasons(service) if r.startswith("kafka_authorization_failed:")]
+        said = _log_lines(service, "kafka_authorization_failed")
+        assert len([line for line in said if "failure resolved" not in line]) == 1, said  # the failure, once
+        assert len(_log_lines(service, "kafka security failure resolved")) == 1
+        _record(service)
+    SEEN.append(service.log_path.read_text())
+
+
+def test_an_expired_client_certificate_is_a_readiness_reason_and_reads_nothing(
+    broker: SecureBroker, tmp_path: Path
+) -> None:
+    security = _client_certificate(broker, tmp_path, "svc", days=-1)  # svc's ACLs, but the certificate expired
+    with _service(broker, tmp_path, "expired", security) as service:
+        reasons = wait_for(
+            lambda: [r for r in _reasons(service) if r.startswith("kafka_auth_failed:")], 90, "kafka_auth_failed"
+        )
+        assert reasons[0].startswith("kafka_auth_failed: the broker refused the client certificate"), reasons
+        time.sleep(8)
+        assert service.process is not None and service.process.poll() is None
+        assert service.get("/v1/window")["seen_total"] == 0
+        assert len(_log_lines(service, "kafka_auth_failed")) == 1, _log_lines(service, "kafka_auth_failed")
+        _record(service)
+    SEEN.append(service.log_path.read_text())
+
+
+def test_plaintext_spoken_to_the_tls_port_is_named(broker: SecureBroker, tmp_path: Path) -> None:
+    with _service(broker, tmp_path, "plaintext", {"KAFKA_BOOTSTRAP": broker.tls}) as service:
+        reasons = wait_for(
+            lambda: [r for r in _reasons(service) if r.startswith("kafka_auth_failed:")], 90, "kafka_auth_failed"
+        )
+        assert "KAFKA_SECURITY_PROTOCOL" in reasons[0], reasons
+        time.sleep(8)
+        assert service.process is not None and service.process.poll() is None
+        assert service.get("/v1/window")["seen_total"] == 0
+        assert len(_log_lines(service, "kafka_auth_failed")) == 1, _log_lines(service, "kafka_auth_failed")
+        _record(service)
+    SEEN.append(service.log_path.read_text())
+
+
 def test_no_secret_in_any_log_response_metric_or_checkpoint(
     broker: SecureBroker, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

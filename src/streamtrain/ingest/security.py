@@ -277,6 +277,16 @@ def authorization_reason(
     return None
 
 
+#: TLS alerts a broker sends when it refuses the client's certificate (mutual TLS).
+_CLIENT_CERTIFICATE_ALERTS = (
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_CERTIFICATE_EXPIRED",
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_CERTIFICATE_REQUIRED",
+)
+
+
 def _auth_reason(exc: BaseException, s: Any) -> str | None:
     """A ``kafka_auth_failed:`` reason for an exception kafka-python's network layer logged."""
     text = str(exc)
@@ -291,6 +301,12 @@ def _auth_reason(exc: BaseException, s: Any) -> str | None:
             return (
                 f"{AUTH_FAILED}: TLS handshake failed ({detail}): is the listener PLAINTEXT? "
                 "check KAFKA_SECURITY_PROTOCOL"
+            )
+        refused = any(alert in text for alert in _CLIENT_CERTIFICATE_ALERTS)
+        if refused and s.kafka_ssl_certfile is not None:  # the broker's TLS alert about our certificate
+            return (
+                f"{AUTH_FAILED}: the broker refused the client certificate ({detail}): it has expired, or is "
+                "not signed by a CA the broker trusts; check KAFKA_SSL_CERTFILE"
             )
         return (
             f"{AUTH_FAILED}: TLS handshake failed ({detail}): "

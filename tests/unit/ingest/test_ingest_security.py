@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,19 @@ def test_auth_watch_keeps_plaintext_network_lines(tmp_path: Path) -> None:
     handshake = KafkaConnectionError("Handshake failed: [SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)")
     assert not watch.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", handshake))
     assert (watch.current() or "").startswith("kafka_auth_failed: TLS handshake failed")
+
+
+def test_a_refused_client_certificate_is_named(tmp_path: Path) -> None:
+    """The broker's TLS alert about the client's certificate (mutual TLS) says so; without a
+    client certificate the same alert is the generic handshake reason."""
+    cert, key = tmp_path / "svc.pem", tmp_path / "svc.key"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    alert = ssl.SSLError(1, "[SSL: SSLV3_ALERT_CERTIFICATE_UNKNOWN] sslv3 alert certificate unknown (_ssl.c:2580)")
+    mutual = AuthWatch(load_settings(kafka_security_protocol="SSL", kafka_ssl_certfile=cert, kafka_ssl_keyfile=key))
+    assert not mutual.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", alert))
+    assert (mutual.current() or "").startswith("kafka_auth_failed: the broker refused the client certificate")
+    assert "KAFKA_SSL_CERTFILE" in (mutual.current() or "")
+    plain_tls = AuthWatch(load_settings(kafka_security_protocol="SSL"))
+    assert not plain_tls.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", alert))
+    assert (plain_tls.current() or "").startswith("kafka_auth_failed: TLS handshake failed")
