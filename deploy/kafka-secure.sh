@@ -103,20 +103,8 @@ listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.se
 authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
 allow.everyone.if.no.acl.found=false
 super.users=User:ANONYMOUS;User:localhost;User:admin
-log.dirs=$data_dir
-num.partitions=1
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=4
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=false
-message.max.bytes=4194304
-log.retention.hours=24
-log.segment.bytes=67108864
 PROPS
+  single_node_props false >> "$props"
 }
 
 # Topics and the minimal ACL set of docs/operations.md, created as the super user admin.

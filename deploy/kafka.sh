@@ -62,6 +62,14 @@ advertised.listeners=PLAINTEXT://127.0.0.1:$port
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+PROPS
+  single_node_props true >> "$props"
+}
+
+# What every single-node broker here shares: storage, one replica of the internal topics, the
+# message limit; $1 is auto.create.topics.enable. deploy/kafka-secure.sh appends it too.
+single_node_props() {
+  cat <<PROPS
 log.dirs=$data_dir
 num.partitions=1
 offsets.topic.replication.factor=1
@@ -71,7 +79,7 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=true
+auto.create.topics.enable=$1
 message.max.bytes=4194304
 log.retention.hours=24
 log.segment.bytes=67108864
