@@ -5,11 +5,21 @@ Two append-only logs of JSON lines, each line closed by its CRC-32:
 * per Kafka partition, ``<dir>/partition-<p>.jsonl``: for every closed step that decided
   arrivals of partition p, ``{"s": step, "w": watermark, "a": [admitted offsets],
   "c": [sensors that became candidates]}``; the watermark is one past the highest offset
-  of p decided so far. Keyed by partition, so a partition's record moves with it between
-  processes (``DP_ADMISSION_DIR`` on a volume the replicas share);
+  of p the writer knew decided. Keyed by partition, so a partition's record moves with it
+  between processes (``DP_ADMISSION_DIR`` on a volume the replicas share);
 * per process, the clock log ``<checkpoint dir>/dp-clock.jsonl``: for every step that ran,
   ``{"s": step, "l": life, "e": [[lo, hi], ...]}`` — the admission steps whose records
   were eligible at it (``life`` counts the process's restarts).
+
+Several processes may append to one partition log (a partition moving between replicas, a
+restored process noting what its checkpoint knew), in any order: a partition's watermark
+is the **largest** in its log, never the last, so it only grows. Each append holds a POSIX
+record lock (``fcntl.lockf``; NFS v3 with lockd and v4 support it, as do local and
+ReadWriteMany volumes) over the cut of a torn tail, the write and the ``fsync``, so lines
+of two writers cannot interleave. A log past ``segment_bytes`` is closed as
+``<name>.<n>`` (n = 1, 2, ...; none is ever deleted: the participation proof reads them
+all) and its successor starts with a line carrying the closed segment's largest
+watermark, so a reader needs only the open segment.
 
 Lines are buffered and written with ``fsync`` by :meth:`AdmissionRecord.sync`, which the
 DP trainer calls before it publishes a model (and a rebalance before it gives a partition
@@ -17,11 +27,13 @@ away). On restart the record says the last step that ran (the clock continues af
 and each partition's watermark (offsets below it are never offered again), so an event
 takes part in at most its K eligible steps across crashes, restarts and partition moves
 (docs/privacy.md). A torn last line (a crash mid-write, never synced, so never published)
-is ignored; a damaged line before it is refused.
+is ignored and cut before the next append — only the bytes after the last complete line,
+however long that line is; a damaged complete line is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -40,8 +52,9 @@ log = logging.getLogger(__name__)
 
 CLOCK_LOG = "dp-clock.jsonl"
 ADMISSION_DIR = "dp-admissions"
-SEGMENT_BYTES = 64 << 20  # a log past this size is rotated to <name>.1 (one old segment kept)
-_PARTITION_FILE = re.compile(r"^partition-(\d+)\.jsonl(\.1)?$")
+SEGMENT_BYTES = 8 << 20  # an open log past this size is closed as <name>.<n> and a new one begun
+_PARTITION_FILE = re.compile(r"^partition-(\d+)\.jsonl(\.\d+)?$")
+_SCAN_CHUNK = 1 << 20
 
 
 class AdmissionRecordError(ValueError):
@@ -53,73 +66,97 @@ def _encode(entry: Mapping[str, Any]) -> bytes:
     return f"{body}\t{zlib.crc32(body.encode('ascii')):08x}\n".encode("ascii")
 
 
-def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
-    """Verified entries of one log (its rotated segment first).
-
-    A line without its newline is the torn end of a write that never completed — never
-    synced, so nothing published depended on it — and is skipped. A complete line that
-    fails its CRC is damage, and refused.
-    """
-    for part in (path.with_name(path.name + ".1"), path):
-        try:
-            data = part.read_bytes()
-        except FileNotFoundError:
-            continue
-        *complete, tail = data.split(b"\n")
-        if tail:
-            log.warning("admission record %s: skipping a torn last line (%d bytes)", part, len(tail))
-        for number, line in enumerate(complete, start=1):
-            try:
-                body, _, crc = line.decode("ascii").rpartition("\t")
-                if int(crc, 16) != zlib.crc32(body.encode("ascii")):
-                    raise ValueError("CRC mismatch")
-                yield json.loads(body)
-            except (ValueError, UnicodeDecodeError) as error:
-                raise AdmissionRecordError(
-                    f"admission record {part} line {number} is damaged ({error}); restore the file from backup "
-                    "or start a new DP deployment (empty CHECKPOINT_DIR and DP_ADMISSION_DIR)"
-                ) from None
-
-
-def _last_watermark(path: Path, tail_bytes: int = 1 << 16) -> int | None:
-    """The watermark of the last verified entry of one log file, reading only its tail."""
+def segments(path: Path) -> list[Path]:
+    """A log's files in write order: its closed segments ``<name>.1``, ``<name>.2``, ..., then the open one."""
+    closed: list[tuple[int, Path]] = []
     try:
-        with open(path, "rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            file.seek(max(0, size - tail_bytes))
-            tail = file.read()
+        names = os.listdir(path.parent)
     except FileNotFoundError:
-        return None
-    for line in reversed(tail.split(b"\n")[1 if size > tail_bytes else 0 : -1]):  # complete lines only
-        try:
-            body, _, crc = line.decode("ascii").rpartition("\t")
-            if int(crc, 16) == zlib.crc32(body.encode("ascii")):
-                return int(json.loads(body)["w"])
-        except (ValueError, UnicodeDecodeError, KeyError):
-            continue
-    if size > tail_bytes:  # no verified line in the tail: read it all (and refuse damage)
-        marks = [int(entry["w"]) for entry in _read_lines(path)]
-        return max(marks) if marks else None
-    return None
+        return []
+    prefix = path.name + "."
+    for name in names:
+        suffix = name[len(prefix) :] if name.startswith(prefix) else ""
+        if suffix.isdigit():
+            closed.append((int(suffix), path.with_name(name)))
+    found = [p for _, p in sorted(closed)]
+    return found + [path] if path.exists() else found
 
 
-def _cut_torn_tail(path: Path) -> None:
-    """Before appending: drop a torn last line, so it cannot merge with the next one."""
+def _read_segment(part: Path) -> Iterator[dict[str, Any]]:
+    """Verified entries of one file (see :func:`_entries`)."""
     try:
-        with open(path, "rb+") as file:
-            size = file.seek(0, os.SEEK_END)
-            if size == 0:
-                return
-            file.seek(size - 1)
-            if file.read(1) == b"\n":
-                return
-            chunk = min(size, 1 << 20)
-            file.seek(size - chunk)
-            last_newline = file.read(chunk).rfind(b"\n")
-            file.truncate(size - chunk + last_newline + 1 if last_newline >= 0 else 0)
+        data = part.read_bytes()
     except FileNotFoundError:
         return
+    yield from _entries(data, part)
 
+
+def _entries(data: bytes, part: Path) -> Iterator[dict[str, Any]]:
+    """Verified entries of one file's bytes: a torn last line is skipped, a damaged complete line refused.
+
+    A line without its newline is the torn end of a write that never completed — never
+    synced, so nothing published depended on it.
+    """
+    *complete, tail = data.split(b"\n")
+    if tail:
+        log.warning("admission record %s: skipping a torn last line (%d bytes)", part, len(tail))
+    for number, line in enumerate(complete, start=1):
+        try:
+            body, _, crc = line.decode("ascii").rpartition("\t")
+            if int(crc, 16) != zlib.crc32(body.encode("ascii")):
+                raise ValueError("CRC mismatch")
+            yield json.loads(body)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise AdmissionRecordError(
+                f"admission record {part} line {number} is damaged ({error}); restore the file from backup "
+                "or start a new DP deployment (empty CHECKPOINT_DIR and DP_ADMISSION_DIR)"
+            ) from None
+
+
+def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """Verified entries of one log, every segment in write order."""
+    for part in segments(path):
+        yield from _read_segment(part)
+
+
+def _largest_watermark(entries: Iterator[dict[str, Any]]) -> int | None:
+    """The largest watermark among one file's entries (the open segment starts with its predecessor's)."""
+    marks = [int(entry["w"]) for entry in entries if "w" in entry]
+    return max(marks) if marks else None
+
+
+def _complete_length(fd: int, size: int) -> int:
+    """The length of the file up to and including its last newline (0 if it has none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - _SCAN_CHUNK)
+        chunk = os.pread(fd, end - start, start)
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def _lock_open_segment(path: Path) -> int:
+    """Open ``path`` and hold its write lock, retrying if another writer closed the segment meanwhile.
+
+    A POSIX record lock belongs to the process and ends when *any* of its descriptors of the
+    file is closed: while it is held, the process must not open and close the file elsewhere
+    (:class:`AdmissionRecord` reads under its own lock, and rotation reads through this one).
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # renamed away between the lock and the stat: open the new segment
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 @dataclass
 class RecordState:
@@ -152,13 +189,14 @@ class AdmissionRecord:
     def load(self) -> RecordState:
         """Read both logs: the last step, the life count, watermarks and sensor candidacies."""
         state = RecordState()
-        for entry in _read_lines(self.clock_path):
-            state.last_step = max(state.last_step, int(entry["s"]))
-            state.life = max(state.life, int(entry.get("l", 0)))
-        for partition in self.partitions():
-            self._read_partition(partition, state)
-        self.synced_step = self._appended_step = state.last_step
-        self.life = state.life + 1
+        with self._lock:
+            for entry in _read_lines(self.clock_path):
+                state.last_step = max(state.last_step, int(entry["s"]))
+                state.life = max(state.life, int(entry.get("l", 0)))
+            for partition in self.partitions():
+                self._read_partition(partition, state)
+            self.synced_step = self._appended_step = state.last_step
+            self.life = state.life + 1
         return state
 
     def partitions(self) -> list[int]:
@@ -176,18 +214,23 @@ class AdmissionRecord:
     def watermarks(self, partitions: Sequence[int]) -> dict[int, int]:
         """The recorded watermark of each of ``partitions`` (read now: another process may have moved them).
 
-        Watermarks only grow, so the last complete line of a log holds its partition's; only
-        the log's tail is read (this runs in Kafka's rebalance callback).
+        The largest watermark any writer recorded, whatever order they wrote in; only the
+        open segment is read (it starts with the largest of the closed ones). Raises
+        :class:`AdmissionRecordError` for a damaged line.
         """
         found: dict[int, int] = {}
-        for partition in partitions:
-            path = self.partition_path(int(partition))
-            for part in (path, path.with_name(path.name + ".1")):
-                mark = _last_watermark(part)
-                if mark is not None:
-                    found[int(partition)] = mark
-                    break
+        with self._lock:  # not while this process holds a log's record lock (see _lock_open_segment)
+            for partition in partitions:
+                found.update(self._watermark(int(partition)))
         return found
+
+    def _watermark(self, partition: int) -> dict[int, int]:
+        """The open segment's largest watermark; the last closed one's if a crash left none open."""
+        for part in reversed(segments(self.partition_path(partition))):
+            mark = _largest_watermark(_read_segment(part))
+            if mark is not None:
+                return {partition: mark}
+        return {}
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -240,25 +283,39 @@ class AdmissionRecord:
             return target
 
     def _write(self, path: Path, lines: list[bytes]) -> None:
-        new_directory = not path.parent.exists()
+        """Append ``lines`` under the log's lock: cut a torn tail, close a full segment, write, fsync."""
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _cut_torn_tail(path)
+        existed = path.exists()
+        fd = _lock_open_segment(path)
         try:
-            if path.stat().st_size > self.segment_bytes:
-                os.replace(path, path.with_name(path.name + ".1"))
-        except FileNotFoundError:
-            pass
-        created = not path.exists()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
+            while True:
+                size = os.lseek(fd, 0, os.SEEK_END)
+                complete = _complete_length(fd, size)
+                if complete < size:  # a crash mid-write left a line without its newline: never synced
+                    log.warning("admission record %s: cutting a torn last line (%d bytes)", path, size - complete)
+                    os.ftruncate(fd, complete)
+                if complete <= self.segment_bytes:
+                    break
+                earlier = segments(path)[:-1]
+                number = int(earlier[-1].name.rsplit(".", 1)[1]) + 1 if earlier else 1
+                os.rename(path, path.with_name(f"{path.name}.{number}"))  # writers waiting reopen the new one
+                fsync_directory(path.parent)
+                new_fd = _lock_open_segment(path)  # maybe already begun by another writer
+                os.close(fd)  # releases the closed segment's lock
+                fd, existed = new_fd, False
+            if complete == 0 and path != self.clock_path:
+                earlier = segments(path)[:-1]
+                carried = _largest_watermark(_read_segment(earlier[-1])) if earlier else None
+                if carried is not None:  # a new open segment starts with the largest watermark so far
+                    lines = [_encode({"s": 0, "w": carried, "a": []}), *lines]
             data = b"".join(lines)
             written = 0
             while written < len(data):
-                written += os.write(fd, data[written:])
+                written += os.pwrite(fd, data[written:], complete + written)
             os.fsync(fd)
         finally:
             os.close(fd)
-        if created or new_directory:
+        if not existed:
             fsync_directory(path.parent)
 
 

@@ -12,10 +12,14 @@ One call of :meth:`DPEngine.step` runs one step of the public clock when it is d
    actual one — and take one optimizer step.
 
 The step runs even when nothing is sampled (a noise-only step), so whether and when a step
-happens never depends on the data; a step that raises is released as a noise-only step and
-the clock goes on, so a failure never wedges training. Per-step sample sizes are never
-reported: only totals over whole reporting periods (:class:`DPAggregates`), and those only
-on the operator plane.
+happens never depends on the data. A micro-batch whose computation raises is recomputed one
+record at a time, and a record whose own computation raises contributes zero — a decision
+about that record alone, like a non-finite gradient — so no record's content can make the
+step fail or drop another record. Anything else that raises (the window, the sampler, the
+noise, the optimizer: none of them depends on a record's content, and their sizes are
+bounded by public settings) releases the step as a noise-only step, and the clock goes on.
+Per-step sample sizes are never reported: only totals over whole reporting periods
+(:class:`DPAggregates`), and those only on the operator plane.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class DPAggregates:
     padded_tokens: int = 0
     micro_batches: int = 0
     nonfinite_examples: int = 0  # records whose gradient was not finite (they count as zero)
+    failed_records: int = 0  # records whose own computation raised (they count as zero)
     failed_steps: int = 0  # steps that raised and were released as noise-only steps
     step_seconds: float = 0.0
     periods: int = 0
@@ -153,6 +158,7 @@ class DPEngine:
         self.divisor = config.divisor
         self.record = record
         self.fault_injector: Any = None  # tests: called at the start of a step's training; may raise
+        self.record_fault: Any = None  # tests: called with each micro-batch's rows before its gradients; may raise
         self.last_failure: str | None = None
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self._device = next(iter(self._params.values())).device
@@ -264,30 +270,70 @@ class DPEngine:
         Token-budget micro-batches, clipped per-record vectors on the integer grid summed
         exactly, discrete Gaussian noise once, public divisor, optimizer step. ``groups``
         (sensor unit) gives each event's record. :meth:`step` feeds it the Poisson sample;
-        benchmarks and the audit feed it fixed batches.
+        benchmarks and the audit feed it fixed batches. A micro-batch that raises is redone
+        record by record; a record that raises alone contributes zero (``failed_records``).
         """
         sums = {name: torch.zeros(p.shape, dtype=torch.int64, device=p.device) for name, p in self._params.items()}
-        sequences = tokens = padded = micro_batches = nonfinite = 0
+        totals = DPAggregates(steps=1)
         if len(values):
+            label_array = np.asarray(labels)
             for batch_rows in self._micro_batches(values, groups):
-                batch = collate([values[i] for i in batch_rows], labels=np.asarray(labels)[batch_rows],
-                                pad_to_multiple_of=self.budget.pad_to_multiple_of).to(self._device)  # fmt: skip
-                x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
-                local = None
-                if groups is not None:
-                    _, inverse = np.unique(np.asarray(groups)[batch_rows], return_inverse=True)
-                    local = torch.as_tensor(inverse, dtype=torch.int64, device=self._device)
-                part, norms = self.gradients.grid_sum(x_norm, batch.mask, batch.labels, groups=local)
-                for name, value in part.items():
-                    sums[name].add_(value)
-                sequences += batch.batch_size
-                tokens += batch.real_tokens
-                padded += batch.padded_tokens
-                micro_batches += 1
-                nonfinite += int((~torch.isfinite(norms)).sum())
+                try:
+                    totals = totals + self._add_micro_batch(sums, values, label_array, groups, batch_rows)
+                except Exception:  # noqa: BLE001 - isolate the record(s) that cannot be computed
+                    log.warning("DP micro-batch of %d events failed; computing its records one by one", len(batch_rows))
+                    totals = totals + self._add_records_one_by_one(sums, values, label_array, groups, batch_rows)
         self._add_noise_and_step(sums)
-        return DPAggregates(steps=1, sampled_sequences=sequences, sampled_tokens=tokens, padded_tokens=padded,
-                            micro_batches=micro_batches, nonfinite_examples=nonfinite)  # fmt: skip
+        return totals
+
+    def _add_micro_batch(
+        self,
+        sums: dict[str, torch.Tensor],
+        values: Sequence[np.ndarray],
+        labels: np.ndarray,
+        groups: np.ndarray | None,
+        batch_rows: np.ndarray,
+    ) -> DPAggregates:
+        """Add one micro-batch's clipped integer vectors to ``sums`` (all or nothing)."""
+        batch = collate([values[i] for i in batch_rows], labels=labels[batch_rows],
+                        pad_to_multiple_of=self.budget.pad_to_multiple_of).to(self._device)  # fmt: skip
+        x_norm = self.norm.normalize(batch.values).float() * batch.mask[..., None]
+        local = None
+        if groups is not None:
+            _, inverse = np.unique(np.asarray(groups)[batch_rows], return_inverse=True)
+            local = torch.as_tensor(inverse, dtype=torch.int64, device=self._device)
+        if self.record_fault is not None:
+            self.record_fault(batch_rows)
+        part, norms = self.gradients.grid_sum(x_norm, batch.mask, batch.labels, groups=local)
+        for name, value in part.items():
+            sums[name].add_(value)
+        return DPAggregates(sampled_sequences=batch.batch_size, sampled_tokens=batch.real_tokens,
+                            padded_tokens=batch.padded_tokens, micro_batches=1,
+                            nonfinite_examples=int((~torch.isfinite(norms)).sum()))  # fmt: skip
+
+    def _add_records_one_by_one(
+        self,
+        sums: dict[str, torch.Tensor],
+        values: Sequence[np.ndarray],
+        labels: np.ndarray,
+        groups: np.ndarray | None,
+        batch_rows: np.ndarray,
+    ) -> DPAggregates:
+        """A failed micro-batch again, one privacy unit at a time; a unit that raises counts as zero."""
+        rows = np.asarray(batch_rows)
+        units = (
+            [rows[np.asarray(groups)[rows] == g] for g in np.unique(np.asarray(groups)[rows])]
+            if groups is not None
+            else [rows[i : i + 1] for i in range(rows.size)]
+        )
+        totals = DPAggregates()
+        for unit_rows in units:
+            try:
+                totals = totals + self._add_micro_batch(sums, values, labels, groups, unit_rows)
+            except Exception as error:  # noqa: BLE001 - this unit alone: its contribution is zero
+                self.last_failure = f"a record's gradient: {type(error).__name__}: {error}"
+                totals = totals + DPAggregates(failed_records=1)
+        return totals
 
     def _add_noise_and_step(self, sums: dict[str, torch.Tensor]) -> None:
         """Integer sum + N_Z(0, (σ·grid)²) per coordinate, exactly; then scale and step (post-processing)."""
@@ -308,7 +354,21 @@ class DPEngine:
         return self.clock.steps_done
 
     def epsilon_spent(self) -> float:
-        """The largest ε any single privacy unit has spent so far (capped at its lifetime value)."""
+        """The most ε any privacy unit can have spent by the current public clock step (public).
+
+        A function of the settings and the clock alone — never of which events arrived — so
+        it can be released: an event admitted at step 1 has been eligible at min(t, K) of the
+        t steps so far; a sensor can have become a candidate at most once every K steps,
+        ceil(t / K) times by step t, and at most G times ever (docs/privacy.md, public plane).
+        """
+        steps = self.steps
+        if self.lifetime is not None:
+            most_groups = -(-steps // self.config.eligible_steps)
+            return self.lifetime.epsilon_after(min(most_groups, self.lifetime.max_groups))
+        return self.accountant.epsilon_after(min(steps, self.config.eligible_steps))
+
+    def epsilon_spent_by_data(self) -> float:
+        """The ε of the most exposed unit that actually arrived: data-dependent, operator plane only."""
         if self.lifetime is not None:
             return self.lifetime.epsilon_after(self.window.most_groups())
         return self.accountant.epsilon_after(self.window.steps_eligible_so_far())
@@ -364,6 +424,7 @@ class DPEngine:
             "sensors_in_ledger": len(self.window.ledger),
             "watermarks": {str(p): o for p, o in sorted(self.window.watermarks.items())},
             "last_failure": self.last_failure,
+            "epsilon_spent_by_data": self.epsilon_spent_by_data(),
         }
 
     # -- checkpoints and restarts ---------------------------------------------------------------

@@ -17,7 +17,10 @@ public time.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,28 @@ from streamtrain.training.publishing import ModelTrainer, PublishedModel
 from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
+
+#: The exit status of a process that fenced itself (EX_TEMPFAIL: restart it, it resumes from its record).
+EXIT_DP_FENCED = 75
+#: A revocation's sync is retried this often (with doubling waits from the first) before the process fences itself.
+REVOKE_SYNC_ATTEMPTS = 3
+REVOKE_SYNC_FIRST_WAIT_S = 0.5
+
+
+class AdmissionsFenced(OSError):
+    """This process may neither publish nor checkpoint again: another may admit what it did not record."""
+
+
+def end_process_fenced(why: str) -> None:
+    """Leave at once (exit 75), from whichever thread fenced: nothing after the fence may reach a release."""
+    log.critical("DP: leaving the process (exit %d): %s", EXIT_DP_FENCED, why)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stderr.flush()
+    os._exit(EXIT_DP_FENCED)
 
 
 def dp_config(settings: Settings) -> DPConfig:
@@ -87,6 +112,11 @@ class DPTrainer(ModelTrainer):
         self.step_seconds = 0.0  # operator plane only
         self.data_wait_seconds = 0.0
         self.record_error: str | None = None
+        self.assign_error: str | None = None  # partitions given to us whose watermarks could not be read
+        #: Set when this life may no longer release anything (docs/privacy.md, Revocation fenced).
+        self.fenced: str | None = None
+        #: Called with the reason once fenced; the default ends the process (a restart resumes from the record).
+        self.on_fenced: Callable[[str], None] = end_process_fenced
         self._publish_after: int | None = None  # a step whose model is published when the next one is due
         self._publish_at_step = 0
         self._exported = DPAggregates()
@@ -119,7 +149,12 @@ class DPTrainer(ModelTrainer):
         return self.engine.model_info()
 
     def readiness_notes(self) -> list[str]:
-        return [] if self.record_error is None else [f"dp_admission_record_failing: {self.record_error}"]
+        notes = [] if self.record_error is None else [f"dp_admission_record_failing: {self.record_error}"]
+        if self.assign_error is not None:
+            notes.append(f"dp_partitions_not_admitted: {self.assign_error}")
+        if self.fenced is not None:
+            notes.append(f"dp_fenced: {self.fenced}")
+        return notes
 
     def report(self) -> TrainerReport:
         """Only the public clock and ε: nothing data-dependent."""
@@ -140,27 +175,67 @@ class DPTrainer(ModelTrainer):
 
     # ------------------------------------------------------------------ partitions
     def on_partitions_assigned(self, partitions: list[int]) -> None:
-        """A partition arrives (maybe from another replica): admit only above its recorded watermark."""
-        self.engine.window.own(partitions, self.record.watermarks(partitions))
+        """A partition arrives (maybe from another replica): admit only above its recorded watermark.
+
+        If the record cannot be read, the partitions are not admitted from at all (until the
+        next assignment): admitting without their watermarks could decide an event twice.
+        """
+        try:
+            marks = self.record.watermarks(partitions)
+        except (OSError, AdmissionRecordError) as err:
+            self.assign_error = f"partitions {sorted(partitions)}: admission record unreadable ({err})"
+            log.error("DP: %s; their events are not admitted", self.assign_error)
+            self.engine.window.own([], {})  # from here on only owned partitions are admitted
+            self.engine.window.drop_partitions(partitions)
+            return
+        self.assign_error = None
+        self.engine.window.own(partitions, marks)
 
     def on_partitions_revoked(self, partitions: list[int]) -> None:
-        """A partition leaves: stop admitting it, and make its decisions durable for the next owner."""
+        """A partition leaves: stop admitting it, and make its decisions durable for the next owner.
+
+        Runs before the rebalance can complete. If the record still cannot be made durable
+        after a few tries, the next owner would read an older watermark and could admit what
+        this process trained on: so this process fences itself — it never publishes or
+        checkpoints again — and ends (:attr:`on_fenced`); its restart resumes from the
+        durable record and checkpoint, in which those admissions never happened.
+        """
         self.engine.window.drop_partitions(partitions)
-        try:
-            self.record.sync()
-        except OSError as err:
-            self._record_failed(err)
+        wait = REVOKE_SYNC_FIRST_WAIT_S
+        for attempt in range(1, REVOKE_SYNC_ATTEMPTS + 1):
+            try:
+                self.record.sync()
+                return
+            except OSError as err:
+                self._record_failed(err)
+                if attempt == REVOKE_SYNC_ATTEMPTS:
+                    self._fence(
+                        f"partitions {sorted(partitions)} were revoked but the admission record could not be made "
+                        f"durable ({err})"
+                    )
+                    return
+                time.sleep(wait)
+                wait *= 2
+
+    def _fence(self, why: str) -> None:
+        with self.lock:  # a step or a checkpoint in progress finishes first; none starts after
+            self.fenced = why
+        log.critical("DP fenced: %s; nothing is published or checkpointed from here on", why)
+        self.on_fenced(why)
 
     # ------------------------------------------------------------------ training and publishing
     def publish(self) -> PublishedModel | None:  # type: ignore[override]
-        """Publish only once the admission record covers every step the model used."""
-        try:
-            self.record.sync()
-        except OSError as err:
-            self._record_failed(err)
-            return None
-        self.record_error = None
-        return super().publish()
+        """Publish only once the admission record covers every step the model used (never once fenced)."""
+        with self.lock:  # the fence is set under this lock: checked and published as one
+            if self.fenced is not None:
+                return None
+            try:
+                self.record.sync()
+            except OSError as err:
+                self._record_failed(err)
+                return None
+            self.record_error = None
+            return super().publish()
 
     def _record_failed(self, err: OSError) -> None:
         self.record_error = f"admission record not durable ({err}); models are held back"
@@ -202,6 +277,8 @@ class DPTrainer(ModelTrainer):
         """The checkpoint's trainer state; the admission record is synced first (OSError: no
         checkpoint), so the record always covers whatever a checkpoint holds."""
         with self.lock:
+            if self.fenced is not None:
+                raise AdmissionsFenced(self.fenced)
             self.record.sync()
             return {
                 "model": self.model.state_dict(),

@@ -81,7 +81,7 @@ class StepDecision:
 
     step: int
     admitted: dict[int, list[int]]  # partition -> admitted offsets (ascending)
-    watermarks: dict[int, int]  # partition -> one past the highest offset decided at this step
+    watermarks: dict[int, int]  # partition (decided at this step) -> one past its highest decided offset
     candidates: dict[int, list[str]]  # sensor unit: partition -> sensors that became candidates
     admitted_records: int
 
@@ -296,7 +296,7 @@ class DPWindow:
             return StepDecision(
                 step=step,
                 admitted={p: sorted(o) for p, o in admitted.items()},
-                watermarks=dict(pending.watermarks),
+                watermarks={p: self.watermarks[p] for p in pending.watermarks},  # all this process knew decided
                 candidates=candidates,
                 admitted_records=len(admitted_items),
             )

@@ -115,3 +115,77 @@ def test_a_moved_partitions_watermark_is_read_from_the_logs_tail(tmp_path: Path)
     with open(record.partition_path(3), "ab") as file:
         file.write(b'{"s":400,"w":99')  # torn: ignored
     assert elsewhere.watermarks([3]) == {3: 3991}
+
+
+def test_a_partitions_watermark_is_the_largest_recorded_whatever_order_writers_appended(tmp_path: Path) -> None:
+    """The rollback reproduction: the owner reached 251, then a restored process noted its checkpoint's 101."""
+    owner = make(tmp_path)
+    owner.append(decision(7, {3: [250]}, {3: 251}), [(1, 7)])
+    owner.sync()
+    restored = AdmissionRecord(tmp_path / "adm", tmp_path / "ckpt-b" / "dp-clock.jsonl")  # a replica, same dir
+    restored.note_watermarks(2, {3: 101})
+    restored.sync()
+    assert make(tmp_path).watermarks([3]) == {3: 251}
+    assert make(tmp_path).load().watermarks == {3: 251}
+
+
+def test_a_torn_line_longer_than_the_scan_chunk_costs_no_synced_line(tmp_path: Path) -> None:
+    record = make(tmp_path)
+    record.append(decision(1, {0: [5]}, {0: 6}), [(1, 1)])
+    record.sync()
+    with open(record.partition_path(0), "ab") as file:
+        file.write(b'{"s":2,"w":9,"a":[' + b"1," * (1 << 20))  # a 2 MiB line cut short by a crash
+    again = make(tmp_path)
+    again.load()
+    again.append(decision(2, {0: [7]}, {0: 8}), [(1, 2)])
+    again.sync()
+    state = make(tmp_path).load()
+    assert state.watermarks == {0: 8}
+    counted = participation(tmp_path / "adm", tmp_path / "ckpt" / "dp-clock.jsonl")
+    assert counted.admissions == {(0, 5): [1], (0, 7): [2]}  # the synced line before the torn one is kept
+
+
+def test_rotation_keeps_every_segment_and_the_open_one_carries_the_largest_watermark(tmp_path: Path) -> None:
+    record = AdmissionRecord(tmp_path / "adm", tmp_path / "clock.jsonl", segment_bytes=100)
+    for step in range(1, 13):
+        record.append(decision(step, {0: [10 * step]}, {0: 10 * step + 1}), [(1, step)])
+        record.sync()
+    closed = sorted((tmp_path / "adm").glob("partition-0.jsonl.*"))
+    assert len(closed) >= 3  # rotated several times: an old segment is never deleted
+    counted = participation(tmp_path / "adm", tmp_path / "clock.jsonl")
+    assert sorted(counted.admissions) == [(0, 10 * step) for step in range(1, 13)]
+    away = tmp_path / "closed"
+    away.mkdir()
+    for segment in closed:
+        segment.rename(away / segment.name)  # the open segment alone says the largest watermark ...
+    record.append(decision(13, {}, {0: 5}), [(1, 13)])  # ... and a lower mark appended later does not win
+    record.sync()
+    assert AdmissionRecord(tmp_path / "adm", tmp_path / "other.jsonl").watermarks([0]) == {0: 121}
+
+
+def _append_many(directory: str, clock: str, writer: int, count: int) -> None:
+    record = AdmissionRecord(directory, clock, segment_bytes=1 << 16)
+    for step in range(1, count + 1):
+        offsets = list(range(writer * 100_000 + step * 100, writer * 100_000 + step * 100 + 60))
+        record.append(decision(step, {0: offsets}, {0: offsets[-1] + 1}), [(1, step)])
+        record.sync()
+
+
+def test_processes_appending_to_one_log_at_once_never_interleave_a_line(tmp_path: Path) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=_append_many, args=(str(tmp_path / "adm"), str(tmp_path / f"clock-{w}.jsonl"), w, 150))
+        for w in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    record = AdmissionRecord(tmp_path / "adm", tmp_path / "clock-0.jsonl")
+    state = record.load()  # a damaged line would raise here
+    assert state.watermarks == {0: 2 * 100_000 + 150 * 100 + 60}
+    counted = participation(tmp_path / "adm", tmp_path / "clock-0.jsonl")
+    assert len(counted.admissions) == 3 * 150 * 60  # every line of every writer, none lost or merged

@@ -161,7 +161,7 @@ def test_a_step_that_raises_is_a_noise_only_step_and_training_goes_on(tmp_path) 
     engine.admit(arrivals(4, 1), now=0.01)
 
     def boom() -> None:
-        raise RuntimeError("out of memory in a micro-batch")
+        raise RuntimeError("the sampler ran out of memory")
 
     engine.fault_injector = boom
     before = flat_parameters(engine)
@@ -224,3 +224,39 @@ def test_a_dp_checkpoint_of_the_older_format_is_refused_in_one_line() -> None:
     del state["window"]["watermarks"], state["window"]["pending"]["offsets"]
     with pytest.raises(DPConfigError, match="older streamtrain"):
         make_engine().load_state_dict(state)
+
+
+class CapturedSums:
+    """Test double for the noise-and-step stage: keeps the exact integer sum a step would noise."""
+
+    def __init__(self) -> None:
+        self.sums: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, sums: dict[str, torch.Tensor]) -> None:
+        self.sums.append({name: total.clone() for name, total in sums.items()})
+
+
+@pytest.mark.parametrize("unit", ["event", "sensor"])
+def test_a_record_whose_computation_raises_counts_as_zero_and_the_others_still_count(unit: str) -> None:
+    """Not a noise-only step (which would drop every record for one record's sake): the record alone is zero."""
+    engine = make_engine(q0=1.0, target_epsilon=1e6)
+    with torch.no_grad():  # a network that does something: the zero head would hide every body gradient
+        for parameter in engine.model.parameters():
+            parameter.normal_(0.0, 0.3)
+    captured = CapturedSums()
+    engine._add_noise_and_step = captured  # type: ignore[method-assign]
+    items = arrivals(6, 3)
+    values = [e.values for e in items]
+    labels = EventBatch.from_events(items).labels
+    groups = np.asarray([0, 0, 1, 1, 2, 2]) if unit == "sensor" else None
+    poison = 2  # its unit: the event alone, or the sensor group of events 2 and 3
+    engine.record_fault = lambda rows: (_ for _ in ()).throw(MemoryError("one record")) if poison in rows else None
+    totals = engine.noisy_step(values, labels, groups)
+    engine.record_fault = None
+    kept = [i for i in range(6) if i != poison and not (unit == "sensor" and i == 3)]
+    reference = engine.noisy_step([values[i] for i in kept], labels[kept], None if groups is None else groups[kept])
+    assert totals.failed_records == 1 and totals.sampled_sequences == len(kept) == reference.sampled_sequences
+    assert sum(int(total.abs().sum()) for total in captured.sums[0].values()) > 0
+    for name, total in captured.sums[0].items():
+        # computed alone instead of in one padded micro-batch: each vector may round one grid unit apart
+        assert (total - captured.sums[1][name]).abs().max() <= len(kept), name

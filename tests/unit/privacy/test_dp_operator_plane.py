@@ -166,3 +166,102 @@ def test_a_record_older_than_the_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "dp-clock.jsonl").unlink()  # the record was lost
     with pytest.raises(AdmissionRecordError, match="deleted or rolled back"):
         make_service(tmp_path).restore()
+
+
+class FrozenClock:
+    """Stands in for ``time.time`` in the DP trainer: both services see the same public times."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sensor_events(sensor: str, partition: int, offsets: range) -> EventBatch:
+    rng = np.random.default_rng(abs(hash(sensor)) % 2**32 + offsets.start)
+    events = [SensorEvent(sensor, 0.0, rng.normal(size=(6, 1)).astype(np.float32)) for _ in offsets]
+    return EventBatch.from_events(events, partitions=[partition] * len(offsets), offsets=list(offsets))
+
+
+def test_the_public_plane_is_byte_identical_for_streams_that_differ_in_one_sensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same settings, same public clock: /v1/model and /metrics agree, though sensor "a" sent only to one."""
+    clock = FrozenClock()
+    monkeypatch.setattr("streamtrain.privacy.trainer.time.time", clock)
+    rate = DP["dp_step_rate_hz"]
+    both: list[Service] = []
+    for name in ("with-a", "without-a"):
+        service = make_service(tmp_path / name)
+        service.restore()
+        both.append(service)
+    clock.now = 1000.0
+    for service in both:
+        service.trainer._work()  # anchors the public clock at the same time
+    offsets = {"with-a": 0, "without-a": 0}
+    for k in range(1, 25):
+        clock.now = 1000.0 + (k - 0.5) / rate
+        for name, service in zip(offsets, both, strict=True):
+            start = offsets[name]
+            batches = [sensor_events("b", 0, range(start, start + 3))] if k >= 4 else []
+            if name == "with-a":
+                batches.insert(0, sensor_events("a", 1, range(start, start + 5)))
+            for batch in batches:
+                service.trainer.admit(batch, {0: start + 3, 1: start + 5})
+            offsets[name] = start + 5
+        clock.now = 1000.0 + k / rate + 1e-4
+        for service in both:
+            service.trainer._work()
+        if k in (6, 24):  # still growing at 6 (K = 10), capped at 24
+            assert all(service.trainer.step == k and service.trainer.published is not None for service in both)
+            pages = []
+            for service in both:
+                with TestClient(create_app(service)) as client:
+                    pages.append((client.get("/v1/model").content, client.get("/metrics").content))
+            assert b'"epsilon":0.0' not in pages[0][0]
+            assert pages[0] == pages[1]
+        if k == 6:
+            spent = [s.trainer.engine.epsilon_spent_by_data() for s in both]
+    assert spent[0] > spent[1]  # the data-dependent figure (operator plane) does differ: the test can tell
+
+
+def test_a_revocation_whose_record_cannot_be_made_durable_fences_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("streamtrain.privacy.trainer.REVOKE_SYNC_FIRST_WAIT_S", 0.0)
+    service = make_service(tmp_path, dp_admission_dir=tmp_path / "record")
+    service.restore()
+    trainer = service.trainer
+    fenced: list[str] = []
+    trainer.on_fenced = fenced.append
+    trainer.on_partitions_assigned([0])
+    trainer.admit(arrivals(0, range(0, 20)), {0: 20})
+    run_until_decided(service, 0, 20)
+    assert trainer.publish() is not None
+    trainer.admit(arrivals(0, range(20, 30)), {0: 30})
+    run_until_decided(service, 0, 30)  # decided, not yet durable
+    (tmp_path / "record").rename(tmp_path / "record-away")
+    (tmp_path / "record").write_text("not a directory: the record cannot be written")
+    trainer.on_partitions_revoked([0])
+    assert len(fenced) == 1 and "revoked" in fenced[0] and trainer.fenced == fenced[0]
+    (tmp_path / "record").unlink()
+    (tmp_path / "record-away").rename(tmp_path / "record")  # the disk is back: still nothing may leave
+    version = trainer._version
+    assert trainer.publish() is None and trainer._version == version
+    assert service.checkpoint() is None and "fenced" not in (service.checkpoint_error or "fenced")
+    assert any(r.startswith("dp_fenced:") for r in service.readiness()[1])
+    # the next owner reads the last durable watermark: what this process decided after it never happened
+    assert AdmissionRecord(tmp_path / "record", tmp_path / "other" / "clock.jsonl").watermarks([0]) == {0: 20}
+
+
+def test_partitions_whose_watermarks_cannot_be_read_are_not_admitted(tmp_path: Path) -> None:
+    service = make_service(tmp_path, dp_admission_dir=tmp_path / "record")
+    service.restore()
+    trainer = service.trainer
+    (tmp_path / "record").mkdir()
+    (tmp_path / "record" / "partition-0.jsonl").write_bytes(b'{"s":1,"w":5,"a":[]}\tdeadbeef\n')  # damaged
+    trainer.on_partitions_assigned([0])
+    assert any(r.startswith("dp_partitions_not_admitted:") for r in service.readiness()[1])
+    trainer.admit(arrivals(0, range(0, 10)), {0: 10})
+    assert trainer.engine.window.arrived_total == 0
