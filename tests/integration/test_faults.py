@@ -55,8 +55,12 @@ SETTINGS = dict(max_len=16, window_capacity=50_000, half_life_s="inf", admin_tok
 class IdentifiedStream:
     """Produces events with unique ids and records where Kafka put each one."""
 
-    def __init__(self, bootstrap: str, topic: str, **producer_config: Any) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, keyed: bool = True, sensors: int = 7, **producer_config: Any
+    ) -> None:
         self.topic = topic
+        self.sensors = sensors  # event i comes from sensor-(i % sensors)
+        self.keyed = keyed  # False: no key, so one sensor's events spread over every partition
         self.producer = KafkaProducer(
             bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=5, **producer_config
         )
@@ -71,10 +75,11 @@ class IdentifiedStream:
             for _ in range(count):
                 event_id = self.next_id
                 self.next_id += 1
-                sensor = f"sensor-{event_id % 7}"
+                sensor = f"sensor-{event_id % self.sensors}"
                 values = [float(event_id)] + [0.1 * (event_id % 13) + k for k in range(1 + event_id % 6)]
                 payload = {"sensor_id": sensor, "ts": now - 1.0, "values": values, "event_id": f"ev-{event_id}"}
-                future = self.producer.send(self.topic, key=sensor.encode(), value=orjson.dumps(payload))
+                key = sensor.encode() if self.keyed else None
+                future = self.producer.send(self.topic, key=key, value=orjson.dumps(payload))
                 self._pending.append((event_id, future))
 
     def flush(self, timeout_s: float = 120) -> dict[tuple[int, int], int]:

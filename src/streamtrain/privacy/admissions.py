@@ -34,18 +34,19 @@ however long that line is; a damaged complete line is refused.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import re
 import threading
-import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streamtrain.checkpoint.files import fsync_directory
+from streamtrain.privacy.jsonlines import AdmissionRecordError as AdmissionRecordError
+from streamtrain.privacy.jsonlines import encode_line, verified_entries
+from streamtrain.privacy.ledger import LEDGER_LOG, SensorLedger, writer_id
 from streamtrain.privacy.window import StepDecision
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,6 @@ ADMISSION_DIR = "dp-admissions"
 SEGMENT_BYTES = 8 << 20  # an open log past this size is closed as <name>.<n> and a new one begun
 _PARTITION_FILE = re.compile(r"^partition-(\d+)\.jsonl(\.\d+)?$")
 _SCAN_CHUNK = 1 << 20
-
-
-class AdmissionRecordError(ValueError):
-    """The admission record is damaged or older than the checkpoint: restoring would re-admit events."""
-
-
-def _encode(entry: Mapping[str, Any]) -> bytes:
-    body = json.dumps(entry, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    return f"{body}\t{zlib.crc32(body.encode('ascii')):08x}\n".encode("ascii")
 
 
 def segments(path: Path) -> list[Path]:
@@ -88,29 +80,7 @@ def _read_segment(part: Path) -> Iterator[dict[str, Any]]:
         data = part.read_bytes()
     except FileNotFoundError:
         return
-    yield from _entries(data, part)
-
-
-def _entries(data: bytes, part: Path) -> Iterator[dict[str, Any]]:
-    """Verified entries of one file's bytes: a torn last line is skipped, a damaged complete line refused.
-
-    A line without its newline is the torn end of a write that never completed — never
-    synced, so nothing published depended on it.
-    """
-    *complete, tail = data.split(b"\n")
-    if tail:
-        log.warning("admission record %s: skipping a torn last line (%d bytes)", part, len(tail))
-    for number, line in enumerate(complete, start=1):
-        try:
-            body, _, crc = line.decode("ascii").rpartition("\t")
-            if int(crc, 16) != zlib.crc32(body.encode("ascii")):
-                raise ValueError("CRC mismatch")
-            yield json.loads(body)
-        except (ValueError, UnicodeDecodeError) as error:
-            raise AdmissionRecordError(
-                f"admission record {part} line {number} is damaged ({error}); restore the file from backup "
-                "or start a new DP deployment (empty CHECKPOINT_DIR and DP_ADMISSION_DIR)"
-            ) from None
+    yield from verified_entries(data, part)
 
 
 def _read_lines(path: Path) -> Iterator[dict[str, Any]]:
@@ -158,6 +128,7 @@ def _lock_open_segment(path: Path) -> int:
             raise
         os.close(fd)
 
+
 @dataclass
 class RecordState:
     """What the record says on start-up."""
@@ -171,10 +142,19 @@ class RecordState:
 class AdmissionRecord:
     """Buffered, fsync'd admission logs; thread-safe (trainer appends and syncs, a rebalance syncs)."""
 
-    def __init__(self, directory: Path | str, clock_path: Path | str, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        clock_path: Path | str,
+        segment_bytes: int = SEGMENT_BYTES,
+        writer: str | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.clock_path = Path(clock_path)
         self.segment_bytes = int(segment_bytes)
+        #: This process's name in the shared record (its checkpoint directory keeps it across restarts).
+        self.writer = writer if writer is not None else writer_id(self.clock_path.parent)
+        self.ledger = SensorLedger(self.directory / LEDGER_LOG, self.writer)
         self._lock = threading.Lock()
         self._buffers: dict[Path, list[bytes]] = {}
         self.synced_step = 0  # every step up to this one is durable
@@ -193,8 +173,12 @@ class AdmissionRecord:
             for entry in _read_lines(self.clock_path):
                 state.last_step = max(state.last_step, int(entry["s"]))
                 state.life = max(state.life, int(entry.get("l", 0)))
+            shared_ledger = self.ledger.path.exists()
             for partition in self.partitions():
                 self._read_partition(partition, state)
+            if shared_ledger:
+                state.candidates = {}  # the shared ledger has them, with their writers (privacy/ledger.py)
+                self.ledger.refresh()
             self.synced_step = self._appended_step = state.last_step
             self.life = state.life + 1
         return state
@@ -243,12 +227,18 @@ class AdmissionRecord:
                     "s": decision.step,
                     "w": int(decision.watermarks.get(partition, 0)),
                     "a": [int(o) for o in decision.admitted.get(partition, [])],
+                    "by": self.writer,
                 }
                 if decision.candidates.get(partition):
                     entry["c"] = list(decision.candidates[partition])
-                self._buffers.setdefault(self.partition_path(partition), []).append(_encode(entry))
-            clock = {"s": decision.step, "l": self.life, "e": [[int(lo), int(hi)] for lo, hi in eligible]}
-            self._buffers.setdefault(self.clock_path, []).append(_encode(clock))
+                self._buffers.setdefault(self.partition_path(partition), []).append(encode_line(entry))
+            clock = {
+                "s": decision.step,
+                "l": self.life,
+                "e": [[int(lo), int(hi)] for lo, hi in eligible],
+                "by": self.writer,
+            }
+            self._buffers.setdefault(self.clock_path, []).append(encode_line(clock))
             self._appended_step = max(self._appended_step, decision.step)
 
     def note_watermarks(self, step: int, watermarks: Mapping[int, int]) -> None:
@@ -256,7 +246,7 @@ class AdmissionRecord:
         with self._lock:
             for partition, mark in sorted(watermarks.items()):
                 entry = {"s": int(step), "w": int(mark), "a": []}
-                self._buffers.setdefault(self.partition_path(partition), []).append(_encode(entry))
+                self._buffers.setdefault(self.partition_path(partition), []).append(encode_line(entry))
 
     @property
     def pending(self) -> bool:
@@ -271,6 +261,7 @@ class AdmissionRecord:
         """
         with self._lock:
             target = self._appended_step
+            self.ledger.sync()  # candidacies first: a partition log never points at a lost one
             paths = sorted((p for p in self._buffers if p != self.clock_path), key=str)
             if self.clock_path in self._buffers:
                 paths.append(self.clock_path)
@@ -307,7 +298,7 @@ class AdmissionRecord:
                 earlier = segments(path)[:-1]
                 carried = _largest_watermark(_read_segment(earlier[-1])) if earlier else None
                 if carried is not None:  # a new open segment starts with the largest watermark so far
-                    lines = [_encode({"s": 0, "w": carried, "a": []}), *lines]
+                    lines = [encode_line({"s": 0, "w": carried, "a": []}), *lines]
             data = b"".join(lines)
             written = 0
             while written < len(data):
@@ -330,21 +321,35 @@ class Participation:
 
     admissions: dict[tuple[int, int], list[int]]  # -> admission steps
     steps: dict[tuple[int, int], int]  # -> steps (all lives) at which one of its admissions was eligible
+    writers: dict[tuple[int, int], list[str | None]]  # -> the process that made each admission
 
 
-def participation(directory: Path | str, clock_path: Path | str) -> Participation:
-    """Count, from the record alone, every admitted event's admissions and eligible steps."""
-    record = AdmissionRecord(directory, clock_path)
+def participation(directory: Path | str, clock_paths: Path | str | Sequence[Path | str]) -> Participation:
+    """Count, from the record alone, every admitted event's admissions and eligible steps.
+
+    ``clock_paths``: the clock log of every process that wrote to ``directory`` (one per
+    replica). An admission is matched with the clock of the process that made it (each
+    line names its writer; lines of a record from before writers were named share one).
+    """
+    paths = [Path(clock_paths)] if isinstance(clock_paths, (str, Path)) else [Path(p) for p in clock_paths]
+    record = AdmissionRecord(directory, paths[0], writer="participation-audit")
     admissions: dict[tuple[int, int], list[int]] = {}
+    made_by: dict[tuple[int, int], list[str | None]] = {}
     for partition in record.partitions():
         for entry in _read_lines(record.partition_path(partition)):
             for offset in entry.get("a", []):
                 admissions.setdefault((partition, int(offset)), []).append(int(entry["s"]))
-    # steps at which each admission step's records were eligible, over every life
-    eligible_at: dict[int, int] = {}
-    for entry in _read_lines(Path(clock_path)):
-        for lo, hi in entry.get("e", []):
-            for admitted_at in range(int(lo), int(hi) + 1):
-                eligible_at[admitted_at] = eligible_at.get(admitted_at, 0) + 1
-    steps = {event: sum(eligible_at.get(s, 0) for s in at) for event, at in admissions.items()}
-    return Participation(admissions, steps)
+                made_by.setdefault((partition, int(offset)), []).append(entry.get("by"))
+    # per writer: steps at which each admission step's records were eligible, over every life
+    eligible_at: dict[str | None, dict[int, int]] = {}
+    for path in paths:
+        for entry in _read_lines(path):
+            counts = eligible_at.setdefault(entry.get("by"), {})
+            for lo, hi in entry.get("e", []):
+                for admitted_at in range(int(lo), int(hi) + 1):
+                    counts[admitted_at] = counts.get(admitted_at, 0) + 1
+    steps = {
+        event: sum(eligible_at.get(by, {}).get(s, 0) for s, by in zip(at, made_by[event], strict=True))
+        for event, at in admissions.items()
+    }
+    return Participation(admissions, steps, made_by)

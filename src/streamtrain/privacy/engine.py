@@ -157,6 +157,7 @@ class DPEngine:
         self.gradients = PerSampleGradients(model, config.clip_norm, loss_fn)
         self.divisor = config.divisor
         self.record = record
+        self._share_ledger()
         self.fault_injector: Any = None  # tests: called at the start of a step's training; may raise
         self.record_fault: Any = None  # tests: called with each micro-batch's rows before its gradients; may raise
         self.last_failure: str | None = None
@@ -475,6 +476,15 @@ class DPEngine:
                 )
             self._published = DPAggregates(**dict(state["published"]))
             self._running = DPAggregates(**dict(state["running"]))
+            self._share_ledger()
+
+    def _share_ledger(self) -> None:
+        """Sensor unit with a record: the window decides candidacies on the shared ledger."""
+        if self.record is None or self.config.unit != "sensor":
+            return
+        self.record.ledger.merge(self.window.ledger)  # a restored checkpoint's (the log has it unless lost)
+        self.window.ledger = self.record.ledger.entries
+        self.window.claim = self.record.ledger.claim
 
     def resume(self, recorded: RecordState) -> int:
         """Continue after the last step the admission record shows (see :meth:`DPWindow.resume`).
@@ -484,6 +494,7 @@ class DPEngine:
         """
         with self._step_lock:
             step = max(self.clock.steps_done, recorded.last_step)
+            self._share_ledger()  # after load_state_dict, which replaced the window's ledger
             self.window.resume(step, recorded.watermarks, recorded.candidates)
             with self._clock_lock:
                 self.clock.steps_done = step

@@ -26,7 +26,7 @@ decided offset — and the admitted offsets are what the admission record keeps
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,9 @@ class DPWindow:
         self.next_offsets: dict[int, int] = {}
         self.watermarks: dict[int, int] = {}  # partition -> one past the highest decided offset
         self.ledger: dict[str, tuple[int, int]] = {}  # sensor -> (candidate groups so far, last candidate step)
+        #: Sensor unit across processes: decides and records a step's candidacies on the shared
+        #: ledger (privacy/ledger.py), which also owns :attr:`ledger`; None: this window alone.
+        self.claim: Callable[[int, list[str], Callable[[str, int], bool]], set[str]] | None = None
         self.gaps: list[tuple[int, int]] = []  # admission-step ranges dropped at a restart (never eligible again)
         self.owned: set[int] | None = None  # partitions this process may admit from (None: all)
 
@@ -262,12 +265,17 @@ class DPWindow:
             if self.unit == "event":
                 admitted_items = [pending.records[k] for k in sorted(pending.records)]
             else:
+                proposed = [sensor for sensor, (_, items) in pending.groups.items() if items]
+                if self.claim is not None:
+                    accepted = self.claim(step, proposed, self._may_be_candidate)
+                else:
+                    accepted = {sensor for sensor in proposed if self._may_be_candidate(sensor, step)}
+                    for sensor in accepted:
+                        self.ledger[sensor] = (self.ledger.get(sensor, (0, 0))[0] + 1, step)
                 eligible = []
                 for sensor, (group_key, items) in pending.groups.items():
-                    if items and self._may_be_candidate(sensor, step):
+                    if sensor in accepted:
                         eligible.append((group_key, sensor, items))
-                        count = self.ledger.get(sensor, (0, 0))[0]
-                        self.ledger[sensor] = (count + 1, step)
                         candidates.setdefault(items[0].partition, []).append(sensor)
                 eligible.sort(key=lambda entry: entry[0])
                 admitted_items = [
