@@ -54,7 +54,7 @@ from streamtrain.privacy.window import DPWindow
 
 log = logging.getLogger(__name__)
 
-ACCOUNTANT_NAME = "pld_replace_one_discrete_gaussian"
+ACCOUNTANT_NAME = "pld_replace_one_discrete_gaussian_coupled"
 
 
 @dataclass(frozen=True)

@@ -313,7 +313,10 @@ def check_dp_safety(
             given = getattr(config, field)
             if given is not None and channels is not None and len(given) != channels:
                 raise _range_error(field, given, f"needs one value per channel ({channels})", "give CHANNELS values")
-    accountant = PerEventAccountant.for_config(config)
+    # d: the coordinates that get discrete Gaussian noise (every trainable parameter); without a
+    # model the accountant assumes its upper bound MAX_DIMENSION (the slack only grows with d)
+    dimension = None if model is None else max(1, sum(p.numel() for p in model.parameters() if p.requires_grad))
+    accountant = PerEventAccountant.for_config(config, dimension=dimension)
     unit = "event" if config.unit == "event" else "sensor group"
     if accountant.epsilon_cap > config.target_epsilon:
         raise DPConfigError(
