@@ -16,10 +16,12 @@ headers, and ``original_size`` (bytes of the value), ``original_sha256`` (hex di
 the value) and ``stand_in_cause``. A stand-in is retried until acknowledged. A deleted
 dead-letter topic is created again (with its size limit) before the next attempt.
 
-Each dead letter is written once, unless a send's outcome is unknown (a request timed
-out or its connection broke after the broker may have appended it, and the producer
-retried) or the service restarts before a checkpoint covered the message: then it can
-arrive twice; ``source_topic``, ``source_partition`` and ``source_offset`` identify it.
+The producer sends with ``acks=all`` and is idempotent: a retry of a request whose answer
+was lost (a leader killed, a connection broken) is not appended twice. Each dead letter is
+written once, unless a send's outcome is still unknown when its delivery timeout ends
+(the outbox then sends it again, as a new record) or the service restarts before a
+checkpoint covered the message: then it can arrive twice; ``source_topic``,
+``source_partition`` and ``source_offset`` identify it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kafka.errors import (
 )
 
 from streamtrain.config import Settings
-from streamtrain.ingest.kafka_compat import forbid_topic_auto_creation
+from streamtrain.ingest.kafka_compat import forbid_topic_auto_creation, producer_failed, survive_refused_records
 from streamtrain.ingest.security import authorization_reason, client_options
 from streamtrain.ingest.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic
 from streamtrain.metrics import Metrics
@@ -288,7 +290,11 @@ class DeadLetterOutbox:
             self._send(producer, letter)
 
     def _ensure_producer(self) -> Any:
-        if self._producer is not None and self._producer_request_size >= self._request_size:
+        if (
+            self._producer is not None
+            and self._producer_request_size >= self._request_size
+            and not producer_failed(self._producer)
+        ):
             return self._producer
         old, self._producer = self._producer, None
         if old is not None:
@@ -306,10 +312,12 @@ class DeadLetterOutbox:
             bootstrap_servers=self.settings.kafka_bootstrap,
             client_id="streamtrain-dlq",
             acks="all",
-            # Not idempotent: kafka-python 3.0.12 turns any non-retriable batch error of an
-            # idempotent producer (a record too large for the topic, say) into a fatal state
-            # that fails every later send; one refused dead letter would stop them all.
-            enable_idempotence=False,
+            # Idempotent: a retry after a leader change or a lost answer is not appended twice.
+            # kafka-python 3.0.12 would turn one refused dead letter (too large for the .dlq, not
+            # authorized) into a fatal state that fails every later send: survive_refused_records
+            # makes it bump the epoch and go on, as the Java client does; a producer that is
+            # fatal all the same (cluster authorization) is replaced (_ensure_producer).
+            enable_idempotence=True,
             max_in_flight_requests_per_connection=1,
             linger_ms=20,
             max_request_size=max_request_size,
@@ -320,7 +328,7 @@ class DeadLetterOutbox:
             **client_options(self.settings),
         )
         # a deleted .dlq comes back with its size limit, not broker defaults
-        return forbid_topic_auto_creation(producer)
+        return survive_refused_records(forbid_topic_auto_creation(producer))
 
     def _send(self, producer: Any, letter: DeadLetter) -> None:
         letter.in_flight = True

@@ -65,7 +65,7 @@ from streamtrain.ingest.consumers import (
 )
 from streamtrain.ingest.dead_letters import DeadLetterOutbox
 from streamtrain.ingest.decoders import Decoder
-from streamtrain.ingest.topics import TopicLimits, prepare_topics
+from streamtrain.ingest.topics import PartitionReplicas, TopicLimits, degraded_report, prepare_topics
 from streamtrain.ingest.watchdog import ConsumerProbe, IngestWatchdog, Stall
 from streamtrain.metrics import Metrics
 from streamtrain.window.reservoir import RecencyWindow
@@ -81,6 +81,7 @@ _RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)
 _COMMIT_TIMEOUT_MS = 3000
 _END_OFFSETS_TIMEOUT_MS = 2000
 _PARTITION_CHECK_S = 5.0  # scale-out: how often the topic's partition count is looked at
+_UNREACHABLE_AFTER_S = 5.0  # a leader not connected this long is named in kafka_degraded
 
 
 class IngestStalled(Exception):
@@ -208,6 +209,9 @@ class Ingestor:
         self._last_record_at: float | None = None  # monotonic
         self._last_restart: tuple[str, float] | None = None  # reason, monotonic time
         self.last_error: str | None = None
+        #: ``kafka_degraded: ...`` while a partition lacks a reachable leader or in-sync replicas (/readyz note)
+        self.kafka_degraded: str | None = None
+        self._unreachable_since: dict[int, float] = {}  # broker -> monotonic time its connection was first missed
         metrics.ingest_last_record_age.set_function(self._record_age_or_uptime)
         kafka_security.watch(settings)  # before any client: it learns what kafka-python's loggers say
 
@@ -544,6 +548,41 @@ class Ingestor:
             if end is not None:
                 lag += max(0, end - positions.get(tp.partition, 0))
         self.metrics.consumer_lag.set(lag)
+        self._note_degraded(consumer)
+
+    def _note_degraded(self, consumer: KafkaConsumer) -> None:
+        """``kafka_degraded`` (a /readyz note) from the consumer's metadata: partitions without a
+        reachable leader or with replicas out of sync; one log line per change."""
+        report = None
+        if self._connected:
+            client = consumer._client  # kafka-python keeps partition metadata and connections on its client
+            try:
+                known = client.cluster._partitions.get(self.settings.topic) or {}
+                partitions = {
+                    int(p): PartitionReplicas(int(m.leader_id), tuple(m.replica_nodes), tuple(m.isr_nodes))
+                    for p, m in known.items()
+                }
+                now = time.monotonic()
+                for broker in {r.leader for r in partitions.values() if r.leader >= 0}:
+                    if client.connected(broker):
+                        self._unreachable_since.pop(broker, None)
+                    else:
+                        self._unreachable_since.setdefault(broker, now)
+
+                def reachable(broker: int) -> bool:  # not connected for a moment (start-up, a rejoin) is not news
+                    return now - self._unreachable_since.get(broker, now) < _UNREACHABLE_AFTER_S
+
+                fetched = {tp.partition for tp in consumer.assignment()}
+                report = degraded_report(self.settings.topic, partitions, reachable, fetched)
+            except Exception as err:  # noqa: BLE001 - a diagnostics probe must not break ingest
+                log.debug("replication report: %s", err)
+                return
+        if report != self.kafka_degraded:
+            if report is not None:
+                log.warning("%s (ingest goes on from the brokers that remain)", report)
+            elif self._connected:
+                log.info("kafka no longer degraded (was: %s)", self.kafka_degraded)
+            self.kafka_degraded = report
 
     @staticmethod
     def _broker_connected(consumer: KafkaConsumer) -> bool:

@@ -1,8 +1,9 @@
-"""The kafka-python 3.0.12 patches: three bugs of its clients, each worked around as a client is opened.
+"""The kafka-python 3.0.12 patches: four bugs of its clients, each worked around as a client is opened.
 
 Every consumer and producer the service opens gets the patches that apply to it before
-its first request (:func:`streamtrain.ingest.consumers.open_consumer` installs all three,
-the dead-letter outbox the first). Each patch replaces or adjusts private kafka-python
+its first request (:func:`streamtrain.ingest.consumers.open_consumer` installs the three
+consumer patches, the dead-letter outbox :func:`forbid_topic_auto_creation` and
+:func:`survive_refused_records`). Each patch replaces or adjusts private kafka-python
 state, so each first checks that the attributes it relies on are still there and
 otherwise raises a ``RuntimeError`` naming the patch (``re-check
 streamtrain.ingest.kafka_compat.<name>``): a kafka-python upgrade that moves them fails
@@ -16,6 +17,9 @@ fixes one, so the patch can go.
   dropped half-way, leaving the member without partitions for good (KAFKA-9815).
 - :func:`rejoin_on_partition_changes`: only the member that computed the last assignment
   watches for added partitions, and after a static member's restart none did.
+- :func:`survive_refused_records`: an idempotent producer turns one record the broker
+  refuses (too large for the topic, not authorized) into a fatal state that fails every
+  later send; :func:`producer_failed` tells a producer left in that state.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ __all__ = [
     "PARTITION_COUNTS_USER_DATA",
     "forbid_topic_auto_creation",
     "keep_rejoin_pending",
+    "producer_failed",
     "rejoin_on_partition_changes",
+    "survive_refused_records",
 ]
 
 
@@ -139,3 +145,54 @@ def rejoin_on_partition_changes(consumer: KafkaConsumer) -> None:
 
     coordinator.group_protocols = group_protocols
     coordinator.need_rejoin = need_rejoin
+
+
+def _transaction_manager(producer: Any, patch: str) -> Any:
+    manager = getattr(producer, "_transaction_manager", None)
+    if manager is None:
+        return None  # not idempotent: nothing to patch
+    needed = ("classify_batch_error", "is_transactional", "_supports_epoch_bump", "has_fatal_error", "_FATAL_ERRORS")
+    if not all(hasattr(manager, name) for name in needed) or not hasattr(manager, "ERROR_CLASS_NEEDS_EPOCH_BUMP"):
+        raise RuntimeError(
+            f"kafka-python's transaction manager changed: re-check streamtrain.ingest.kafka_compat.{patch}"
+        )
+    return manager
+
+
+def survive_refused_records(producer: Any) -> Any:
+    """Let an idempotent (not transactional) kafka-python producer go on after the broker refuses a record.
+
+    kafka-python 3.0.12 classifies every non-retriable batch error of an idempotent
+    producer outside its short list of fatal ones (``MESSAGE_TOO_LARGE`` for a record over
+    the topic's ``max.message.bytes``, ``TOPIC_AUTHORIZATION_FAILED``, ``INVALID_RECORD``,
+    ``POLICY_VIOLATION``) as fatal: that send fails, and so does every later one, for good
+    (its own docstring says such producers "just fail the batch without any state reset").
+    The Java client fails the batch and bumps the producer epoch (KIP-360), so the
+    sequence numbers start over and the next records go through; this does the same:
+    such an error becomes ``NEEDS_EPOCH_BUMP`` (``NEEDS_PRODUCER_ID_RESET`` before Kafka
+    2.5). The errors kafka-python lists as fatal (cluster authorization, fencing) stay
+    fatal; a transactional producer is left alone. Returns ``producer``.
+    """
+    manager = _transaction_manager(producer, "survive_refused_records")
+    if manager is None or manager.is_transactional():
+        return producer
+    classify = manager.classify_batch_error
+
+    def classify_batch_error(error: Any, batch: Any, log_start_offset: int = -1) -> str:
+        decided: str = classify(error, batch, log_start_offset=log_start_offset)
+        kind = error if isinstance(error, type) else type(error)
+        if decided == manager.ERROR_CLASS_FATAL and kind not in manager._FATAL_ERRORS:
+            if manager._supports_epoch_bump():
+                return str(manager.ERROR_CLASS_NEEDS_EPOCH_BUMP)
+            return str(manager.ERROR_CLASS_NEEDS_PRODUCER_ID_RESET)
+        return decided
+
+    manager.classify_batch_error = classify_batch_error
+    return producer
+
+
+def producer_failed(producer: Any) -> bool:
+    """True when an idempotent kafka-python producer is in its fatal state (every send fails):
+    only a new producer sends again."""
+    manager = _transaction_manager(producer, "producer_failed")
+    return manager is not None and bool(manager.has_fatal_error())

@@ -13,7 +13,7 @@ as bounded stand-ins (``dead_letters.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -183,3 +183,55 @@ def ensure_dead_letter_topic(settings: Settings, source_max_message_bytes: int, 
         return True
     finally:
         admin.close()
+
+
+@dataclass(frozen=True)
+class PartitionReplicas:
+    """One partition as a client's cluster metadata has it: leader (-1: none), replicas, in-sync replicas."""
+
+    leader: int
+    replicas: tuple[int, ...]
+    in_sync: tuple[int, ...]
+
+
+def _brokers(ids: list[int]) -> str:
+    return ("broker " if len(ids) == 1 else "brokers ") + ", ".join(str(i) for i in ids)
+
+
+def degraded_report(
+    topic: str,
+    partitions: Mapping[int, PartitionReplicas],
+    reachable: Callable[[int], bool],
+    fetched: Collection[int] | None = None,
+) -> str | None:
+    """``kafka_degraded: ...`` when a partition of ``topic`` has no leader, a leader this client
+    cannot reach (checked for the partitions in ``fetched`` only, None: all; a client connects
+    only to the leaders it fetches from), or replicas out of sync; None when every partition is whole.
+
+    A three-broker cluster with a broker down looks like this (``/readyz`` lists it while the
+    service goes on reading from what remains): ``kafka_degraded: topic sensor-events: partitions
+    0, 2: 2 of 3 replicas in sync (out: broker 1)``. With a controller quorum lost (two of three
+    combined nodes down) the metadata stops changing, so a leader that is gone shows as
+    unreachable rather than replaced.
+    """
+    by_issue: dict[str, list[int]] = {}
+    for partition in sorted(partitions):
+        replicas = partitions[partition]
+        issues = []
+        if replicas.leader < 0:
+            issues.append("no leader")
+        elif (fetched is None or partition in fetched) and not reachable(replicas.leader):
+            issues.append(f"leader (broker {replicas.leader}) unreachable")
+        out = [r for r in replicas.replicas if r not in replicas.in_sync]
+        if out:
+            in_sync = f"{len(replicas.in_sync)} of {len(replicas.replicas)} replicas in sync"
+            issues.append(f"{in_sync} (out: {_brokers(out)})")
+        if issues:
+            by_issue.setdefault(", ".join(issues), []).append(partition)
+    if not by_issue:
+        return None
+    parts = [
+        f"{'partition' if len(ps) == 1 else 'partitions'} {', '.join(str(p) for p in ps)}: {issue}"
+        for issue, ps in sorted(by_issue.items(), key=lambda item: item[1][0])
+    ]
+    return f"kafka_degraded: topic {topic}: " + "; ".join(parts)

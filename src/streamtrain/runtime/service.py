@@ -321,6 +321,8 @@ class Service:
                 needed = self.trainer.min_window_items
                 blocking.append(f"no_model_published: window has {len(self.window)} of {needed} items needed ({last})")
         notes = []
+        if self.ingest.kafka_degraded is not None:  # a broker down: ingest goes on from what remains
+            notes.append(self.ingest.kafka_degraded)
         if self.checkpoint_error is not None:
             notes.append(f"checkpoint_failing: {self.checkpoint_error}")
         waiting = self.ingest.dead_letters.oldest_pending_age_s()

@@ -6,12 +6,14 @@ import hashlib
 import threading
 from collections import namedtuple
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka.errors import (
+    ClusterAuthorizationFailedError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     NotEnoughReplicasError,
@@ -159,6 +161,60 @@ def test_a_record_the_dlq_refuses_goes_as_a_bounded_stand_in_at_once() -> None:
     assert headers["stand_in_cause"] == "too_large_for_dlq"
     assert producer.attempts[(2, 7)] == 2  # one raw try, then the stand-in: never retried forever
     assert sample(metrics, "streamtrain_dead_letters_written_total", form="stand_in") == 1
+
+
+def test_the_kafka_producer_is_idempotent_with_acks_all_and_survives_a_refused_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kafka import KafkaProducer
+    from kafka.producer.transaction_manager import TransactionManager
+
+    # a known broker version: built without asking a broker
+    monkeypatch.setattr(dead_letters, "KafkaProducer", lambda **kw: KafkaProducer(api_version=(4, 1), **kw))
+    box = DeadLetterOutbox(load_settings(topic="events", kafka_bootstrap="127.0.0.1:9"), Metrics())
+    producer = box._kafka_producer(2 << 20)
+    try:
+        assert producer.config["acks"] == -1 and producer.config["enable_idempotence"] is True
+        manager = producer._transaction_manager
+        decided = manager.classify_batch_error(MessageSizeTooLargeError(), None)
+        assert decided == TransactionManager.ERROR_CLASS_NEEDS_EPOCH_BUMP  # not FATAL (kafka_compat)
+    finally:
+        producer.close(timeout=1)
+
+
+class FailingForGood(ScriptedProducer):
+    """A producer that goes into kafka-python's fatal state after its first send (every send fails)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda identity, attempt: None)
+        self.fatal = False
+        self._transaction_manager = SimpleNamespace(
+            classify_batch_error=None, is_transactional=lambda: False, _supports_epoch_bump=lambda: True,
+            has_fatal_error=lambda: self.fatal, _FATAL_ERRORS=frozenset(), ERROR_CLASS_NEEDS_EPOCH_BUMP="BUMP",
+        )  # fmt: skip
+
+    def send(self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> Done:
+        if self.fatal:
+            return Done(ClusterAuthorizationFailedError())
+        self.fatal = True
+        return Done(ClusterAuthorizationFailedError())
+
+
+def test_a_producer_left_in_its_fatal_state_is_replaced() -> None:
+    made: list[ScriptedProducer] = []
+
+    def factory(size: int) -> ScriptedProducer:
+        made.append(FailingForGood() if not made else ScriptedProducer(lambda identity, attempt: None))
+        return made[-1]
+
+    box = DeadLetterOutbox(load_settings(topic="events", dlq_send_attempts=1000), Metrics(), producer_factory=factory)
+    box.start()
+    try:
+        box.submit(message(3), "decode")
+        assert box.wait_acknowledged(None, 10)
+    finally:
+        box.close(1)
+    assert len(made) == 2 and len(made[1].written) == 1
 
 
 def test_after_the_allowed_attempts_a_stand_in_goes_instead() -> None:

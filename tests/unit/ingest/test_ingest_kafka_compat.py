@@ -18,7 +18,9 @@ from streamtrain.ingest.kafka_compat import (
     PARTITION_COUNTS_USER_DATA,
     forbid_topic_auto_creation,
     keep_rejoin_pending,
+    producer_failed,
     rejoin_on_partition_changes,
+    survive_refused_records,
 )
 
 Metadata = namedtuple("Metadata", "version topics user_data")
@@ -103,3 +105,59 @@ def test_a_changed_kafka_python_is_refused_naming_the_patch_to_recheck(patch: Ca
     assert named is not None
     module, _, name = named.group(1).rpartition(".")
     assert getattr(importlib.import_module(module), name) is patch
+
+
+def idempotent_producer(api_version: tuple[int, int] = (4, 1), transactional_id: str | None = None) -> Any:
+    """A stand-in producer holding kafka-python's own transaction manager (the classifier is the real one)."""
+    from kafka.producer.transaction_manager import TransactionManager
+
+    return SimpleNamespace(_transaction_manager=TransactionManager(transactional_id, api_version=api_version))
+
+
+REFUSED = ["MessageSizeTooLargeError", "TopicAuthorizationFailedError", "InvalidRecordError", "PolicyViolationError"]
+
+
+@pytest.mark.parametrize("error", REFUSED)
+def test_a_refused_record_bumps_the_epoch_instead_of_failing_the_producer_for_good(error: str) -> None:
+    import kafka.errors as errors
+    from kafka.producer.transaction_manager import TransactionManager
+
+    kind = getattr(errors, error)
+    unpatched = idempotent_producer()._transaction_manager
+    assert unpatched.classify_batch_error(kind(), None) == TransactionManager.ERROR_CLASS_FATAL  # the bug
+    patched = survive_refused_records(idempotent_producer())._transaction_manager
+    assert patched.classify_batch_error(kind(), None) == TransactionManager.ERROR_CLASS_NEEDS_EPOCH_BUMP
+    old = survive_refused_records(idempotent_producer(api_version=(2, 4)))._transaction_manager  # before KIP-360
+    assert old.classify_batch_error(kind, None) == TransactionManager.ERROR_CLASS_NEEDS_PRODUCER_ID_RESET
+
+
+def test_what_kafka_python_calls_fatal_stays_fatal_and_retriable_stays_retriable() -> None:
+    import kafka.errors as errors
+    from kafka.producer.transaction_manager import TransactionManager
+
+    manager = survive_refused_records(idempotent_producer())._transaction_manager
+    fatal = manager.classify_batch_error(errors.ClusterAuthorizationFailedError(), None)
+    assert fatal == TransactionManager.ERROR_CLASS_FATAL
+    retriable = manager.classify_batch_error(errors.NotEnoughReplicasError(), None)
+    assert retriable == TransactionManager.ERROR_CLASS_RETRIABLE
+    transactional = survive_refused_records(idempotent_producer(transactional_id="t"))._transaction_manager
+    assert transactional.classify_batch_error(errors.MessageSizeTooLargeError(), None) == "ABORTABLE"
+
+
+def test_a_producer_in_its_fatal_state_is_told_and_a_plain_one_is_left_alone() -> None:
+    import kafka.errors as errors
+
+    producer = idempotent_producer()
+    assert not producer_failed(producer)
+    producer._transaction_manager.transition_to_fatal_error(errors.ClusterAuthorizationFailedError())
+    assert producer_failed(producer)
+    plain = SimpleNamespace(_transaction_manager=None)  # enable_idempotence=False
+    assert survive_refused_records(plain) is plain and not producer_failed(plain)
+
+
+def test_a_moved_transaction_manager_is_refused_loudly() -> None:
+    moved = SimpleNamespace(_transaction_manager=SimpleNamespace(is_transactional=lambda: False))
+    with pytest.raises(RuntimeError, match="kafka_compat.survive_refused_records"):
+        survive_refused_records(moved)
+    with pytest.raises(RuntimeError, match="kafka_compat.producer_failed"):
+        producer_failed(moved)
