@@ -4,6 +4,8 @@
 #   deploy/kafka-secure.sh up       certificates + users (first run), format, start, topics and ACLs
 #   deploy/kafka-secure.sh down     stop the broker (graceful, then forced)
 #   deploy/kafka-secure.sh status   print "running <pid> on 127.0.0.1:<ssl port>,<sasl_ssl port>" or "stopped"
+#   deploy/kafka-secure.sh renew-certificate [DAYS]   a new broker key and certificate from the
+#                                   same CA, restart on it; data, users and ACLs kept
 #   deploy/kafka-secure.sh wipe     stop and delete its data, certificates and passwords
 #
 # Listeners on 127.0.0.1 (base port KAFKA_SECURE_PORT, default 9192):
@@ -55,6 +57,26 @@ die() { echo "kafka-secure.sh: $*" >&2; exit 1; }
 
 password() { cat "$secrets/$1.password"; }
 
+# sign NAME CN EXTENSIONS [DAYS]: a new key and a certificate for CN signed by the CA (in $secrets)
+sign() {
+  (
+    cd "$secrets"
+    openssl req -newkey rsa:2048 -nodes -sha256 -subj "/CN=$2" -keyout "$1.rsa" -out "$1.csr" 2>/dev/null
+    printf '%s\n' "$3" > "$1.ext"
+    openssl x509 -req -in "$1.csr" -CA ca.pem -CAkey ca.key -CAcreateserial -days "${4:-30}" -sha256 \
+      -extfile "$1.ext" -out "$1.pem" 2>/dev/null
+    openssl pkcs8 -topk8 -nocrypt -in "$1.rsa" -out "$1.key"
+    rm -f "$1.rsa" "$1.csr" "$1.ext"
+    chmod 600 "$1.pem" "$1.key"
+  )
+}
+
+# the broker's certificate, valid for DAYS, as its PEM keystore
+server_certificate() {
+  sign server localhost "subjectAltName=IP:127.0.0.1,DNS:localhost" "${1:-30}"
+  (cd "$secrets" && cat server.key server.pem > server.keystore.pem && chmod 600 server.keystore.pem)
+}
+
 make_secrets() {
   [ -f "$secrets/.complete" ] && return
   command -v openssl >/dev/null 2>&1 || die "openssl not found: install it (apt-get install openssl)"
@@ -63,21 +85,11 @@ make_secrets() {
     cd "$secrets"
     openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days 30 -subj "/CN=streamtrain local CA" \
       -keyout ca.key -out ca.pem 2>/dev/null
-    sign() {  # name, subject CN, extra extension lines
-      openssl req -newkey rsa:2048 -nodes -sha256 -subj "/CN=$2" -keyout "$1.rsa" -out "$1.csr" 2>/dev/null
-      printf '%s\n' "$3" > "$1.ext"
-      openssl x509 -req -in "$1.csr" -CA ca.pem -CAkey ca.key -CAcreateserial -days 30 -sha256 \
-        -extfile "$1.ext" -out "$1.pem" 2>/dev/null
-      openssl pkcs8 -topk8 -nocrypt -in "$1.rsa" -out "$1.key"
-      rm -f "$1.rsa" "$1.csr" "$1.ext"
-    }
-    sign server localhost "subjectAltName=IP:127.0.0.1,DNS:localhost"
-    cat server.key server.pem > server.keystore.pem   # PEM keystore: PKCS#8 key, then the chain
-    sign svc svc "extendedKeyUsage=clientAuth"
-    sign denied denied "extendedKeyUsage=clientAuth"
-    for user in "${users[@]}"; do openssl rand -hex 16 > "$user.password"; done
-    chmod 600 ./*
   )
+  server_certificate 30
+  sign svc svc "extendedKeyUsage=clientAuth"
+  sign denied denied "extendedKeyUsage=clientAuth"
+  (cd "$secrets" && for user in "${users[@]}"; do openssl rand -hex 16 > "$user.password"; done && chmod 600 ./*)
   touch "$secrets/.complete"
 }
 
@@ -176,10 +188,22 @@ cmd_status() {
   if pid_alive; then echo "running $(cat "$pid_file") on 127.0.0.1:$port,$sasl_port"; else echo "stopped"; return 3; fi
 }
 
+# A new broker key and certificate from the same CA (DAYS, default 30), then a restart on it, data,
+# users and ACLs kept: what renewing a broker's certificate looks like to a client. (Kafka refuses
+# to start on an expired or foreign certificate of its own.)
+cmd_renew() {
+  [ -f "$secrets/.complete" ] || die "no certificates yet: run up first"
+  server_certificate "${1:-30}"
+  if pid_alive; then stop_broker; fi
+  start_broker
+  echo "kafka-secure.sh: broker certificate renewed (${1:-30} days), running (pid $(cat "$pid_file"))"
+}
+
 case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
+  renew-certificate) cmd_renew "${2:-30}" ;;
   wipe) cmd_down; rm -rf "$home_dir" ;;
-  *) echo "usage: deploy/kafka-secure.sh up|down|status|wipe" >&2; exit 2 ;;
+  *) echo "usage: deploy/kafka-secure.sh up|down|status|renew-certificate [DAYS]|wipe" >&2; exit 2 ;;
 esac

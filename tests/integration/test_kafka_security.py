@@ -321,6 +321,33 @@ def test_an_expired_client_certificate_is_a_readiness_reason_and_reads_nothing(
     SEEN.append(service.log_path.read_text())
 
 
+def test_a_renewed_broker_certificate_is_picked_up_without_a_restart(broker: SecureBroker, tmp_path: Path) -> None:
+    """The broker gets a new certificate (a new key, the same CA) and restarts on it while the
+    service reads: the same process reads on, with no security failure. (An expired one cannot be
+    served: Kafka refuses to start on it. What a client says of a broker that does serve one, a
+    TLS proxy say, is unit-tested: test_an_expired_broker_certificate_is_named.)"""
+
+    def serial() -> str:
+        done = subprocess.run(["openssl", "x509", "-noout", "-serial", "-in", str(broker.secret("server.pem"))],
+                              check=True, capture_output=True, text=True)  # fmt: skip
+        return done.stdout.strip()
+
+    with _service(broker, tmp_path, "renewed", broker.mutual_tls("svc")) as service:
+        _simulate(broker, 60, seed=5)
+        wait_for(lambda: service.get("/v1/window")["seen_total"] > 0, 90, "ingest before the renewal")
+        before, old = service.get("/v1/window")["seen_total"], serial()
+        subprocess.run([str(SECURE), "renew-certificate", "30"], env=broker.env, check=True, timeout=180,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+        assert serial() != old
+        _simulate(broker, 60, seed=6)
+        wait_for(lambda: service.get("/v1/window")["seen_total"] > before, 90, "ingest after the renewal")
+        assert not [r for r in _reasons(service) if r.startswith("kafka_auth")], _reasons(service)
+        assert service.process is not None and service.process.poll() is None  # the same process throughout
+        assert not _log_lines(service, "kafka_auth_failed")
+        _record(service)
+    SEEN.append(service.log_path.read_text())
+
+
 def test_plaintext_spoken_to_the_tls_port_is_named(broker: SecureBroker, tmp_path: Path) -> None:
     with _service(broker, tmp_path, "plaintext", {"KAFKA_BOOTSTRAP": broker.tls}) as service:
         reasons = wait_for(

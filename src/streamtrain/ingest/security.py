@@ -308,6 +308,11 @@ def _auth_reason(exc: BaseException, s: Any) -> str | None:
                 f"{AUTH_FAILED}: the broker refused the client certificate ({detail}): it has expired, or is "
                 "not signed by a CA the broker trusts; check KAFKA_SSL_CERTFILE"
             )
+        if "certificate has expired" in text:  # our verification of the broker's certificate
+            return (
+                f"{AUTH_FAILED}: the broker's certificate has expired ({detail}): renew it on the broker; "
+                "the service connects again by itself once it is renewed"
+            )
         return (
             f"{AUTH_FAILED}: TLS handshake failed ({detail}): "
             "check KAFKA_SSL_CAFILE, KAFKA_SSL_CHECK_HOSTNAME and the client certificate"

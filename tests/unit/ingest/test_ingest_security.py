@@ -227,3 +227,19 @@ def test_a_refused_client_certificate_is_named(tmp_path: Path) -> None:
     plain_tls = AuthWatch(load_settings(kafka_security_protocol="SSL"))
     assert not plain_tls.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", alert))
     assert (plain_tls.current() or "").startswith("kafka_auth_failed: TLS handshake failed")
+
+
+def test_an_expired_broker_certificate_is_named() -> None:
+    """Our own verification failing on the broker's certificate: renew it there (not a client setting)."""
+    expired = ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: certificate has expired (_ssl.c:1006)"
+    )
+    watch = AuthWatch(load_settings(kafka_security_protocol="SSL"))
+    assert not watch.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", expired))
+    assert (watch.current() or "").startswith("kafka_auth_failed: the broker's certificate has expired")
+    unknown = ssl.SSLCertVerificationError(
+        1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get local issuer certificate"
+    )
+    other = AuthWatch(load_settings(kafka_security_protocol="SSL"))
+    assert not other.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", unknown))
+    assert (other.current() or "").startswith("kafka_auth_failed: TLS handshake failed")
