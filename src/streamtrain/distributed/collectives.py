@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Final, Literal, NoReturn
@@ -40,6 +38,7 @@ from streamtrain.distributed.wire import (
     check_settings_checksums,
     settings_checksums,
 )
+from streamtrain.runtime.exits import leave_now
 
 log = logging.getLogger(__name__)
 
@@ -400,18 +399,7 @@ def exit_after_collective_failure(err: BaseException, code: int = EXIT_COLLECTIV
     so the survivor leaves through ``os._exit`` once its log line is out. What was not
     checkpointed is not lost: offsets were only committed for complete checkpoints.
     """
-    log.critical("leaving the training group (exit %d): %s", code, err)
-    for handler in logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
+    leave_now(code, f"leaving the training group (exit {code}): {err}")
 
 
 def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:

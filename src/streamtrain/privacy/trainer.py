@@ -17,8 +17,6 @@ public time.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +34,7 @@ from streamtrain.model.normalization import RunningNorm
 from streamtrain.privacy.admissions import ADMISSION_DIR, CLOCK_LOG, AdmissionRecord, AdmissionRecordError
 from streamtrain.privacy.config import DPConfig, DPConfigError
 from streamtrain.privacy.engine import DPAggregates, DPEngine
+from streamtrain.runtime.exits import leave_now
 from streamtrain.training.protocol import TrainerReport
 from streamtrain.training.publishing import ModelTrainer, PublishedModel
 from streamtrain.window.reservoir import RecencyWindow
@@ -55,14 +54,7 @@ class AdmissionsFenced(OSError):
 
 def end_process_fenced(why: str) -> None:
     """Leave at once (exit 75), from whichever thread fenced: nothing after the fence may reach a release."""
-    log.critical("DP: leaving the process (exit %d): %s", EXIT_DP_FENCED, why)
-    for handler in logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    sys.stderr.flush()
-    os._exit(EXIT_DP_FENCED)
+    leave_now(EXIT_DP_FENCED, f"DP: leaving the process (exit {EXIT_DP_FENCED}): {why}")
 
 
 def dp_config(settings: Settings) -> DPConfig:
