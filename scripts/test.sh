@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs deps, brings up the local Kafka broker if it is not running,
 # runs the linters and the type checker, then the whole suite (unit + integration against
-# the real broker), stops what it started.
+# the real broker), stops what it started. Exit status: non-zero if any part failed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 scripts/bootstrap.sh test
@@ -17,4 +17,13 @@ fi
 cleanup() { if [ "$started_broker" = 1 ]; then deploy/kafka.sh down || true; fi; }
 trap cleanup EXIT
 export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:-9092}}"
-.venv/bin/python -m pytest "$@"
+# With no test paths given: the unit tests on two workers (one per core, a file per worker),
+# then the integration tests one at a time, as their deadlines assume (one broker, two cores,
+# no unit test competing with a service). With paths: pytest runs them as asked.
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
+done
+status=0
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests/unit || status=$?
+.venv/bin/python -m pytest "$@" tests/integration || status=$?
+exit "$status"

@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,7 +32,10 @@ def _exit_with_parent() -> None:
     A pool worker blocks on its call queue, whose pipe it holds both ends of, so it never
     sees the parent die; without this, every killed service leaves a worker (and the
     multiprocessing resource tracker) behind. The parent sentinel turns readable then.
+    Ctrl-C at a terminal reaches the whole process group: the worker ignores SIGINT and
+    leaves shutting down to the service, which stops the pool after its final checkpoint.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is None:
         return

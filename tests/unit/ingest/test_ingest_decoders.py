@@ -57,3 +57,21 @@ def test_a_killed_worker_falls_back_without_losing_the_batch() -> None:
         assert same(decoder.result(decoder.submit(*ARGS), ARGS), decode_batch(*ARGS))
     finally:
         decoder.close()
+
+
+def test_ctrl_c_leaves_the_worker_to_the_service() -> None:
+    """Ctrl-C at a terminal reaches every process of the group: the worker must not die of it
+    (a traceback per worker, and the next batches decoded in-thread), the service stops it."""
+    decoder = Decoder(1)
+    try:
+        decoder.result(decoder.submit(*ARGS), ARGS)  # start the worker
+        workers = list(decoder._pool._processes.values())  # noqa: SLF001 - the test signals the worker itself
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(worker.is_alive() for worker in workers)
+        future = decoder.submit(*ARGS)
+        assert future is not None
+        assert same(future.result(timeout=30), decode_batch(*ARGS))
+    finally:
+        decoder.close()
