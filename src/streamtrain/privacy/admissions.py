@@ -218,8 +218,13 @@ class AdmissionRecord:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def append(self, decision: StepDecision, eligible: Sequence[tuple[int, int]]) -> None:
-        """Buffer the entries of one step (its decisions, then the clock entry); nothing is written yet."""
+    def append(self, decision: StepDecision, eligible: Sequence[tuple[int, int]], *, clock: bool = True) -> None:
+        """Buffer the entries of one step (its decisions, then the clock entry); nothing is written yet.
+
+        ``clock=False``: the step's clock entry is another process's to write (a rank other than
+        rank 0 of a DP group: the group has one clock, and one line per step keeps the count of
+        each admission's eligible steps exact, see :func:`participation`).
+        """
         with self._lock:
             partitions = set(decision.watermarks) | set(decision.admitted) | set(decision.candidates)
             for partition in sorted(partitions):
@@ -232,13 +237,14 @@ class AdmissionRecord:
                 if decision.candidates.get(partition):
                     entry["c"] = list(decision.candidates[partition])
                 self._buffers.setdefault(self.partition_path(partition), []).append(encode_line(entry))
-            clock = {
-                "s": decision.step,
-                "l": self.life,
-                "e": [[int(lo), int(hi)] for lo, hi in eligible],
-                "by": self.writer,
-            }
-            self._buffers.setdefault(self.clock_path, []).append(encode_line(clock))
+            if clock:
+                entry = {
+                    "s": decision.step,
+                    "l": self.life,
+                    "e": [[int(lo), int(hi)] for lo, hi in eligible],
+                    "by": self.writer,
+                }
+                self._buffers.setdefault(self.clock_path, []).append(encode_line(entry))
             self._appended_step = max(self._appended_step, decision.step)
 
     def note_watermarks(self, step: int, watermarks: Mapping[int, int]) -> None:
@@ -252,26 +258,28 @@ class AdmissionRecord:
     def pending(self) -> bool:
         return any(self._buffers.values())
 
-    def sync(self) -> int:
+    def sync(self, *, clock: bool = True) -> int:
         """Write and fsync everything buffered; returns the last durable step. Raises OSError.
 
         What could not be written stays buffered for the next call; the partition logs are
         made durable before the clock log, so the clock never shows a step whose decisions
-        are missing.
+        are missing. ``clock=False`` leaves the clock log buffered: a DP group's rank 0 writes
+        it only once every rank's decisions are durable (:meth:`DPEngine.sync_record`).
         """
         with self._lock:
             target = self._appended_step
             self.ledger.sync()  # candidacies first: a partition log never points at a lost one
             paths = sorted((p for p in self._buffers if p != self.clock_path), key=str)
-            if self.clock_path in self._buffers:
+            if clock and self.clock_path in self._buffers:
                 paths.append(self.clock_path)
             for path in paths:
                 lines = self._buffers.get(path)
                 if lines:
                     self._write(path, lines)
                     self._buffers[path] = []
-            self.synced_step = target
-            return target
+            if clock or not self._buffers.get(self.clock_path):  # no clock line left waiting: all durable
+                self.synced_step = target
+            return self.synced_step
 
     def _write(self, path: Path, lines: list[bytes]) -> None:
         """Append ``lines`` under the log's lock: cut a torn tail, close a full segment, write, fsync."""

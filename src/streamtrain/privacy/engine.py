@@ -46,6 +46,7 @@ from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAcc
 from streamtrain.privacy.admissions import AdmissionRecord, RecordState
 from streamtrain.privacy.clock import DPClock
 from streamtrain.privacy.config import DPConfig, DPConfigError
+from streamtrain.privacy.group import DPGroup
 from streamtrain.privacy.noise import GRID, BitSource, DiscreteGaussianNoise
 from streamtrain.privacy.per_sample import PerSampleGradients, PerSampleLoss, sensor_per_sample_loss
 from streamtrain.privacy.sampling import PoissonSampler
@@ -110,7 +111,11 @@ class DPEngine:
     (thread-safe), ``step`` by the trainer loop. The model and optimizer states belong to
     the trainer's checkpoint; :meth:`state_dict` holds the DP state (clock, window, ledger,
     accountant table, aggregates). With a ``record``, every closed step's decisions are
-    appended to it; the caller syncs it before publishing.
+    appended to it; the caller syncs it (:meth:`sync_record`) before publishing.
+
+    With a ``group`` (``WORLD_SIZE > 1``), the engines of all ranks are one mechanism
+    (:mod:`streamtrain.privacy.group`): :meth:`step`, :meth:`resume` and :meth:`sync_record`
+    are then collectives, called by every rank in the same order from one thread.
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class DPEngine:
         report_every_steps: int = 50,
         record: AdmissionRecord | None = None,
         noise_bits: BitSource | None = None,
+        group: DPGroup | None = None,
     ) -> None:
         self.randomness = randomness if randomness is not None else CryptoRandomness()
         self.norm = norm if norm is not None else public_norm(config, int(getattr(model, "channels", 1)))
@@ -147,8 +153,10 @@ class DPEngine:
         )
         self.report_every_steps = int(report_every_steps)
         self.clock = DPClock(config.step_rate_hz)
+        self.group = group
+        admit_per_step = config.admit_per_step if group is None else group.admit_share(config.admit_per_step)
         self.window = DPWindow(
-            config.eligible_steps, config.admit_per_step, self.randomness, unit=config.unit,
+            config.eligible_steps, admit_per_step, self.randomness, unit=config.unit,
             sensor_events=config.sensor_events, max_groups=None if self.lifetime is None else self.lifetime.max_groups,
         )  # fmt: skip
         self.sampler = PoissonSampler(config.sampling_schedule(), self.randomness)
@@ -157,9 +165,13 @@ class DPEngine:
         self.gradients = PerSampleGradients(model, config.clip_norm, loss_fn)
         self.divisor = config.divisor
         self.record = record
+        if group is not None and record is not None:  # one writer for the group: one ledger spacing, one clock
+            record.writer = record.ledger.writer = group.writer(record.writer)
         self._share_ledger()
         self.fault_injector: Any = None  # tests: called at the start of a step's training; may raise
         self.record_fault: Any = None  # tests: called with each micro-batch's rows before its gradients; may raise
+        self.on_update: Any = None  # tests: called with each step's noisy integer sum (the group's, after the reduce)
+        self._reduced_step = False  # this step's sum has crossed the group: no second, noise-only reduce
         self.last_failure: str | None = None
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self._device = next(iter(self._params.values())).device
@@ -198,18 +210,27 @@ class DPEngine:
         """
         with self._step_lock:
             with self._clock_lock:
-                if self.clock.due_steps(now) == 0:
-                    return None
+                due = self.clock.due_steps(now) > 0
                 step = self.clock.steps_done + 1
+                origin = self.clock.due_at(0, now)
+            if self.group is not None:  # rank 0's clock is the group's: same steps, same anchor
+                due, origin = self.group.agree_due(due, origin, step)
+                with self._clock_lock:
+                    self.clock.origin = origin
+            if not due:
+                return None
             started = time.perf_counter()
             decision = self.window.close_step(step)
             if self.record is not None:
-                self.record.append(decision, self.window.eligible_ranges())
+                self.record.append(decision, self.window.eligible_ranges(), clock=self._writes_clock)
             failed = False
+            self._reduced_step = False
             try:
                 try:
                     period = self._train_one_step()
                 except Exception as error:  # noqa: BLE001 - any failure: noise only, and go on
+                    if self._reduced_step:  # the group already summed this step: a second reduce would hang
+                        raise
                     failed = True
                     self.last_failure = f"step {step}: {type(error).__name__}: {error}"
                     log.exception("DP step %d failed; releasing it as a noise-only step", step)
@@ -337,16 +358,53 @@ class DPEngine:
         return totals
 
     def _add_noise_and_step(self, sums: dict[str, torch.Tensor]) -> None:
-        """Integer sum + N_Z(0, (σ·grid)²) per coordinate, exactly; then scale and step (post-processing)."""
+        """Integer sum + N_Z(0, (σ·grid)²) per coordinate, exactly; then scale and step (post-processing).
+
+        In a group, rank 0 alone adds its draw to its own sum and the int64 sums are then
+        all-reduced: every rank holds the union's sum plus one draw, exactly.
+        """
         sizes = [t.numel() for t in sums.values()]
-        noise = torch.from_numpy(self.noise.sample(self.noise_variance, sum(sizes)))
+        flat = torch.cat([t.reshape(-1).cpu() for t in sums.values()]) if sums else torch.zeros(0, dtype=torch.int64)
+        if self.group is None or self.group.draws_noise:
+            flat += torch.from_numpy(self.noise.sample(self.noise_variance, sum(sizes)))  # exact: int64
+        if self.group is not None:
+            self._reduced_step = True
+            self.group.sum_exactly(flat)
+        if self.on_update is not None:
+            self.on_update(flat)
         scale = self.config.clip_norm / GRID / self.divisor
-        for (name, total), chunk in zip(sums.items(), torch.split(noise, sizes), strict=True):
-            noisy = total.cpu() + chunk.reshape(total.shape)  # exact: int64
+        for (name, total), noisy in zip(sums.items(), torch.split(flat, sizes), strict=True):
             param = self._params[name]
-            param.grad = (noisy.to(torch.float64) * scale).to(dtype=param.dtype, device=param.device)
+            grad = noisy.reshape(total.shape).to(torch.float64) * scale
+            param.grad = grad.to(dtype=param.dtype, device=param.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def _writes_clock(self) -> bool:
+        return self.group is None or self.group.writes_clock
+
+    def sync_record(self) -> int:
+        """Make the admission record durable; returns the last durable step. Raises OSError.
+
+        In a group (a collective): every rank makes its partition logs and ledger lines
+        durable, the ranks agree that all did, and only then does rank 0 write the group's
+        clock log — so the clock never shows a step whose decisions on some rank are lost,
+        and a rank that failed makes every rank raise (no rank publishes what another could
+        not record).
+        """
+        if self.record is None:
+            return self.steps
+        if self.group is None:
+            return self.record.sync()
+        error: OSError | None = None
+        try:
+            self.record.sync(clock=False)
+        except OSError as err:
+            error = err
+        if not self.group.all_ok(error is None):
+            raise error if error is not None else OSError("another rank of the DP group could not sync its record")
+        return self.record.sync() if self.group.writes_clock else self.record.synced_step
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -494,6 +552,8 @@ class DPEngine:
         """
         with self._step_lock:
             step = max(self.clock.steps_done, recorded.last_step)
+            if self.group is not None:  # one clock log (rank 0's), one checkpoint step: every rank the same
+                step = self.group.last_step(step)
             self._share_ledger()  # after load_state_dict, which replaced the window's ledger
             self.window.resume(step, recorded.watermarks, recorded.candidates)
             with self._clock_lock:

@@ -226,9 +226,10 @@ class LockstepGroup:
         ctx = self.service.ctx
         if settings.dp == "on":
             raise ValueError(
-                f"DP=on with WORLD_SIZE={ctx.world_size}: differentially private training runs as one process "
-                "only (its noise and accounting are not yet split across ranks); unset WORLD_SIZE, or set "
-                "STREAMTRAIN_DP=off to scale out"
+                f"DP=on with WORLD_SIZE={ctx.world_size}: the DP engine can train as one mechanism across ranks "
+                "(streamtrain.privacy.group), but the service does not run it yet: the DP trainer has no lockstep "
+                "loop (agreed stop, checkpoint and publish ticks) and no sharded DP checkpoint; unset WORLD_SIZE, "
+                "or set STREAMTRAIN_DP=off to scale out"
             )
         device, self._gpus_shared = rank_device(settings.device, ctx)
         if str(device) != settings.device:
