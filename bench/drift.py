@@ -99,16 +99,10 @@ def simulated(name: str, args: argparse.Namespace, drift: str, skewed: bool = Fa
         if keep is not None:
             sensor = np.array([int(s.split("-")[1]) for s in batch.sensor_ids])
             rows = np.flatnonzero(rng.random(len(batch)) < keep[sensor])
-            batch = _subset(batch, rows)
+            batch = batch.take(rows)
         chunks.append(batch)
         regimes.append(fleet.drift_regime(float(tick)))
     return Stream(name, chunks, regimes, 1.0, args.rate, cfg.channels, True)
-
-
-def _subset(batch: EventBatch, rows: np.ndarray) -> EventBatch:
-    from streamtrain.quality.monitor import _rows
-
-    return _rows(batch, rows)
 
 
 def real(name: str, args: argparse.Namespace) -> Stream:

@@ -20,6 +20,8 @@ from typing import Any, Final
 import numpy as np
 import orjson
 
+from streamtrain.window.storage import token_positions
+
 NO_LABEL: Final = -1
 MAX_SENSOR_ID_CHARS: Final = 128
 
@@ -109,6 +111,19 @@ class EventBatch:
         starts = np.zeros(self.lengths.shape[0], dtype=np.int64)
         np.cumsum(self.lengths[:-1], out=starts[1:])
         return starts
+
+    def take(self, rows: np.ndarray) -> EventBatch:
+        """The events ``rows`` (indices, in that order) as a batch of their own, readings copied once."""
+        lengths = self.lengths[rows]
+        return EventBatch(
+            sensor_ids=self.sensor_ids[rows],
+            ts=self.ts[rows],
+            labels=self.labels[rows],
+            lengths=lengths,
+            values=self.values[token_positions(self.starts[rows], lengths)],
+            partitions=self.partitions[rows],
+            offsets=self.offsets[rows],
+        )
 
     def event(self, i: int) -> SensorEvent:
         start = int(self.starts[i])

@@ -350,6 +350,19 @@ def test_a_batch_gives_back_each_event_and_its_columns() -> None:
     assert single.values.shape == (1, 2) and single.ts.dtype == np.float64 and single.ts.tolist() == [3.0]
 
 
+def test_take_gives_the_rows_asked_in_their_order_with_their_readings_and_sources() -> None:
+    events = [SensorEvent(f"s{i}", float(i), np.full((1 + i, 2), i, np.float32), i % 3) for i in range(5)]
+    batch = EventBatch.from_events(events, partitions=[0, 1, 2, 3, 4], offsets=np.arange(10, 15))
+    taken = batch.take(np.array([3, 0, 4]))
+    assert len(taken) == 3 and taken.lengths.tolist() == [4, 1, 5] and taken.values.shape == (10, 2)
+    for j, i in enumerate([3, 0, 4]):
+        event = taken.event(j)
+        assert (event.sensor_id, event.ts, event.label) == (f"s{i}", float(i), i % 3)
+        assert np.array_equal(event.values, events[i].values)
+    assert taken.partitions.tolist() == [3, 0, 4] and taken.offsets.tolist() == [13, 10, 14]
+    assert len(batch.take(np.array([], dtype=np.int64))) == 0
+
+
 def test_a_batch_without_sources_gets_partition_zero_and_no_offsets() -> None:
     decoded = decode_batch([msg(values=[1.0]), msg(values=[2.0, 3.0])], LIMITS, NOW)
     events = decoded.events

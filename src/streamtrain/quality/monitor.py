@@ -40,7 +40,6 @@ from streamtrain.quality.drift import Drift, DriftMonitor
 from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter
 from streamtrain.quality.scoring import EventScores, Scorable, score_events
 from streamtrain.quality.selection import ForecasterSelector, GateDecision, Selection
-from streamtrain.window.storage import token_positions
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class QualityMonitor:
         trained = np.ones(n, dtype=bool)
         trained[held] = False
         trained[guard] = False
-        return _rows(batch, np.flatnonzero(trained))
+        return batch.take(np.flatnonzero(trained))
 
     def _take(self, n: int) -> np.ndarray:
         """Which rows to score: all while the per-second budget lasts, else a random sample."""
@@ -372,18 +371,3 @@ class QualityMonitor:
                 for r in state["versions"]
             )
             self.serving_order = [int(v) for v in state["serving_order"]]
-
-
-def _rows(batch: EventBatch, rows: np.ndarray) -> EventBatch:
-    """The events ``rows`` of ``batch`` as a batch of their own (readings copied once)."""
-    lengths = batch.lengths[rows]
-    index = token_positions(batch.starts[rows], lengths)
-    return EventBatch(
-        sensor_ids=batch.sensor_ids[rows],
-        ts=batch.ts[rows],
-        labels=batch.labels[rows],
-        lengths=lengths,
-        values=batch.values[index],
-        partitions=batch.partitions[rows],
-        offsets=batch.offsets[rows],
-    )
