@@ -190,12 +190,14 @@ def pin_batch(batch: Batch) -> Batch:
     return batch.pin_memory()
 
 
-def stage_batch(batch: Batch, device: torch.device, stream: torch.cuda.Stream | None = None) -> _Staging:
-    """Start copying ``batch`` to ``device`` (on ``stream`` when given); :meth:`_Staging.ready` finishes it."""
-    return _Staging(batch, Transfer({name: getattr(batch, name) for name in _ON_DEVICE}, device, stream))
+def stage_batch(batch: Batch, device: torch.device, stream: torch.cuda.Stream | None = None) -> Staging:
+    """Start copying ``batch`` to ``device`` (on ``stream`` when given); :meth:`Staging.ready` finishes it."""
+    return Staging(batch, Transfer({name: getattr(batch, name) for name in _ON_DEVICE}, device, stream))
 
 
-class _Staging:
+class Staging:
+    """A batch whose copy to the device has started; the lockstep loop stages the next one ahead."""
+
     def __init__(self, batch: Batch, transfer: Transfer) -> None:
         self.batch = batch
         self.transfer = transfer
@@ -233,14 +235,14 @@ class DevicePrefetcher:
         self._source = source
         self._iterator = iter(source)
         self._stream = side_stream(self.device)
-        self._next: _Staging | None = None
+        self._next: Staging | None = None
         self._pending_error: BaseException | None = None
         self._exhausted = False
 
     def __iter__(self) -> DevicePrefetcher:
         return self
 
-    def _stage_next(self) -> _Staging | None:
+    def _stage_next(self) -> Staging | None:
         """Queue the copy of the source's next batch; None when the source is done."""
         if self._exhausted:
             return None

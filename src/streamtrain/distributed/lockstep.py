@@ -53,7 +53,7 @@ import torch
 
 from streamtrain.config import Settings
 from streamtrain.data.collate import Batch
-from streamtrain.data.prefetch import Prefetcher, StagedBatch, _Staging, pin_batch, stage_batch
+from streamtrain.data.prefetch import Prefetcher, StagedBatch, Staging, pin_batch, stage_batch
 from streamtrain.device import is_cuda, side_stream
 from streamtrain.distributed.collectives import (
     EXIT_COLLECTIVE_FAILURE,
@@ -159,7 +159,7 @@ class DeviceStager:
         self.ahead = is_cuda(device) if ahead is None else ahead
         self.staged_ahead = 0  # batches whose copy was queued one tick early
         self._stream = side_stream(device)
-        self._next: _Staging | None = None  # the staging of the batch copied ahead
+        self._next: Staging | None = None  # the staging of the batch copied ahead
         self._ended: BaseException | None = None  # the source ended (or failed) while looking ahead
 
     def poll(self, timeout_s: float) -> StagedBatch | None:
