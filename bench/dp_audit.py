@@ -22,14 +22,26 @@ the claimed ε. Two deliberately broken variants show that the audit can fail:
 * ``readmit``: the admission record disabled, as if the service crashed and restarted
   ``--crashes`` times and admitted the re-read events again each time.
 
-Run: ``python bench/dp_audit.py [--canaries M] [--steps T] [--json]`` (a few minutes on a CPU).
+With ``--ranks N`` (N > 1) the same audit runs on the group path: N processes join a gloo
+group on 127.0.0.1 and train one model with ``DPEngine(group=DPGroup(...))`` on rank 0's
+public clock. The stream and the in-canaries are split by event offset mod N, so each canary
+lives on exactly one rank; the integer sums are all-reduced, rank 0 alone draws the noise, and
+each rank admits its share of R. Rank 0's final model (checked equal to every rank's, bit for
+bit) is audited. The broken variants break the group path: ``no_noise`` leaves the group's sum
+with no draw at all, ``readmit`` clears every rank's admission watermarks at each "crash".
+
+Run: ``python bench/dp_audit.py [--canaries M] [--ranks N] [--json]`` (a few minutes on a CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +54,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.data.collate import collate  # noqa: E402
+from streamtrain.distributed.collectives import Collectives  # noqa: E402
+from streamtrain.distributed.launch import DistContext, free_port  # noqa: E402
 from streamtrain.events import EventBatch, EventLimits, SensorEvent, decode_batch  # noqa: E402
 from streamtrain.model.network import SensorModel  # noqa: E402
 from streamtrain.privacy import DPConfig, DPEngine  # noqa: E402
+from streamtrain.privacy.group import DPGroup  # noqa: E402
 from streamtrain.tools.sensor_fleet import SensorFleet  # noqa: E402
 from streamtrain.tools.simulation_config import SimulationConfig  # noqa: E402
 
@@ -120,6 +135,14 @@ def canary_events(chunk: np.ndarray, length: int, now: float) -> EventBatch:
     return EventBatch.from_events(events, partitions=[CANARY_PARTITION] * chunk.size, offsets=chunk.tolist())
 
 
+def rank_share(batch: EventBatch, rank: int, ranks: int) -> EventBatch:
+    """The events of ``batch`` that rank ``rank`` of ``ranks`` admits: offset mod ``ranks``."""
+    if ranks == 1:
+        return batch
+    rows = np.flatnonzero(batch.offsets % ranks == rank)
+    return EventBatch.from_events([batch.event(int(i)) for i in rows], batch.partitions[rows], batch.offsets[rows])
+
+
 def hidden(model: SensorModel, engine: DPEngine, length: int) -> torch.Tensor:
     """The canaries' (shared) last hidden state under ``model``: what the class head reads."""
     batch = collate([np.zeros((length, 1), np.float32)])
@@ -139,7 +162,11 @@ def head(model: SensorModel) -> torch.Tensor:
     return torch.cat([model.class_head.weight.detach(), model.class_head.bias.detach()[:, None]], dim=1).double()
 
 
-def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
+def run_audit(
+    args: argparse.Namespace, variant: str, seed: int, group: DPGroup | None = None
+) -> tuple[AuditResult, torch.Tensor]:
+    """One audited training run (on this rank of ``group``, if any); the result and the final flat parameters."""
+    rank, ranks = (0, 1) if group is None else (group.rank, group.world_size)
     started = time.perf_counter()
     torch.manual_seed(args.seed)  # the initial model is public
     rng = np.random.default_rng(
@@ -153,9 +180,9 @@ def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
         admit_per_step=args.admit_per_step, step_rate_hz=2.0, delta=args.delta, expected_units=args.expected_units,
         target_epsilon=100.0,
     )  # fmt: skip
-    engine = DPEngine(model, optimizer, config, args.token_budget, max_micro_batch_sequences=512)
+    engine = DPEngine(model, optimizer, config, args.token_budget, max_micro_batch_sequences=512, group=group)
     if variant == "no_noise":
-        engine.noise = NoNoise()
+        engine.noise = NoNoise()  # on every rank: in a group, rank 0's (the only) draw is gone
     member = rng.random(m) < 0.5
     inserted = np.flatnonzero(member)
     direction = torch.cat([hidden(model, engine, args.canary_length), torch.ones(1, dtype=torch.float64)])
@@ -177,14 +204,15 @@ def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
                 fleet_batch.values, limits, now + 2, [0] * background, list(range(offset, offset + background))
             )
             offset += background
-            engine.admit(stream.events, now=now + 0.1)
-            if k == 0:
-                engine.admit(canary_events(inserted, args.canary_length, now), now=now + 0.2)
+            engine.admit(rank_share(stream.events, rank, ranks), now=now + 0.1)
+            if k == 0:  # canary i is offset i: it lives on rank i mod N only
+                mine = inserted[inserted % ranks == rank]
+                engine.admit(canary_events(mine, args.canary_length, now), now=now + 0.2)
             step += 1
             now = 1000.0 + step / 2.0 + 1e-3
             engine.step(now)
         if variant == "readmit":
-            engine.window.watermarks.clear()  # the bug: no admission record survives the "crash"
+            engine.window.watermarks.clear()  # the bug: no admission record survives the "crash" (every rank)
     scores = ((head(model) - before) @ direction).numpy()  # how far each class's row moved toward its canary
     order = np.argsort(-scores)  # the highest (most likely "in") first
     best = (0.0, 0, 0, 0)
@@ -194,8 +222,58 @@ def run_audit(args: argparse.Namespace, variant: str, seed: int) -> AuditResult:
         bound = epsilon_lower_bound(m, k, correct, args.delta, beta)
         if bound > best[0] or best[2] == 0:
             best = (bound, k, correct, k)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return AuditResult(variant, engine.accountant.epsilon_cap, best[0], best[3], best[2], best[1], int(member.sum()),
-                       time.perf_counter() - started)  # fmt: skip
+                       time.perf_counter() - started), flat  # fmt: skip
+
+
+def rank_worker(args: argparse.Namespace) -> None:
+    """One rank of ``--ranks N`` (launched by :func:`run_ranks` through ``env://``): every variant on
+    the group path; writes its final parameters per variant, and rank 0 its audit results."""
+    out = Path(args.worker)
+    collectives = Collectives(DistContext.from_env(), backend="gloo", timeout_s=600).start()
+    try:
+        group = DPGroup(collectives)
+        results = {}
+        for variant in args.variants:
+            result, flat = run_audit(args, variant, args.seed + 1, group)
+            np.save(out / f"{variant}-rank{group.rank}.npy", flat.numpy())
+            results[variant] = result.__dict__
+        if group.rank == 0:
+            (out / "results.json").write_text(json.dumps(results))
+    finally:
+        collectives.close()
+
+
+def run_ranks(args: argparse.Namespace, argv: list[str]) -> tuple[dict[str, AuditResult], dict[str, bool]]:
+    """Spawn ``args.ranks`` processes in one gloo group on 127.0.0.1; rank 0's results, and per
+    variant whether every rank's final parameters equal rank 0's bit for bit."""
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    python_path = os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory(prefix="dp-audit-") as tmp:
+        out = Path(tmp)
+        processes = []
+        for rank in range(args.ranks):
+            env = dict(os.environ, WORLD_SIZE=str(args.ranks), RANK=str(rank), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(args.ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PYTHONPATH=python_path)  # fmt: skip
+            command = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", tmp]
+            processes.append(subprocess.Popen(command, env=env))
+        try:
+            codes = [p.wait() for p in processes]
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+        if any(codes):
+            raise SystemExit(f"dp_audit --ranks {args.ranks}: rank exit codes {codes}")
+        results = {v: AuditResult(**r) for v, r in json.loads((out / "results.json").read_text()).items()}
+        identical = {}
+        for variant in args.variants:
+            flats = [np.load(out / f"{variant}-rank{r}.npy") for r in range(args.ranks)]
+            identical[variant] = all(np.array_equal(flats[0], f) for f in flats[1:])
+    return results, identical
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,10 +299,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", nargs="+", default=["dp", "no_noise", "readmit"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ranks", type=int, default=1, help="N: ranks of one DP group (gloo, 127.0.0.1)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one rank of --ranks N
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = {variant: run_audit(args, variant, args.seed + 1) for variant in args.variants}
+    if args.worker is not None:
+        rank_worker(args)
+        return
+    identical: dict[str, bool] = {}
+    if args.ranks > 1:
+        results, identical = run_ranks(args, sys.argv[1:] if argv is None else list(argv))
+    else:
+        results = {variant: run_audit(args, variant, args.seed + 1)[0] for variant in args.variants}
     claimed = next(iter(results.values())).claimed_epsilon
     rows = []
     for variant, result in results.items():
@@ -246,6 +333,16 @@ def main(argv: list[str] | None = None) -> None:
                 float(result.guesses),
             )
         )
+        if variant in identical:
+            rows.append(
+                Row(
+                    BENCH,
+                    f"{variant}: final parameters identical on all {args.ranks} ranks (1 = yes)",
+                    float(identical[variant]),
+                    1.0,
+                    "1",
+                )
+            )
     emit(rows, args.json)
 
 
