@@ -72,6 +72,7 @@ class SoakConfig:
     rate: float = 200.0  # events/s into Kafka
     predict_rps: float = 20.0
     predict_batch: int = 4
+    predict_clients: int = 4  # concurrent clients sharing predict_rps
     sample_s: float = 2.0
     window_capacity: int = 100_000  # the service's default; the warm-up should cover its filling
     max_len: int = 64
@@ -201,53 +202,61 @@ def _metric(metrics: dict, name: str, labels: dict[str, str] | None = None) -> f
 
 
 class _PredictLoad:
-    """Predict requests at a fixed rate on one thread; latencies and failures recorded."""
+    """Predict requests at a fixed total rate from ``clients`` threads; latencies and failures recorded.
 
-    def __init__(self, base_url: str, rps: float, batch: int, max_len: int, seed: int) -> None:
-        self.client = httpx.Client(base_url=base_url, timeout=30)
-        self.interval = 1.0 / rps if rps > 0 else math.inf
-        self.batch, self.max_len = batch, max_len
-        self.rng = np.random.default_rng(seed)
+    Several clients, each paced at ``rps / clients`` on its own schedule, so the offered rate does not
+    fall whenever one answer is slow: one sequential client measures its own latency, not the load served.
+    """
+
+    def __init__(self, base_url: str, rps: float, batch: int, max_len: int, seed: int, clients: int = 4) -> None:
+        self.base_url = base_url
+        self.interval = clients / rps if rps > 0 else math.inf
+        self.batch, self.max_len, self.seed = batch, max_len, seed
         self.latencies: list[float] = []  # since the last take()
         self.count = 0
         self.errors: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="predict-load", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=f"predict-load-{i}", daemon=True) for i in range(clients)
+        ]
 
-    def _body(self) -> dict[str, Any]:
-        lengths = self.rng.integers(1, self.max_len + 1, self.batch)
+    def _body(self, rng: np.random.Generator) -> dict[str, Any]:
+        lengths = rng.integers(1, self.max_len + 1, self.batch)
         return {
-            "instances": [
-                {"values": np.round(np.cumsum(self.rng.standard_normal(int(n))), 4).tolist()} for n in lengths
-            ]
+            "instances": [{"values": np.round(np.cumsum(rng.standard_normal(int(n))), 4).tolist()} for n in lengths]
         }
 
-    def _run(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            body = self._body()
-            started = time.perf_counter()
-            try:
-                response = self.client.post("/v1/predict", json=body)
-                failure = (
-                    None
-                    if response.status_code == 200 and len(response.json()["predictions"]) == self.batch
-                    else f"predict_{response.status_code}"
-                )
-            except httpx.HTTPError as err:
-                failure = f"predict_{type(err).__name__}"
-            elapsed = time.perf_counter() - started
-            with self._lock:
-                self.count += 1
-                self.latencies.append(elapsed)
-                if failure:
-                    self.errors[failure] += 1
-            next_at += self.interval
+    def _run(self, index: int) -> None:
+        rng = np.random.default_rng([self.seed, index])
+        # the clients start spread over one interval, so their requests interleave
+        next_at = time.monotonic() + index * self.interval / len(self._threads)
+        with httpx.Client(base_url=self.base_url, timeout=30) as client:
             self._stop.wait(max(0.0, next_at - time.monotonic()))
+            while not self._stop.is_set():
+                body = self._body(rng)
+                started = time.perf_counter()
+                try:
+                    response = client.post("/v1/predict", json=body)
+                    failure = (
+                        None
+                        if response.status_code == 200 and len(response.json()["predictions"]) == self.batch
+                        else f"predict_{response.status_code}"
+                    )
+                except httpx.HTTPError as err:
+                    failure = f"predict_{type(err).__name__}"
+                elapsed = time.perf_counter() - started
+                with self._lock:
+                    self.count += 1
+                    self.latencies.append(elapsed)
+                    if failure:
+                        self.errors[failure] += 1
+                next_at += self.interval
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def take(self) -> list[float]:
         with self._lock:
@@ -256,8 +265,8 @@ class _PredictLoad:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
-        self.client.close()
+        for thread in self._threads:
+            thread.join(30)
 
 
 def _p99_ms(latencies: list[float]) -> float | None:
@@ -298,7 +307,12 @@ def run_soak(config: SoakConfig) -> SoakReport:
         for i in range(1, config.producers)
     ]
     load = _PredictLoad(
-        f"http://127.0.0.1:{service.port}", config.predict_rps, config.predict_batch, config.max_len, config.seed
+        f"http://127.0.0.1:{service.port}",
+        config.predict_rps,
+        config.predict_batch,
+        config.max_len,
+        config.seed,
+        config.predict_clients,
     )
     samples: list[Sample] = []
     errors: Counter[str] = Counter()
@@ -537,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--producers", type=int, default=None, help="simulator processes (default 1; 3 --realistic)")
     parser.add_argument("--predict-rps", type=float, default=defaults.predict_rps)
     parser.add_argument("--predict-batch", type=int, default=defaults.predict_batch)
+    parser.add_argument(
+        "--predict-clients", type=int, default=defaults.predict_clients, help="concurrent clients sharing the rate"
+    )
     parser.add_argument("--sample-s", type=float, default=None, help="default: 2 s, or duration/300 for long runs")
     parser.add_argument("--window-capacity", type=int, default=defaults.window_capacity)
     parser.add_argument("--out", type=Path, default=defaults.out_dir, help="where the PNG and JSON go")
@@ -568,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     sample = args.sample_s if args.sample_s is not None else max(2.0, args.duration_s / 300)
     config = SoakConfig(
         bootstrap=args.bootstrap, duration_s=args.duration_s, warmup_s=warmup, rate=rate,
-        predict_rps=args.predict_rps, predict_batch=args.predict_batch, sample_s=sample,
+        predict_rps=args.predict_rps, predict_batch=args.predict_batch, predict_clients=args.predict_clients,
+        sample_s=sample,
         window_capacity=args.window_capacity, out_dir=args.out, producers=producers,
         length_median=48.0 if args.realistic else defaults.length_median, small_model=not args.realistic,
         max_len=512 if args.realistic else defaults.max_len, malloc=args.malloc,

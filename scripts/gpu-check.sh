@@ -108,6 +108,8 @@ if [ "$MODE" = dry ]; then
   LATENCY_ARGS=(--rate 300 --warmup-s 2 --measure-s 4 --tail-s 2)
   LATENCY_CONFIG="device=cpu,d_model=32"
   LIMIT_TESTS=600 LIMIT_TRAIN=(300 300 300) LIMIT_PREDICT=240 LIMIT_LATENCY=180
+  # only the CUDA cases, which skip here with their reason: the CPU cases are the unit suite's own
+  TEST_SELECT=(-k cuda)
 else
   DEVICE=cuda
   if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -125,6 +127,7 @@ else
   LATENCY_CONFIG="device=cuda"
   # 100 + 150 + 70 + 70 + 90 + 80 = 560 s at most, plus start-up: inside 10 minutes.
   LIMIT_TESTS=100 LIMIT_TRAIN=(150 70 70) LIMIT_PREDICT=90 LIMIT_LATENCY=80
+  TEST_SELECT=()
 fi
 
 STARTED=$(date +%s)
@@ -163,7 +166,7 @@ EOF
 say "environment: $(tr -d '\n' <"$OUT/env.json" | tr -s ' ' | cut -c1-400)"
 
 step tests "$LIMIT_TESTS" "$OUT/tests.txt" \
-  "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/test_device.py tests/unit/model/test_model_inference.py tests/unit/serve/test_serve_batcher.py
+  "$PY" -m pytest -q -rs -p no:cacheprovider "${TEST_SELECT[@]}" tests/unit/test_device.py tests/unit/model/test_model_inference.py tests/unit/serve/test_serve_batcher.py
 tail -n 12 "$OUT/tests.txt" | tee -a "$LOG"
 
 : >"$OUT/train_throughput.jsonl"
