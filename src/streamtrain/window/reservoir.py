@@ -10,27 +10,35 @@ reservoir. Keys never change once drawn, so without ``max_age_s`` the window is 
 the top W of the whole stream, whatever the batching.
 
 Batch inserts are vectorized and amortized: the store may overshoot W by a slack S of
-extra items; one ``argpartition`` over W + S items then cuts it back to the top W. Keys
-below the last cut's threshold can never enter again, so most of a uniform stream is
-dropped by one comparison. Readers always see the cut state (a cut runs first), so the
-window they observe is exactly the top W (without ``max_age_s``). The admitted events'
-readings are copied into chunks of the window's own, off the malloc heap when large
-(``chunk_array``), and compacted at cuts once garbage dominates.
+extra items (default W / 8); once it holds more than W + S, one ``argpartition`` cuts it
+back to the top W. Keys below the last cut's threshold can never enter again, so most of a
+uniform stream is dropped by one comparison. The admitted events' readings are copied into
+chunks of the window's own, off the malloc heap when large (``chunk_array``), and
+compacted at cuts once they hold more than 1.25x the live readings. Sensor ids are stored
+as integer codes into a vocabulary of the window's own (pruned at cuts), the other
+columns at the width they need: per item, the columns take 64 bytes beside the readings.
+
+Readers never wait on the writer's work, nor the writer on theirs. The writer (one at a
+time) appends rows past what it last published and builds new arrays for a cut, then
+publishes the new state by swapping one reference under the lock; a published state is
+never written again. A reader takes that reference under the lock (O(1)) and works out,
+outside it, what a cut at that moment would keep: every read sees exactly the top W
+(without ``max_age_s``), whatever the overshoot, but a read cuts nothing.
 
 With ``max_age_s`` set the window is *not* the top W of the stream, nor of the events
-still young enough. Every cut (before each read, and whenever the store outgrows W + S)
-first drops the events older than ``max_age_s`` by the clock, then keeps the top W keys
-of the rest; an event a cut has pushed out never comes back. So the window is the top W
-keys of the young events that survived every cut since they arrived: at most W items,
-fewer while the places of expired winners wait for newer events (W = 1: the events
-offered while the winner held the window are gone at the next cut, so once the winner
-expires the window is empty until the next event arrives). What it holds depends on when
-cuts ran, not only on the stream. It is so on purpose: holding the exact top W of the
-young events means keeping every event that fewer than W others outrank (a higher key
-and at least as young), about W·(1 + ln(n/W)) of n young events for a uniform reservoir,
-and WINDOW_CAPACITY would no longer bound memory. No key threshold is kept either (an
-old winner's key must not keep younger events out after it expired), so every offered
-event is stored until a cut.
+still young enough. A cut (when the store outgrows W + S, and at restore) first drops
+the events older than ``max_age_s`` by the clock, then keeps the top W keys of the rest;
+an event a cut has pushed out never comes back. A read shows what such a cut would keep
+at that moment. So the window is the top W keys of the young events that survived every
+cut since they arrived: at most W items, fewer while the places of expired winners wait
+for newer events (W = 1, S = 2: three events offered while the winner held the window
+are gone at the cut they cause, so once the winner expires the window is empty until the
+next event arrives). What it holds depends on when cuts ran, not only on the stream. It
+is so on purpose: holding the exact top W of the young events means keeping every event
+that fewer than W others outrank (a higher key and at least as young), about
+W·(1 + ln(n/W)) of n young events for a uniform reservoir, and WINDOW_CAPACITY would no
+longer bound memory. No key threshold is kept either (an old winner's key must not keep
+younger events out after it expired), so every offered event is stored until a cut.
 
 Counters: the window keeps the ledger of the Kafka messages its offsets cover, and a
 checkpoint saves it with them, so after a restart it counts every covered message once
@@ -44,10 +52,11 @@ lost the reservoir race (on arrival or at a later cut) or expired (``max_age_s``
 the part of ``evicted_total`` that happened in this process (what a Prometheus counter,
 which starts at zero with the process, reports).
 
-Snapshots share readings: under the lock a snapshot copies the small per-item columns
-and takes references to the reading chunks (never written after insert), so the lock
-is held for O(W) column copies only. A pass's subset then gathers just its own items'
-readings; a full-window pass concatenates the chunks once, outside the lock.
+Snapshots share what they can: a snapshot of a state that needs no cut holds read-only
+views of the store's columns, and every snapshot holds references to the reading chunks
+(never written after insert). A pass's subset then gathers just its own items'
+readings; a full-window pass concatenates the chunks once. A checkpoint's
+``capture_state`` takes the published state the same way and builds the dict later.
 
 Restore under changed settings: a window saved with another ``half_life_s`` is re-keyed,
 not redrawn: each key's random part ``−ln E = key − λ_old·(ts − L)`` is recovered
@@ -58,8 +67,10 @@ one. A window saved with another ``channels`` cannot be restored (ValueError).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,7 +81,7 @@ import numpy as np
 
 from streamtrain.events import EventBatch
 from streamtrain.window.snapshot import WindowSnapshot
-from streamtrain.window.storage import ITEM_COLUMNS, chunk_array, decay_rate, gather_tokens
+from streamtrain.window.storage import chunk_array, decay_rate, gather_tokens
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +132,53 @@ class WindowStats:
     length: QuantileSummary | None
 
 
+@dataclass(frozen=True)
+class _Published:
+    """One state of the store, as readers see it: immutable once published.
+
+    The writer only appends rows past ``n`` to these arrays (and chunks past ``n_chunks``
+    to that list, codes past the vocabulary's used part); a cut or a compaction builds new
+    arrays and a new list. So a reader holding this state reads it without a lock.
+    """
+
+    cols: Mapping[str, np.ndarray]
+    n: int
+    chunks: list[np.ndarray]
+    n_chunks: int
+    vocabulary: np.ndarray  # object [>= codes used]: sensor id of each code
+    next_offsets: Mapping[int, int]
+    accepted_total: int
+    rejected: Mapping[str, int]
+    held_out_total: int
+    version: int
+    reference_ts: float | None
+    rng_state: Mapping[str, Any] | None
+
+
 class RecencyWindow:
     """Bounded reservoir of sensor events with recency weighting by event time.
 
-    Thread-safe: one writer (the ingest thread) and any number of readers taking
-    snapshots. ``rng`` supplies the key randomness; pass a seeded generator in tests,
-    leave it None in production for OS entropy. ``slack`` is the overshoot S between
-    cuts (default W): more slack, fewer cuts, more memory.
+    Thread-safe: one writer at a time (the ingest thread; writers are serialized) and
+    any number of readers, who never wait on the writer's work. ``rng`` supplies the key
+    randomness; pass a seeded generator in tests, leave it None in production for OS
+    entropy. ``slack`` is the overshoot S between cuts (default W / 8, at least 4,096 and
+    at most W): more slack, fewer cuts, more memory.
     """
 
-    # the item columns, and where each item's readings lie: chunk and start in it
-    _COLUMNS = (*ITEM_COLUMNS, ("starts", np.int64), ("chunks", np.int64))
+    # the stored rows: item columns (sensor ids as codes into a vocabulary, widths sized to
+    # need) and where each item's readings lie: chunk and start in it
+    _COLUMNS: tuple[tuple[str, Any], ...] = (
+        ("keys", np.float64),
+        ("ts", np.float64),
+        ("labels", np.int64),
+        ("lengths", np.int32),
+        ("partitions", np.int32),
+        ("offsets", np.int64),
+        ("seq", np.int64),
+        ("sensors", np.int32),
+        ("starts", np.int64),
+        ("chunks", np.int32),
+    )
 
     def __init__(
         self,
@@ -152,35 +199,124 @@ class RecencyWindow:
         self.half_life_s = float(half_life_s)
         self.channels = int(channels)
         self.max_age_s = max_age_s
-        self.slack = self.capacity if slack is None else max(1, int(slack))
+        self.slack = min(self.capacity, max(4096, self.capacity // 8)) if slack is None else max(1, int(slack))
         self._decay = decay_rate(self.half_life_s)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards only the swap of the published state
+        self._write_lock = threading.Lock()  # serializes writers
         self._reference_ts: float | None = None
+        # the writer's own state; readers see only what _publish hands them
         self._next_offsets: dict[int, int] = {}
-        self.accepted_total = 0  # the ledger of the covered offsets (module docstring)
+        self._accepted = 0  # the ledger of the covered offsets (module docstring)
         self._rejected: dict[str, int] = {}
-        self.held_out_total = 0
+        self._held_out = 0
+        self._version = 0
         self._evicted_at_start = 0  # evicted_total when this process took the window over
-        self.version = 0
+        self._rows_cache: tuple[_Published, float | None, np.ndarray | None] | None = None
         self._reset_storage(0)
+        self._publish()
 
     def _reset_storage(self, rows: int) -> None:
         self._cols = {name: np.empty(max(rows, 1024), dtype=dtype) for name, dtype in self._COLUMNS}
         self._n = 0  # stored rows; the window is their top `capacity` keys
         self._threshold = -math.inf  # keys at or below it can never enter again
         self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
+        self._vocabulary = np.empty(1024, dtype=object)
+        self._vocabulary_n = 0
+        self._codes: dict[str, int] = {}
+
+    def _publish(self) -> None:
+        """Hand readers the writer's current state (built outside the lock, swapped under it)."""
+        bit_generator = getattr(self._rng, "bit_generator", None)
+        state = _Published(
+            cols=self._cols,
+            n=self._n,
+            chunks=self._chunk_arrays,
+            n_chunks=len(self._chunk_arrays),
+            vocabulary=self._vocabulary,
+            next_offsets=dict(self._next_offsets),
+            accepted_total=self._accepted,
+            rejected=dict(self._rejected),
+            held_out_total=self._held_out,
+            version=self._version,
+            reference_ts=self._reference_ts,
+            rng_state=None if bit_generator is None else bit_generator.state,
+        )
+        with self._lock:
+            self._published = state
+
+    def _current(self) -> _Published:
+        with self._lock:
+            return self._published
+
+    # ------------------------------------------------------------------ which rows are the window
+    def _select_rows(self, cols: Mapping[str, np.ndarray], n: int, now: float) -> np.ndarray | None:
+        """The stored rows a cut at ``now`` keeps (ascending), or None when it keeps all ``n``.
+
+        Expired rows go first (``max_age_s``), then the top ``capacity`` keys of the rest.
+        """
+        keep: np.ndarray | None = None
+        if self.max_age_s is not None and n:
+            fresh = cols["ts"][:n] >= now - self.max_age_s
+            if not fresh.all():
+                keep = np.flatnonzero(fresh)  # expired rows count as evicted (accepted_total - size)
+        m = n if keep is None else keep.size
+        if m > self.capacity:
+            keys = cols["keys"][:n] if keep is None else cols["keys"][keep]
+            top = np.argpartition(keys, m - self.capacity)[m - self.capacity :]
+            keep = np.sort(top if keep is None else keep[top])
+        return keep
+
+    def _window_rows(self, state: _Published, now: float) -> np.ndarray | None:
+        """What a cut of ``state`` at ``now`` would keep, without making it (readers never cut).
+
+        Cached per state, so the statistics and the snapshot of one state select once.
+        """
+        now_key = now if self.max_age_s is not None else None
+        cached = self._rows_cache
+        if cached is not None and cached[0] is state and cached[1] == now_key:
+            return cached[2]
+        rows = self._select_rows(state.cols, state.n, now)
+        self._rows_cache = (state, now_key, rows)
+        return rows
+
+    def _window_size(self, state: _Published) -> int:
+        if self.max_age_s is None:
+            return min(state.n, self.capacity)
+        fresh = int(np.count_nonzero(state.cols["ts"][: state.n] >= self._clock() - self.max_age_s))
+        return min(fresh, self.capacity)
+
+    @staticmethod
+    def _column(state: _Published, rows: np.ndarray | None, name: str) -> np.ndarray:
+        column = state.cols[name]
+        if rows is not None:
+            return column[rows]
+        view = column[: state.n]  # shared with the store: nobody may write it
+        view.flags.writeable = False
+        return view
 
     # ------------------------------------------------------------------ sizes and counters
     def __len__(self) -> int:
-        return min(self._n, self.capacity)
+        return self._window_size(self._current())
+
+    @property
+    def accepted_total(self) -> int:
+        return self._current().accepted_total
+
+    @property
+    def held_out_total(self) -> int:
+        return self._current().held_out_total
+
+    @property
+    def version(self) -> int:
+        return self._current().version
 
     @property
     def evicted_total(self) -> int:
         """Accepted events not in the window: lost the race (at once or at a cut) or expired."""
-        with self._lock:
-            return self.accepted_total - min(self._n, self.capacity)
+        state = self._current()
+        return state.accepted_total - self._window_size(state)
 
     @property
     def evicted_since_start(self) -> int:
@@ -193,29 +329,27 @@ class RecencyWindow:
     @property
     def rejected_total(self) -> dict[str, int]:
         """Refused messages by reason, over the covered offsets."""
-        with self._lock:
-            return dict(self._rejected)
+        return dict(self._current().rejected)
 
     @property
     def seen_total(self) -> int:
         """Messages covered: accepted events, rejected messages and held-out events."""
-        with self._lock:
-            return self.accepted_total + sum(self._rejected.values()) + self.held_out_total
+        state = self._current()
+        return state.accepted_total + sum(state.rejected.values()) + state.held_out_total
 
     @property
     def tokens(self) -> int:
-        with self._lock:
-            self._cut_locked()
-            return int(self._cols["lengths"][: self._n].sum())
+        state = self._current()
+        rows = self._window_rows(state, self._clock())
+        return int(self._column(state, rows, "lengths").sum(dtype=np.int64))
 
     @property
     def next_offsets(self) -> dict[int, int]:
-        with self._lock:
-            return dict(self._next_offsets)
+        return dict(self._current().next_offsets)
 
     # ------------------------------------------------------------------ writing
     def draw_keys(self, ts: np.ndarray) -> np.ndarray:
-        """Reservoir keys ``λ·(ts − L) − ln E`` for events with times ``ts``."""
+        """Reservoir keys ``λ·(ts − L) − ln E`` for events with times ``ts`` (the writer's draws)."""
         if self._reference_ts is None and ts.size:
             self._reference_ts = float(ts[0])
         exp_draws = self._rng.standard_exponential(ts.shape[0])
@@ -233,43 +367,67 @@ class RecencyWindow:
 
         ``next_offsets`` is the next offset per partition once this batch is in, and
         ``rejected`` the messages of the same poll batch refused by reason and ``held_out``
-        its valid events kept out for the holdout; all are stored under the same lock as
+        its valid events kept out for the holdout; all are published in one state with
         the items, so every state knows what it covers.
         """
         if batch.values.ndim != 2 or batch.values.shape[1] != self.channels:
             raise ValueError(f"batch values must be [tokens, {self.channels}], got {batch.values.shape}")
         n = len(batch)
-        keys = self.draw_keys(batch.ts)
-        with self._lock:
+        with self._write_lock:
+            keys = self.draw_keys(batch.ts)
             contenders = np.flatnonzero(keys > self._threshold)
             if contenders.size:
-                self._append_locked(batch, keys, contenders)
+                self._append(batch, keys, contenders)
             if self._n > self.capacity + self.slack:
-                self._cut_locked()
+                self._cut()
             if next_offsets:
                 self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
-            self._count_rejected_locked(rejected)
-            self.held_out_total += int(held_out)
-            self.accepted_total += n
-            self.version += 1
+            self._count_rejected(rejected)
+            self._held_out += int(held_out)
+            self._accepted += n
+            self._version += 1
+            self._publish()
         return InsertReport(offered=n, stored=int(contenders.size), dropped=n - int(contenders.size))
 
     def advance_offsets(
         self, next_offsets: Mapping[int, int], *, rejected: Mapping[str, int] | None = None, held_out: int = 0
     ) -> None:
         """Record offsets consumed without events for the window (dead-lettered or held out)."""
-        with self._lock:
+        with self._write_lock:
             self._next_offsets.update({int(p): int(o) for p, o in next_offsets.items()})
-            self._count_rejected_locked(rejected)
-            self.held_out_total += int(held_out)
-            self.version += 1
+            self._count_rejected(rejected)
+            self._held_out += int(held_out)
+            self._version += 1
+            self._publish()
 
-    def _count_rejected_locked(self, rejected: Mapping[str, int] | None) -> None:
+    def _count_rejected(self, rejected: Mapping[str, int] | None) -> None:
         for reason, count in (rejected or {}).items():
             if count:
                 self._rejected[str(reason)] = self._rejected.get(str(reason), 0) + int(count)
 
-    def _append_locked(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
+    def _sensor_codes(self, sensor_ids: np.ndarray) -> np.ndarray:
+        """Integer codes of ``sensor_ids``; new ids are appended to the vocabulary."""
+        ids = sensor_ids.tolist()
+        found = list(map(self._codes.get, ids))  # the dict lookups run in C: ~60 ns an id
+        if None in found:  # ids not seen before get codes in order of first appearance, then all are looked up
+            for sensor in dict.fromkeys(itertools.compress(ids, map(operator.is_, found, itertools.repeat(None)))):
+                self._new_code(sensor)
+            found = list(map(self._codes.get, ids))
+        return np.fromiter(found, dtype=np.int32, count=len(found))
+
+    def _new_code(self, sensor: str) -> int:
+        code = self._vocabulary_n
+        if code == self._vocabulary.shape[0]:  # grown into a new array: published ones stay as they are
+            grown = np.empty(2 * code, dtype=object)
+            grown[:code] = self._vocabulary[:code]
+            self._vocabulary = grown
+        self._vocabulary[code] = sensor
+        self._codes[sensor] = code
+        self._vocabulary_n += 1
+        return code
+
+    def _append(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Write the rows past the published ``n`` (readers never look there) and their chunk."""
         k = rows.shape[0]
         lengths = batch.lengths[rows]
         # the rows' readings, copied into storage of the window's own (chunk_array)
@@ -278,8 +436,8 @@ class RecencyWindow:
         )
         starts = np.zeros(k, dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
+        self._grow(self._n + k)
         self._chunk_arrays.append(chunk)
-        self._grow_locked(self._n + k)
         at = slice(self._n, self._n + k)
         cols = self._cols
         cols["keys"][at] = keys[rows]
@@ -290,56 +448,59 @@ class RecencyWindow:
         cols["chunks"][at] = len(self._chunk_arrays) - 1
         cols["partitions"][at] = batch.partitions[rows]
         cols["offsets"][at] = batch.offsets[rows]
-        cols["seq"][at] = self.accepted_total + rows  # arrival order: accepted count before + position
-        cols["sensor_ids"][at] = batch.sensor_ids[rows]
+        cols["seq"][at] = self._accepted + rows  # arrival order: accepted count before + position
+        cols["sensors"][at] = self._sensor_codes(batch.sensor_ids[rows])
         self._n += k
 
-    def _grow_locked(self, rows: int) -> None:
+    def _grow(self, rows: int) -> None:
         size = self._cols["keys"].shape[0]
         if rows <= size:
             return
-        new_size = max(rows, 2 * size)
-        for name, dtype in self._COLUMNS:
-            grown = np.empty(new_size, dtype=dtype)
-            grown[: self._n] = self._cols[name][: self._n]
-            self._cols[name] = grown
+        new_size = max(rows, min(2 * size, self.capacity + self.slack))
+        grown = {name: np.empty(new_size, dtype=dtype) for name, dtype in self._COLUMNS}
+        for name, column in grown.items():
+            column[: self._n] = self._cols[name][: self._n]
+        self._cols = grown
 
-    def _cut_locked(self) -> None:
-        """Keep the top ``capacity`` keys (and drop expired rows); compact readings if sparse."""
-        n = self._n
-        keep = np.arange(n)
-        if self.max_age_s is not None and n:
-            fresh = self._cols["ts"][:n] >= self._clock() - self.max_age_s
-            if not fresh.all():
-                keep = keep[fresh]  # expired rows count as evicted (accepted_total - size)
-        if keep.size > self.capacity:
-            keys = self._cols["keys"][keep]
-            top = np.argpartition(keys, keep.size - self.capacity)[keep.size - self.capacity :]
-            keep = np.sort(keep[top])
-            if self.max_age_s is None:
-                self._threshold = float(self._cols["keys"][keep].min())
-        if keep.size == n:
+    def _cut(self) -> None:
+        """Keep the top ``capacity`` keys (and drop expired rows) in new arrays; compact readings if sparse."""
+        n, cols = self._n, self._cols
+        keep = self._select_rows(cols, n, self._clock())
+        if keep is None:
             return
-        for name, _ in self._COLUMNS:
-            column = self._cols[name]
-            column[: keep.size] = column[keep]
-        self._n = keep.size
-        self._compact_chunks_locked()
+        if self.max_age_s is None:
+            self._threshold = float(cols["keys"][keep].min()) if keep.size else self._threshold
+        size = max(keep.size, min(self.capacity + self.slack, max(2 * keep.size, 1024)))
+        kept = {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
+        for name, column in kept.items():
+            np.take(cols[name][:n], keep, out=column[: keep.size])
+        self._cols, self._n = kept, int(keep.size)
+        self._compact_chunks()
+        self._compact_vocabulary()
 
-    def _compact_chunks_locked(self) -> None:
-        """Drop dead chunks; gather live readings of mostly-dead chunks into one new chunk."""
+    def _compact_chunks(self) -> None:
+        """Drop dead chunks; gather the live readings of the emptiest chunks into one new chunk.
+
+        Only when the chunks hold more than 1.25x the live readings (plus 64k tokens), and
+        then the emptiest first until they hold at most 1.1x: memory stays close to the
+        data, and a chunk is copied only once a fifth or more of it is garbage.
+        """
         n, cols = self._n, self._cols
         chunk_ids, lengths = cols["chunks"][:n], cols["lengths"][:n]
         live_tokens = np.bincount(chunk_ids, weights=lengths, minlength=len(self._chunk_arrays))
-        sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.float64)
+        sizes = np.fromiter((c.shape[0] for c in self._chunk_arrays), np.float64, count=len(self._chunk_arrays))
         alive = live_tokens > 0
-        # Compact only when garbage dominates (held > 3x live), then only chunks under 1/3 live:
-        # memory stays within a few times the live tokens, copies stay rare.
-        if sizes[alive].sum() > 3 * live_tokens.sum() + 65536:
-            sparse = alive & (live_tokens * 3 < sizes)
-        else:
-            sparse = np.zeros_like(alive)
-        new_index = np.full(len(self._chunk_arrays), -1, dtype=np.int64)
+        live, held = live_tokens.sum(), sizes[alive].sum()
+        sparse = np.zeros_like(alive)
+        if held > 1.25 * live + 65536:
+            candidates = np.flatnonzero(alive & (live_tokens < sizes))
+            candidates = candidates[np.argsort(live_tokens[candidates] / sizes[candidates], kind="stable")]
+            freed = np.cumsum(sizes[candidates] - live_tokens[candidates])
+            count = int(np.searchsorted(freed, held - 1.1 * live)) + 1
+            sparse[candidates[:count]] = True
+        if alive.all() and not sparse.any():
+            return
+        new_index = np.full(len(self._chunk_arrays), -1, dtype=np.int32)
         kept = np.flatnonzero(alive & ~sparse)
         new_index[kept] = np.arange(kept.size)
         arrays = [self._chunk_arrays[i] for i in kept.tolist()]
@@ -348,74 +509,91 @@ class RecencyWindow:
             rows = rows[np.argsort(chunk_ids[rows], kind="stable")]
             row_chunks, row_lengths = chunk_ids[rows], lengths[rows]
             bounds = np.flatnonzero(np.diff(row_chunks)) + 1
-            pieces = [
-                gather_tokens(
-                    self._chunk_arrays[int(row_chunks[group[0]])], cols["starts"][rows[group]], row_lengths[group]
-                )
-                for group in np.split(np.arange(rows.size), bounds)
-            ]  # one gather per sparse chunk: only live readings are copied
+            merged = chunk_array(int(row_lengths.sum()), self.channels)
             new_starts = np.zeros(rows.size, dtype=np.int64)
             np.cumsum(row_lengths[:-1], out=new_starts[1:])
+            for group in np.split(np.arange(rows.size), bounds):  # one gather per sparse chunk: live readings only
+                source = self._chunk_arrays[int(row_chunks[group[0]])]
+                at = int(new_starts[group[0]])
+                piece = gather_tokens(source, cols["starts"][rows[group]], row_lengths[group])
+                merged[at : at + piece.shape[0]] = piece
             cols["starts"][rows] = new_starts
-            arrays.append(np.concatenate(pieces, out=chunk_array(int(row_lengths.sum()), self.channels)))
+            arrays.append(merged)
             new_index[sparse] = len(arrays) - 1
         cols["chunks"][:n] = new_index[chunk_ids]
-        self._chunk_arrays = arrays
+        self._chunk_arrays = arrays  # a new list: published states keep theirs
+
+    def _compact_vocabulary(self) -> None:
+        """Forget sensor ids no stored row uses, once they are most of the vocabulary."""
+        if self._vocabulary_n <= 1024:
+            return
+        used = np.bincount(self._cols["sensors"][: self._n], minlength=self._vocabulary_n) > 0
+        if 2 * int(used.sum()) >= self._vocabulary_n:
+            return
+        live = np.flatnonzero(used)
+        remap = np.full(self._vocabulary_n, -1, dtype=np.int32)
+        remap[live] = np.arange(live.size, dtype=np.int32)
+        self._cols["sensors"][: self._n] = remap[self._cols["sensors"][: self._n]]
+        vocabulary = np.empty(max(1024, 2 * live.size), dtype=object)
+        vocabulary[: live.size] = self._vocabulary[live]
+        self._vocabulary, self._vocabulary_n = vocabulary, int(live.size)
+        self._codes = {sensor: code for code, sensor in enumerate(vocabulary[: live.size].tolist())}
 
     # ------------------------------------------------------------------ reading
     def snapshot(self) -> WindowSnapshot:
-        """A consistent view of the window (after a cut), in insertion order.
+        """A consistent view of the window, in insertion order.
 
-        Under the lock: O(W) copies of the per-item columns and references to the reading
-        chunks; readings are gathered later, outside it, and only for the items used.
+        Under the lock only a reference to the published state is taken; which rows are
+        the window, and the columns the view holds, are worked out outside it.
         """
-        with self._lock:
-            return self._snapshot_locked()
+        return self._snapshot_of(self._current(), self._clock())
 
-    def _snapshot_locked(self) -> WindowSnapshot:
-        self._cut_locked()
-        n, cols = self._n, self._cols
-        sizes = np.array([c.shape[0] for c in self._chunk_arrays], dtype=np.int64)
+    def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
+        rows = self._window_rows(state, now)
+        chunks = tuple(state.chunks[: state.n_chunks]) or (np.zeros((0, self.channels), np.float32),)
+        sizes = np.fromiter((c.shape[0] for c in chunks), np.int64, count=len(chunks))
         base = np.zeros(sizes.size, dtype=np.int64)
         np.cumsum(sizes[:-1], out=base[1:])
-        chunks = tuple(self._chunk_arrays) or (np.zeros((0, self.channels), np.float32),)
+
+        def column(name: str) -> np.ndarray:
+            return self._column(state, rows, name)
+
         return WindowSnapshot(
             flat_values=chunks,
-            starts=base[cols["chunks"][:n]] + cols["starts"][:n] if sizes.size else np.zeros(n, np.int64),
-            lengths=cols["lengths"][:n].copy(),
-            ts=cols["ts"][:n].copy(),
-            labels=cols["labels"][:n].copy(),
-            keys=cols["keys"][:n].copy(),
-            sensor_ids=cols["sensor_ids"][:n].copy(),
-            partitions=cols["partitions"][:n].copy(),
-            offsets=cols["offsets"][:n].copy(),
-            next_offsets=dict(self._next_offsets),
-            version=self.version,
-            taken_at=self._clock(),
-            seq=cols["seq"][:n].copy(),
+            starts=base[column("chunks")] + column("starts"),
+            lengths=column("lengths").astype(np.int64),
+            ts=column("ts"),
+            labels=column("labels"),
+            keys=column("keys"),
+            sensor_ids=state.vocabulary[column("sensors")],
+            partitions=column("partitions"),
+            offsets=column("offsets"),
+            next_offsets=dict(state.next_offsets),
+            version=state.version,
+            taken_at=now,
+            seq=column("seq"),
         )
 
     def stats(self, now: float | None = None) -> WindowStats:
-        """Statistics for ``GET /v1/window``: O(W) numpy work on columns, no reading copies."""
+        """Statistics for ``GET /v1/window``: O(W) numpy work on columns, no reading copies, no lock held."""
         now = self._clock() if now is None else now
-        with self._lock:
-            self._cut_locked()
-            n, cols = self._n, self._cols
-            ts = cols["ts"][:n].copy()
-            lengths = cols["lengths"][:n].copy()
-            sensor_ids = cols["sensor_ids"][:n].copy()
-            accepted, rejected, held_out = self.accepted_total, dict(self._rejected), self.held_out_total
+        state = self._current()
+        rows = self._window_rows(state, now)
+        ts = self._column(state, rows, "ts")
+        lengths = self._column(state, rows, "lengths")
+        sensors = self._column(state, rows, "sensors")
+        accepted, rejected = state.accepted_total, dict(state.rejected)
         return WindowStats(
-            size=n,
+            size=int(ts.shape[0]),
             capacity=self.capacity,
-            seen_total=accepted + sum(rejected.values()) + held_out,
+            seen_total=accepted + sum(rejected.values()) + state.held_out_total,
             accepted_total=accepted,
             rejected_total=rejected,
-            held_out_total=held_out,
-            evicted_total=accepted - n,
+            held_out_total=state.held_out_total,
+            evicted_total=accepted - int(ts.shape[0]),
             half_life_s=self.half_life_s,
-            tokens=int(lengths.sum()),
-            sensors=len(set(sensor_ids.tolist())),
+            tokens=int(lengths.sum(dtype=np.int64)),
+            sensors=int(np.count_nonzero(np.bincount(sensors))) if sensors.size else 0,
             age_s=QuantileSummary.of(np.maximum(now - ts, 0.0)),
             length=QuantileSummary.of(lengths.astype(np.float64)),
         )
@@ -423,9 +601,8 @@ class RecencyWindow:
     def age_quantiles(self, quantiles: Sequence[float], now: float | None = None) -> list[float]:
         """Item ages (now − event time) at the given quantiles; zeros for an empty window."""
         now = self._clock() if now is None else now
-        with self._lock:
-            self._cut_locked()
-            ts = self._cols["ts"][: self._n].copy()
+        state = self._current()
+        ts = self._column(state, self._window_rows(state, now), "ts")
         if ts.size == 0:
             return [0.0 for _ in quantiles]
         return [float(q) for q in np.quantile(np.maximum(now - ts, 0.0), list(quantiles))]
@@ -436,28 +613,25 @@ class RecencyWindow:
         return self.capture_state()()
 
     def capture_state(self) -> Callable[[], dict[str, Any]]:
-        """Fix the state now (cheap, under the lock); the returned call builds the dict.
+        """Fix the state now (a reference, under the lock); the returned call builds the dict.
 
-        The readings are gathered by that call, with no lock held: a checkpoint holds
-        ingest back only for the column copies.
+        Everything, readings included, is gathered by that call with no lock held: a
+        checkpoint never holds ingest back.
         """
-        with self._lock:
-            snap = self._snapshot_locked()
-            scalars = {
+        state, now = self._current(), self._clock()
+
+        def build() -> dict[str, Any]:
+            snap = self._snapshot_of(state, now)
+            flat = snap.all_values()
+            return {
                 "capacity": self.capacity,
                 "half_life_s": self.half_life_s,
                 "channels": self.channels,
-                "reference_ts": self._reference_ts,
-                "accepted_total": self.accepted_total,
-                "rejected_total": dict(self._rejected),
-                "held_out_total": self.held_out_total,
-                "rng_state": self._rng.bit_generator.state,
-            }
-
-        def build() -> dict[str, Any]:
-            flat, _ = snap.gather_values(np.arange(len(snap)))
-            return {
-                **scalars,
+                "reference_ts": state.reference_ts,
+                "accepted_total": state.accepted_total,
+                "rejected_total": dict(state.rejected),
+                "held_out_total": state.held_out_total,
+                "rng_state": state.rng_state,
                 "values": flat,
                 "lengths": snap.lengths,
                 "ts": snap.ts,
@@ -517,28 +691,32 @@ class RecencyWindow:
                 len(batch),
                 self.half_life_s,
             )
-        with self._lock:
+        with self._write_lock:
             self._reset_storage(len(batch))
+            self._accepted = 0
             if len(batch):
-                self._append_locked(batch, keys, np.arange(len(batch)))
+                self._append(batch, keys, np.arange(len(batch)))
                 if state.get("seq") is not None:
                     self._cols["seq"][: len(batch)] = np.asarray(state["seq"], dtype=np.int64)
-            self._cut_locked()
+            self._cut()
             if self._n == self.capacity and self.max_age_s is None:
                 self._threshold = float(self._cols["keys"][: self._n].min())
             self._reference_ts = reference_ts
             self._next_offsets = {int(p): int(o) for p, o in dict(state.get("next_offsets", {})).items()}
-            self.accepted_total = int(state.get("accepted_total", self._n))
+            self._accepted = int(state.get("accepted_total", self._n))
             self._rejected = {str(r): int(c) for r, c in dict(state.get("rejected_total", {})).items()}
-            self.held_out_total = int(state.get("held_out_total", 0))
-            self._evicted_at_start = self.accepted_total - self._n
-            self.version = int(state.get("version", 0))
+            self._held_out = int(state.get("held_out_total", 0))
+            self._evicted_at_start = self._accepted - self._n
+            self._version = int(state.get("version", 0))
             rng_state = state.get("rng_state")
+            bit_generator = getattr(self._rng, "bit_generator", None)
             if (
                 rng_state is not None
-                and rng_state.get("bit_generator") == self._rng.bit_generator.state["bit_generator"]
+                and bit_generator is not None
+                and rng_state.get("bit_generator") == bit_generator.state["bit_generator"]
             ):
-                self._rng.bit_generator.state = rng_state
+                bit_generator.state = rng_state
+            self._publish()
 
 
 def rekey(

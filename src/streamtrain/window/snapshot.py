@@ -1,8 +1,9 @@
 """An immutable view of the window, one per training pass.
 
-Under the window's lock a snapshot copies the small per-item columns and takes references
-to the reading chunks (never written after insert); a pass's subset then gathers only its
-own items' readings.
+A snapshot is built from one published state of the window (taken under its lock by
+reference, built outside it): the small per-item columns are gathered, the reading chunks
+(never written after insert) are shared, and a pass's subset gathers only its own items'
+readings.
 """
 
 from __future__ import annotations
@@ -114,3 +115,15 @@ class WindowSnapshot:
         flat, starts = self._readings
         lengths = self.lengths[index]
         return gather_tokens(flat, starts[index], lengths), lengths
+
+    def all_values(self) -> np.ndarray:
+        """Every item's readings back to back, in item order (what a checkpoint stores).
+
+        Over chunks the gathered readings already are that, so the window's readings are
+        copied once, not twice.
+        """
+        flat, starts = self._readings
+        n = len(self)
+        if n == 0 or (int(starts[0]) == 0 and np.array_equal(starts[1:], np.cumsum(self.lengths[:-1]))):
+            return flat[: self.tokens]
+        return gather_tokens(flat, starts, self.lengths)

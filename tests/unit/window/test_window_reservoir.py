@@ -183,38 +183,37 @@ class ScriptedDraws:
         return np.asarray(out, dtype=np.float64)
 
 
-def test_with_max_age_an_expired_winner_leaves_a_hole_only_newer_events_fill() -> None:
-    """The module docstring's rule: a cut drops the expired, then keeps the top W of the rest;
-    an event a cut pushed out does not come back when the winner that beat it expires."""
+def test_with_max_age_a_read_cuts_nothing_and_a_cut_is_final() -> None:
+    """The module docstring's rule: a cut (the store outgrew W + S) drops the expired, then keeps
+    the top W of the rest, and what it pushed out does not come back when the winner that beat it
+    expires; a read only computes what a cut would keep now, so it pushes nothing out."""
     now = [1000.0]
 
-    def window_of_one() -> RecencyWindow:
-        # the winner (E = 0.01, key 4.6) is older than the two it beats (keys 0 and -0.69) and the late one
-        return RecencyWindow(
-            1, math.inf, max_age_s=50, slack=10, clock=lambda: now[0], rng=ScriptedDraws([0.01, 1.0, 2.0, 1.0])
-        )
+    def window_of_one(draws: list[float]) -> RecencyWindow:
+        # W = 1, S = 2: the winner (E = 0.01, key 4.6) is older than the events it beats
+        return RecencyWindow(1, math.inf, max_age_s=50, slack=2, clock=lambda: now[0], rng=ScriptedDraws(draws))
 
-    # read while the winner is young: that cut pushes the two fresh events out for good
-    read_between = window_of_one()
-    now[0] = 1000.0
+    # reads while the winner is young push nothing out: once it expires the best young event wins
+    read_between = window_of_one([0.01, 1.0, 2.0])
     read_between.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
     read_between.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
-    assert read_between.snapshot().offsets.tolist() == [0]
+    assert read_between.snapshot().offsets.tolist() == [0] and len(read_between) == 1
+    assert read_between.evicted_total == 2 and read_between.stats().size == 1
     now[0] = 1015.0  # the winner (ts 960) expired; the other two are young
-    assert len(read_between.snapshot()) == 0 and len(read_between) == 0
-    assert read_between.evicted_total == 3 and read_between.stats().size == 0
-    read_between.insert_batch(make_batch(3, 1, ts=np.array([1010.0])))
-    assert read_between.snapshot().offsets.tolist() == [3]  # only a newer event fills the hole
+    assert read_between.snapshot().offsets.tolist() == [1] and len(read_between) == 1
+    assert read_between.evicted_total == 2
 
-    # no cut while the winner was young (the store stays within W + S): the first cut drops it
-    # first, then the best young event wins
-    not_read = window_of_one()
+    # a cut while the winner is young (4 stored > W + S) pushes the others out for good
     now[0] = 1000.0
-    not_read.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
-    not_read.insert_batch(make_batch(1, 2, ts=np.array([990.0, 995.0])))
+    cut_between = window_of_one([0.01, 1.0, 2.0, 1.5, 1.0])
+    cut_between.insert_batch(make_batch(0, 1, ts=np.array([960.0])))
+    cut_between.insert_batch(make_batch(1, 3, ts=np.array([990.0, 995.0, 996.0])))
+    assert cut_between.snapshot().offsets.tolist() == [0]
     now[0] = 1015.0
-    assert not_read.snapshot().offsets.tolist() == [1]
-    assert not_read.evicted_total == 2
+    assert len(cut_between.snapshot()) == 0 and len(cut_between) == 0
+    assert cut_between.evicted_total == 4 and cut_between.stats().size == 0
+    cut_between.insert_batch(make_batch(4, 1, ts=np.array([1010.0])))
+    assert cut_between.snapshot().offsets.tolist() == [4]  # only a newer event fills the hole
 
 
 def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
@@ -426,3 +425,107 @@ def test_large_chunks_live_off_the_heap_and_hold_only_admitted_readings() -> Non
     for values, offset in zip(snap.values, snap.offsets):
         assert np.all(values == offset)
     assert any(isinstance(backing(chunk), mmap.mmap) for chunk in snap.flat_values)
+
+
+# --------------------------------------------------------------------------------------- readers and writer
+
+
+def test_a_reader_never_waits_on_the_writers_cut() -> None:
+    """The writer is held inside a cut; snapshots, statistics and a checkpoint capture still
+    answer at once, with the state published before that insert began."""
+    window = RecencyWindow(300, 30.0, rng=np.random.default_rng(0), slack=100)
+    feed(window, 350, 50)  # 350 stored: the next batch of 60 takes the store past W + S
+    before = window.snapshot()
+    in_cut, release = threading.Event(), threading.Event()
+    compact = window._compact_chunks
+
+    def held_compaction() -> None:
+        in_cut.set()
+        release.wait(10)
+        compact()
+
+    window._compact_chunks = held_compaction  # type: ignore[method-assign]
+    writer = threading.Thread(target=lambda: window.insert_batch(make_batch(350, 60), {0: 410}))
+    writer.start()
+    try:
+        assert in_cut.wait(10)
+        answered: list[object] = []
+        reader = threading.Thread(
+            target=lambda: answered.extend([window.snapshot(), window.stats(), window.capture_state()(), len(window)])
+        )
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "a reader waited on the writer's cut"
+        snap, stats, state, size = answered
+        assert np.array_equal(snap.offsets, before.offsets) and snap.version == before.version  # type: ignore[attr-defined]
+        assert stats.size == size == 300 and state["next_offsets"] == {"0": 350}  # type: ignore[attr-defined,index]
+    finally:
+        release.set()
+        writer.join(10)
+    after = window.snapshot()
+    assert len(after) == 300 and after.next_offsets == {0: 410} and after.offsets.max() >= 350
+
+
+def test_a_snapshot_stays_as_it_was_while_the_writer_appends_cuts_and_compacts() -> None:
+    window = RecencyWindow(400, 20.0, rng=np.random.default_rng(5), slack=50)
+    feed(window, 360, 60)
+    snap = window.snapshot()  # no cut due: it holds views of the store's own columns
+    assert not snap.ts.flags.writeable
+    frozen = {name: np.array(getattr(snap, name), copy=True) for name in ("offsets", "keys", "ts", "seq", "lengths")}
+    values = [v.copy() for v in snap.values]
+    ids = snap.sensor_ids.tolist()
+    for start in range(360, 6000, 60):  # many cuts, chunk compactions and a new vocabulary
+        window.insert_batch(make_batch(start, 60), {0: start + 60})
+    for name, column in frozen.items():
+        assert np.array_equal(getattr(snap, name), column), name
+    assert all(np.array_equal(a, b) for a, b in zip(snap.values, values)) and snap.sensor_ids.tolist() == ids
+    with pytest.raises(ValueError):
+        window.snapshot().ts[0] = 0.0  # views of the store are read-only
+
+
+def test_sensor_ids_survive_the_vocabulary_being_pruned() -> None:
+    """Ids are stored as codes; a fleet that keeps changing makes the window forget old ids
+    at cuts, and every item still reads back as the sensor that sent it."""
+    window = RecencyWindow(500, 5.0, rng=np.random.default_rng(9), slack=100)
+    for start in range(0, 20_000, 200):
+        batch = make_batch(start, 200)
+        batch = EventBatch(
+            sensor_ids=np.array([f"fleet-{start + i}" for i in range(200)], dtype=object),  # every event a new sensor
+            ts=batch.ts,
+            labels=batch.labels,
+            lengths=batch.lengths,
+            values=batch.values,
+            partitions=batch.partitions,
+            offsets=batch.offsets,
+        )
+        window.insert_batch(batch, {0: start + 200})
+    snap = window.snapshot()
+    assert len(snap) == 500
+    assert snap.sensor_ids.tolist() == [f"fleet-{o}" for o in snap.offsets.tolist()]
+    assert window.stats().sensors == 500
+    restored = RecencyWindow(500, 5.0, rng=np.random.default_rng(1))
+    restored.load_state_dict(window.state_dict())
+    assert restored.snapshot().sensor_ids.tolist() == snap.sensor_ids.tolist()
+
+
+def test_reading_chunks_hold_little_more_than_the_live_readings() -> None:
+    """A uniform stream leaves holes everywhere in old chunks; compaction at cuts keeps the
+    chunks within 1.25x the window's readings (plus 64k tokens of leeway)."""
+    window = RecencyWindow(20_000, rng=np.random.default_rng(3), slack=2000)
+    rng = np.random.default_rng(4)
+    for start in range(0, 400_000, 2000):
+        lengths = rng.integers(20, 60, 2000)
+        window.insert_batch(
+            EventBatch(
+                sensor_ids=np.full(2000, "s", dtype=object),
+                ts=np.arange(start, start + 2000, dtype=np.float64),
+                labels=np.full(2000, -1),
+                lengths=lengths,
+                values=np.zeros((int(lengths.sum()), 1), np.float32),
+                partitions=np.zeros(2000, np.int32),
+                offsets=np.arange(start, start + 2000),
+            )
+        )
+        snap = window.snapshot()
+        held = sum(chunk.shape[0] for chunk in snap.flat_values)
+        assert held <= 1.25 * snap.tokens + 65536 + 2 * 2000 * 60  # plus what arrived since the last cut

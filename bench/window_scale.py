@@ -1,0 +1,258 @@
+"""The window at 100k, 1M and 10M items: memory, the lock readers take, checkpoints, restore.
+
+Each size runs in a fresh process (so its RSS is its own). The window (``RecencyWindow``,
+half-life 1 h) is filled with lognormal-length events (median 48, σ 0.8, one channel) from
+a fleet of 10,000 sensors, each event with its own sensor-id string as the decoder makes
+them. Then a steady stream of 5,000 events/s (batches of 100 every 20 ms) goes in from a
+writer thread for ``--steady-s`` seconds while the main thread takes what a service takes:
+pass snapshots (``snapshot()`` and a ``PASS_MAX_ITEMS`` subset), and one checkpoint
+(``capture_state`` under the lock, the state built outside it, ``CheckpointStore.save``).
+
+Reported per size:
+
+* ``bytes/item`` and ``RSS / (readings + columns)``: RSS growth over the process before the
+  window, against the readings' own bytes plus 56 bytes of columns an item (keys, ts,
+  labels, lengths, offsets, seq: 8 bytes each; partition and sensor code: 4 each);
+* ``snapshot lock``: the longest time the reader held the window's lock for one snapshot
+  or one ``capture_state``;
+* ``insert_batch``: the writer's median and p99 batch insert in the steady phase, and its
+  longest beside the pass snapshots and during the checkpoint (it waits on no lock then,
+  but shares the interpreter with the reader; its own cuts are in these figures too);
+* checkpoint: ``state_dict`` build, write, size, and that size over the bytes that arrive
+  in one ``CHECKPOINT_INTERVAL_S`` (60 s) at 5,000 events/s;
+* restore: reading the newest checkpoint and ``load_state_dict``.
+
+Run: ``python bench/window_scale.py [--sizes 100000,1000000,10000000] [--steady-s 10] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _table import Row, emit  # noqa: E402
+
+from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.events import NO_LABEL, EventBatch
+from streamtrain.window.reservoir import RecencyWindow
+
+RATE = 5000  # events/s in the steady phase
+WRITE_BATCH = 100
+CHECKPOINT_INTERVAL_S = 60.0
+PASS_MAX_ITEMS = 8192
+COLUMN_BYTES = 56
+FLEET = 10_000
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class EventSource:
+    """Poll-batch-shaped events at ``RATE`` a second of event time, from a seeded generator."""
+
+    def __init__(self, seed: int, start_ts: float) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.ts = start_ts
+        self.offset = 0
+
+    def batch(self, n: int) -> EventBatch:
+        lengths = np.clip(np.rint(self.rng.lognormal(math.log(48), 0.8, n)), 1, 512).astype(np.int64)
+        sensors = self.rng.integers(0, FLEET, n).tolist()
+        ts = self.ts + np.arange(n) / RATE
+        self.ts += n / RATE
+        offsets = self.offset + np.arange(n, dtype=np.int64)
+        self.offset += n
+        return EventBatch(
+            sensor_ids=np.array([f"sensor-{s:05d}" for s in sensors], dtype=object),
+            ts=ts,
+            labels=np.full(n, NO_LABEL, dtype=np.int64),
+            lengths=lengths,
+            values=self.rng.standard_normal((int(lengths.sum()), 1), dtype=np.float32),
+            partitions=(offsets % 3).astype(np.int32),
+            offsets=offsets,
+        )
+
+
+class TimedLock:
+    """The window's lock, timing how long each holder keeps it (the reader side)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._acquired_at = 0.0
+        self.holds: list[float] = []
+        self.record = threading.local()
+
+    def __enter__(self) -> TimedLock:
+        self._lock.acquire()
+        self._acquired_at = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held = time.perf_counter() - self._acquired_at
+        if getattr(self.record, "on", False):
+            self.holds.append(held)
+        self._lock.release()
+
+
+def run_size(size: int, steady_s: float) -> dict[str, float]:
+    base_rss = rss_bytes()
+    now = [1.7e9]
+    window = RecencyWindow(size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0])
+    lock = TimedLock()
+    window._lock = lock  # type: ignore[assignment]  # the bench times the reader's holds
+    source = EventSource(0, now[0])
+    t0 = time.perf_counter()
+    filled = 0
+    while filled < size:
+        n = min(50_000, size - filled)
+        window.insert_batch(source.batch(n))
+        filled += n
+    now[0] = source.ts
+    fill_s = time.perf_counter() - t0
+    len(window.snapshot())  # the first read cuts the fill's overshoot
+    rss = rss_bytes() - base_rss
+    tokens = window.tokens
+    readings = tokens * 4
+    columns = size * COLUMN_BYTES
+
+    stop = threading.Event()
+    insert_s: list[float] = []
+    insert_at: list[float] = []
+    checkpoint_span = [0.0, 0.0]
+
+    def writer() -> None:
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            batch = source.batch(WRITE_BATCH)
+            t = time.perf_counter()
+            window.insert_batch(batch)
+            insert_s.append(time.perf_counter() - t)
+            insert_at.append(t)
+            now[0] = source.ts
+            next_at += WRITE_BATCH / RATE
+            time.sleep(max(0.0, next_at - time.perf_counter()))
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    rng = np.random.default_rng(2)
+    snapshot_s, capture_s, build_s, write_s, sizes = [], [], [], [], []
+    directory = Path(tempfile.mkdtemp(prefix="window-scale-"))
+    store = CheckpointStore(directory, keep=1)
+    end = time.perf_counter() + steady_s
+    checkpointed = False
+    lock.record.on = True
+    while time.perf_counter() < end or not checkpointed:
+        t = time.perf_counter()
+        snap = window.snapshot()
+        snapshot_s.append(time.perf_counter() - t)
+        pass_items = snap.subset(np.sort(rng.choice(len(snap), min(PASS_MAX_ITEMS, len(snap)), replace=False)))
+        pass_items.gather_values(np.arange(len(pass_items)))
+        del snap, pass_items
+        if not checkpointed and time.perf_counter() > end - steady_s / 2:
+            t = checkpoint_span[0] = time.perf_counter()
+            build = window.capture_state()
+            capture_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            state = build()
+            build_s.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            path = store.save({"window": state}, step=1)
+            write_s.append(time.perf_counter() - t)
+            sizes.append(path.stat().st_size)
+            checkpoint_span[1] = time.perf_counter()
+            del state, build
+            checkpointed = True
+        time.sleep(0.05)
+    lock.record.on = False
+    stop.set()
+    thread.join()
+
+    arrived_per_interval = RATE * CHECKPOINT_INTERVAL_S * (readings + columns) / size
+    t = time.perf_counter()
+    loaded = store.load_latest()
+    assert loaded is not None
+    restored = RecencyWindow(size, 3600.0, rng=np.random.default_rng(3), clock=lambda: now[0])
+    restored.load_state_dict(loaded.state["window"])
+    restore_s = time.perf_counter() - t
+    steady, started = np.array(insert_s), np.array(insert_at)
+    during = (started >= checkpoint_span[0]) & (started <= checkpoint_span[1])
+    return {
+        "size": size,
+        "fill_s": fill_s,
+        "rss_mb": rss / 1e6,
+        "bytes_per_item": rss / size,
+        "readings_bytes_per_item": readings / size,
+        "rss_over_data": rss / (readings + columns),
+        "snapshot_lock_ms": 1000 * max(lock.holds),
+        "snapshot_ms_p50": 1000 * float(np.median(snapshot_s)),
+        "snapshots": len(snapshot_s),
+        "insert_ms_p50": 1000 * float(np.median(steady)),
+        "insert_ms_p99": 1000 * float(np.quantile(steady, 0.99)),
+        "insert_ms_max": 1000 * float(steady[~during].max()),
+        "insert_ms_max_checkpoint": 1000 * float(steady[during].max()) if during.any() else 0.0,
+        "capture_ms": 1000 * capture_s[0],
+        "state_dict_s": build_s[0],
+        "checkpoint_write_s": write_s[0],
+        "checkpoint_mb": sizes[0] / 1e6,
+        "checkpoint_over_arrived": sizes[0] / arrived_per_interval,
+        "restore_s": restore_s,
+    }
+
+
+def rows_for(result: dict[str, float]) -> list[Row]:
+    label = f"W={int(result['size']):,}"
+    return [
+        Row(label, "RSS MB", result["rss_mb"]),
+        Row(label, "bytes per item (readings alone)", result["bytes_per_item"], result["readings_bytes_per_item"]),
+        Row(label, "RSS / (readings + columns)", result["rss_over_data"], target="<= 1.5"),
+        Row(label, "snapshot/capture lock, longest ms", result["snapshot_lock_ms"], target="<= 20"),
+        Row(label, "snapshot() p50 ms (whole call)", result["snapshot_ms_p50"]),
+        Row(label, "insert_batch p99 ms (p50 baseline)", result["insert_ms_p99"], result["insert_ms_p50"]),
+        Row(label, "insert_batch longest ms, beside snapshots", result["insert_ms_max"]),
+        Row(label, "insert_batch longest ms, during the checkpoint", result["insert_ms_max_checkpoint"]),
+        Row(label, "state_dict build s", result["state_dict_s"]),
+        Row(label, "checkpoint write s", result["checkpoint_write_s"]),
+        Row(label, "checkpoint MB", result["checkpoint_mb"]),
+        Row(label, "checkpoint / bytes arrived in 60 s", result["checkpoint_over_arrived"], target="<= 2"),
+        Row(label, "restore s", result["restore_s"], target="<= 30 at 10M"),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="100000,1000000,10000000")
+    parser.add_argument("--steady-s", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_size(args.child, args.steady_s)))
+        return
+    rows: list[Row] = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(size), "--steady-s", str(args.steady_s)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        rows += rows_for(json.loads(out.stdout.strip().splitlines()[-1]))
+    emit(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
