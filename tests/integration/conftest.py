@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka_helpers import Broker, free_port
+from kafka_helpers import Broker, free_ports
 
 BOOTSTRAP = os.environ.get("STREAMTRAIN_TEST_KAFKA", "127.0.0.1:9092")
 
@@ -68,7 +68,7 @@ def make_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
 
 @pytest.fixture()
 def private_broker(tmp_path: Path) -> Iterator[Broker]:
-    broker = Broker(free_port(), tmp_path / "kafka")
+    broker = Broker(free_ports(2), tmp_path / "kafka")
     try:
         yield broker
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -90,6 +91,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """A port P with P .. P + count - 1 all free (a broker binds KAFKA_PORT + 1 for its controller).
+
+    Drawn below the kernel's ephemeral range, so no client connection made between this probe and
+    the server's bind can take one of them (``free_port`` alone cannot promise P + 1).
+    """
+    low, high = 20000, 32768 - count  # Linux's ephemeral ports start at 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(low, high)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} free ports in a row below {high + count}")
 
 
 def topic_exists(bootstrap: str, topic: str) -> bool:

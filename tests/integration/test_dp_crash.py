@@ -153,7 +153,13 @@ def test_sensor_unit_bounds_each_sensor_end_to_end(
         service = FaultyService(kafka_bootstrap, topic, ckpt, tmp_path / "serve.log", pipe_output=True, **settings)
         started.append(service)
         service.start()
-        wait_for(lambda: operator(service)["record_synced_step"] > 60, 90, "60 steps recorded")
+        # the clock starts before the consumer has joined (a slow start spends its first steps empty)
+        try:
+            wait_for(lambda: operator(service)["admitted_total"] > 0, 90, "a first admission")
+        except AssertionError as err:
+            raise AssertionError(f"{err}; operator plane: {operator(service)}") from None
+        first = operator(service)["record_synced_step"]
+        wait_for(lambda: operator(service)["record_synced_step"] > first + 60, 90, "60 more steps recorded")
         dp = service.get("/v1/model")["dp"]
         service.terminate()
     stream.flush()

@@ -47,14 +47,17 @@ def test_replicas_sharing_one_record_admit_each_event_once_and_bound_each_sensor
     lives = {"a": 0, "b": 0}
     running: dict[str, FaultyService] = {}
 
-    def start(name: str) -> FaultyService:
-        lives[name] += 1
-        service = FaultyService(
-            kafka_bootstrap, topic, tmp_path / f"ckpt-{name}", tmp_path / f"{name}-{lives[name]}.log",
-            pipe_output=True, dp_admission_dir=shared, group_instance_id=f"dp-{name}", **SETTINGS,
-        )  # fmt: skip
-        running[name] = service
-        return service.start()
+    def start(*names: str) -> None:
+        """Spawn them all, then wait for each: a replica started alone for long spends every sensor's
+        lifetime groups in the shared ledger before the other admits anything (a slow CI start did)."""
+        for name in names:
+            lives[name] += 1
+            running[name] = FaultyService(
+                kafka_bootstrap, topic, tmp_path / f"ckpt-{name}", tmp_path / f"{name}-{lives[name]}.log",
+                pipe_output=True, dp_admission_dir=shared, group_instance_id=f"dp-{name}", **SETTINGS,
+            ).spawn()  # fmt: skip
+        for name in names:
+            running[name].wait_started()
 
     def progressed(steps: int) -> None:
         marks = {name: operator(service)["record_synced_step"] for name, service in running.items()}
@@ -64,8 +67,7 @@ def test_replicas_sharing_one_record_admit_each_event_once_and_bound_each_sensor
 
     try:
         with BackgroundProducer(stream, burst=8, interval_s=0.04):  # ~200 events/s
-            start("a")
-            start("b")
+            start("a", "b")
             progressed(2 * K)
             for name, service in running.items():
                 wait_for(lambda s=service: operator(s)["admitted_total"] > 0, 60, f"replica {name} to admit")

@@ -7,7 +7,6 @@ module) and is stopped afterwards. Principals and their ACLs: deploy/kafka-secur
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,11 @@ from typing import Any
 import httpx
 import pytest
 from kafka import KafkaConsumer, TopicPartition
-from kafka_helpers import REPO, wait_for
+from kafka_helpers import REPO, free_ports, wait_for
 from service_process import ServiceProcess
 
 TOPIC, GROUP = "sensor-events", "streamtrain"
 SECURE = REPO / "deploy" / "kafka-secure.sh"
-
-
-def _three_free_ports() -> int:
-    for base in range(19192, 19992, 7):
-        try:
-            for port in range(base, base + 3):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no three free ports in a row")
 
 
 @dataclass
@@ -84,7 +71,7 @@ class SecureBroker:
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
-    port = _three_free_ports()
+    port = free_ports(3)
     home = tmp_path_factory.mktemp("kafka-secure")
     env = {**os.environ, "KAFKA_SECURE_PORT": str(port), "KAFKA_SECURE_HOME": str(home), "PYTHON": sys.executable}
     subprocess.run([str(SECURE), "up"], env=env, check=True, timeout=240, stdout=subprocess.DEVNULL)

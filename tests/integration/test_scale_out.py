@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import httpx
 import numpy as np
 import pytest
 from kafka.admin import KafkaAdminClient, NewPartitions
-from kafka_helpers import Placements, assert_window_holds_exactly, free_port, wait_for
+from kafka_helpers import Placements, assert_window_holds_exactly, free_port, free_ports, wait_for
 from service_process import FAST_MODEL, ServiceProcess, wait_until
 
 from streamtrain.checkpoint.collective import DistributedCheckpointer
@@ -210,24 +209,12 @@ class Endpoint:
             return False
 
 
-def adjacent_free_ports() -> int:
-    """A port P with P + 1 free too (torchrun's two ranks bind HTTP_PORT + LOCAL_RANK)."""
-    while True:
-        port = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-
-
 def test_torchrun_two_ranks_train_one_model_over_three_partitions(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
     """The README's launch: torchrun, one config file, rank r on HTTP_PORT + LOCAL_RANK."""
     topic = make_topic(partitions=3)
-    port = adjacent_free_ports()
+    port = free_ports(2)  # torchrun's two ranks bind HTTP_PORT + LOCAL_RANK
     checkpoint_dir = tmp_path / "ckpt"
     settings = {
         **{k.lower(): v for k, v in FAST_MODEL.items()},
