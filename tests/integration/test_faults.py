@@ -160,11 +160,7 @@ class FaultyService(ServiceProcess):
 
     def start(self) -> FaultyService:
         self.spawn()
-        return self.wait_started()
-
-    def wait_started(self) -> FaultyService:
-        """Wait until the spawned service answers its health check."""
-        wait_for(self._healthy, 90, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
+        self.wait_healthy(90)
         return self
 
     @property
