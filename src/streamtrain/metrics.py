@@ -267,6 +267,17 @@ class Metrics:
         self.checkpoints_corrupt = Counter(
             "streamtrain_checkpoints_corrupt", "Checkpoints skipped on load as corrupt", registry=registry
         )
+        self.checkpoint_bytes = Counter(
+            "streamtrain_checkpoint_bytes_written",
+            "Bytes of checkpoint files written, by kind: base (the whole window) or delta (what changed)",
+            ["kind"],
+            registry=registry,
+        )
+        self.checkpoint_chain_length = Gauge(
+            "streamtrain_checkpoint_chain_length",
+            "Window deltas the newest checkpoint builds on since its base (0: it is a base)",
+            registry=registry,
+        )
         # Scale-out
         self.rank_info = Gauge(
             "streamtrain_rank_info",

@@ -123,6 +123,19 @@ def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckp
     return LoadedCheckpoint(state=state, step=step, path=path, created_at=created_at)
 
 
+def read_digest(path: Path | str) -> str:
+    """The SHA-256 (hex) a checkpoint file's prefix announces, read without reading the rest.
+
+    What names a file's exact contents cheaply (a delta names its parent by it); OSError
+    when the file is missing or too short to hold a prefix, or is not a checkpoint.
+    """
+    with open(path, "rb") as file:
+        prefix = file.read(_PREFIX.size)
+    if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
+        raise OSError(f"{path} does not start with a checkpoint prefix")
+    return _PREFIX.unpack(prefix)[3].hex()
+
+
 def reject_json_constant(constant: str) -> None:
     """``json.loads(parse_constant=...)``: bare NaN and Infinity are not JSON, so not the format."""
     raise ValueError(f"bare {constant} is not part of the format")

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from streamtrain.checkpoint.files import TEMP_SUFFIX, write_atomically
-from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, encode_checkpoint
+from streamtrain.checkpoint.format import (
+    CorruptCheckpoint,
+    LoadedCheckpoint,
+    decode_checkpoint,
+    encode_checkpoint,
+    read_digest,
+)
+from streamtrain.checkpoint.incremental import parent_of, replay
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,15 @@ def read_checkpoint(path: Path | str) -> LoadedCheckpoint:
 _FileSignature = tuple[int, int, int]  # size, mtime_ns, inode: changes whenever the file does
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What reading a file found, valid while its signature stays the same."""
+
+    signature: _FileSignature
+    reason: str | None  # why the file itself is corrupt; None when it verifies
+    parent: tuple[str, str] | None  # the checkpoint its window is a delta on: (name, prefix SHA-256)
+
+
 class CheckpointStore:
     """A directory of the last `keep` good checkpoints, written atomically, read verified.
 
@@ -107,8 +123,9 @@ class CheckpointStore:
         self.on_corrupt = on_corrupt
         self._clock = clock
         self._lock = threading.Lock()
-        # verdicts of files already read: name -> (signature, reason or None when valid)
-        self._verdicts: dict[str, tuple[_FileSignature, str | None]] = {}
+        # verdicts of files already read: name -> their own integrity and the parent they build on
+        self._verdicts: dict[str, _Verdict] = {}
+        self._chain_reported: set[tuple[str, str]] = set()  # broken chains already reported
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -127,7 +144,9 @@ class CheckpointStore:
                 written = write_atomically(final, chunks)
             except OSError as exc:
                 raise CheckpointWriteError(self.directory, step, exc) from exc
-            self._verdicts[final.name] = (_signature(written.stat), None)
+            window = state.get("window")
+            parent = parent_of(window) if isinstance(window, Mapping) else None
+            self._verdicts[final.name] = _Verdict(_signature(written.stat), None, parent)
             try:
                 self._prune(just_written=final)
             except OSError as exc:  # the checkpoint itself is safely written; pruning retries next save
@@ -139,15 +158,18 @@ class CheckpointStore:
         """Delete what is older than the `keep` newest good checkpoints, and stale temp files.
 
         Files newer than those (corrupt ones, or ones from a run at higher steps) stay, and
-        so does the file just written even if its step sorts below them.
+        so does the file just written even if its step sorts below them, and every older
+        checkpoint a kept delta builds on.
         """
         valid: builtins.list[Path] = []
         doomed: builtins.list[Path] = []
         for info in self._scan():
             if len(valid) >= self.keep:
                 doomed.append(info.path)
-            elif info.path == just_written or self._is_valid(info.path):
+            elif info.path == just_written or self._chain_reason(info.path) is None:
                 valid.append(info.path)
+        needed = {name for path in valid for name in self._ancestors(path.name)}  # the bases their deltas build on
+        doomed = [path for path in doomed if path.name not in needed]
         if valid and valid[0] != just_written:
             logger.warning(
                 "saved %s, but %s sorts after it (higher step); load_latest will prefer that one. "
@@ -241,36 +263,105 @@ class CheckpointStore:
         return infos
 
     def _is_valid(self, path: Path) -> bool:
-        try:
-            signature = _signature(path.stat())
-        except OSError:
-            return False
-        verdict = self._verdicts.get(path.name)
-        if verdict is not None and verdict[0] == signature:
-            return verdict[1] is None
-        return self._read(path) is not None
+        return self._chain_reason(path) is None
 
-    def _read(self, path: Path) -> LoadedCheckpoint | None:
-        """Read and verify `path`; None (reported once) when it is corrupt."""
+    def _inspect(self, path: Path) -> tuple[_Verdict | None, LoadedCheckpoint | None]:
+        """The file's own verdict (cached by signature), and its contents when it had to read them."""
         try:
             signature = _signature(path.stat())
         except OSError as exc:
             self._report_corrupt(path, f"unreadable: {exc}", None)
-            return None
+            return None, None
         verdict = self._verdicts.get(path.name)
-        if verdict is not None and verdict[0] == signature and verdict[1] is not None:
-            return None  # known corrupt, already reported
+        if verdict is not None and verdict.signature == signature:
+            return verdict, None
         try:
             loaded = read_checkpoint(path)
         except CorruptCheckpoint as exc:
-            self._report_corrupt(path, exc.reason, signature)
-            return None
-        self._verdicts[path.name] = (signature, None)
-        return loaded
+            verdict = _Verdict(signature, exc.reason, None)
+            self._report_corrupt(path, exc.reason, verdict)
+            return verdict, None
+        window = loaded.state.get("window")
+        verdict = _Verdict(signature, None, parent_of(window) if isinstance(window, Mapping) else None)
+        self._verdicts[path.name] = verdict
+        return verdict, loaded
 
-    def _report_corrupt(self, path: Path, reason: str, signature: _FileSignature | None) -> None:
-        if signature is not None:
-            self._verdicts[path.name] = (signature, reason)
+    def _walk(self, path: Path) -> tuple[builtins.list[Path], str | None, dict[Path, LoadedCheckpoint]]:
+        """``path`` and the checkpoints its window builds on, newest first, or why that chain is
+        broken; and the contents of the links it had to read to verify them.
+
+        A broken chain is reported (once) against ``path``; a corrupt file, against itself.
+        """
+        chain = [path]
+        contents: dict[Path, LoadedCheckpoint] = {}
+        verdict, loaded = self._inspect(path)
+        while True:
+            if loaded is not None:
+                contents[chain[-1]] = loaded
+            if verdict is None or verdict.reason is not None:
+                reason = "unreadable" if verdict is None else verdict.reason
+                if len(chain) == 1:
+                    return chain, reason, contents
+                return chain, self._report_chain(path, f"its window builds on {chain[-1].name}: {reason}"), contents
+            if verdict.parent is None:
+                return chain, None, contents
+            name, sha256 = verdict.parent
+            parent = self.directory / name
+            try:
+                replaced = read_digest(parent) != sha256
+            except OSError:
+                return chain, self._report_chain(path, f"its window is a delta on {name}, which is missing"), contents
+            if replaced or parent in chain:
+                reason = f"its window is a delta on {name}, which was replaced by another file"
+                return chain, self._report_chain(path, reason), contents
+            chain.append(parent)
+            verdict, loaded = self._inspect(parent)
+
+    def _chain_reason(self, path: Path) -> str | None:
+        """Why ``path`` cannot be restored (itself or a link of its chain damaged), or None."""
+        return self._walk(path)[1]
+
+    def _ancestors(self, name: str) -> builtins.list[str]:
+        """The checkpoints the window of ``name`` builds on, by the verdicts already known."""
+        names: builtins.list[str] = []
+        verdict = self._verdicts.get(name)
+        while verdict is not None and verdict.parent is not None and verdict.parent[0] not in names:
+            names.append(verdict.parent[0])
+            verdict = self._verdicts.get(verdict.parent[0])
+        return names
+
+    def _read(self, path: Path) -> LoadedCheckpoint | None:
+        """Read and verify ``path`` (and the chain its window builds on); None (reported once) when corrupt."""
+        chain, reason, contents = self._walk(path)
+        if reason is not None:
+            return None
+        loaded = []
+        for link in chain:
+            try:
+                loaded.append(contents.pop(link) if link in contents else read_checkpoint(link))
+            except CorruptCheckpoint as exc:  # changed since it was inspected
+                self._verdicts.pop(link.name, None)
+                self._report_corrupt(link, exc.reason, None)
+                return None
+        newest, base = loaded[0], loaded[-1]
+        if len(loaded) == 1:
+            return newest
+        window = replay(base.state["window"], [link.state["window"] for link in reversed(loaded[:-1])])
+        logger.info("read checkpoint %s as a base and %d window deltas", path.name, len(loaded) - 1)
+        return LoadedCheckpoint(
+            state={**newest.state, "window": window}, step=newest.step, path=newest.path, created_at=newest.created_at
+        )
+
+    def _report_chain(self, path: Path, reason: str) -> str:
+        """Report (once per file and reason) that ``path``'s chain is broken; returns the reason."""
+        if (path.name, reason) not in self._chain_reported:
+            self._chain_reported.add((path.name, reason))
+            self._report_corrupt(path, reason, None)
+        return reason
+
+    def _report_corrupt(self, path: Path, reason: str, verdict: _Verdict | None) -> None:
+        if verdict is not None:
+            self._verdicts[path.name] = verdict
         logger.warning("skipping corrupt checkpoint %s: %s; falling back to an older one", path, reason)
         if self.on_corrupt is not None:
             try:

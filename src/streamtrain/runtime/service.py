@@ -47,6 +47,7 @@ import torch
 
 from streamtrain.checkpoint.collective import DistributedCheckpointer
 from streamtrain.checkpoint.format import LoadedCheckpoint
+from streamtrain.checkpoint.incremental import Kind, WindowChain
 from streamtrain.checkpoint.rescale import RestoredShare
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.store import CheckpointStore
@@ -93,6 +94,7 @@ class Service:
         self.store = CheckpointStore(
             settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
         )
+        self.window_chain = WindowChain()  # one process: each checkpoint's window a delta on the last, or a base
         self.collectives = self.topology.collectives()
         self.sharded_store = ShardedCheckpointStore(
             settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
@@ -278,9 +280,14 @@ class Service:
         if hook is not None:
             hook()
 
-    def checkpoint_written(self, path: Path, offsets: Mapping[int, int]) -> None:
-        """A checkpoint is durable: count it, and commit the offsets it covers."""
+    def checkpoint_written(self, path: Path, offsets: Mapping[int, int], kind: Kind = "base") -> None:
+        """A checkpoint is durable: count it and its bytes, and commit the offsets it covers."""
         self.metrics.checkpoints_written.inc()
+        try:
+            self.metrics.checkpoint_bytes.labels(kind).inc(path.stat().st_size)
+        except OSError:  # pruned or moved already: the count above stands
+            pass
+        self.metrics.checkpoint_chain_length.set(self.window_chain.report().chain_length)
         self.checkpoint_error = None
         self.last_checkpoint, self.last_checkpoint_at = path, time.time()
         self.ingest.request_commit(dict(offsets))

@@ -164,23 +164,24 @@ class OneProcess:
                 except OSError as err:
                     s.checkpoint_failed(f"DP admission record not durable: {err}")
                     return None
-                build_window_state = s.window.capture_state()
+                capture = s.window.capture_state()
                 step = int(trainer_state["step"])
                 dead_letters = s.ingest.dead_letter_mark()  # the dead letters of those offsets
-            window_state = build_window_state()
-            offsets = {int(p): int(o) for p, o in window_state["next_offsets"].items()}
+            window = s.window_chain.window_state(capture, s.store.directory)  # a delta on the last one, or a base
+            offsets = {int(p): int(o) for p, o in window.state["next_offsets"].items()}
             # Neither saved nor committed past a dead letter Kafka has not acknowledged;
             # it stays queued and retried, and the next checkpoint asks again.
             if not s.ingest.flush_dead_letters(upto=dead_letters):
                 s.checkpoint_failed(s.ingest.dead_letters.describe())
                 return None
             try:
-                path = s.store.save({"window": window_state, "trainer": trainer_state}, step=step)
+                path = s.store.save({"window": window.state, "trainer": trainer_state}, step=step)
             except CheckpointWriteError as err:
                 s.checkpoint_failed(str(err))
                 return None
-            s.checkpoint_written(path, offsets)
-            log.info("checkpoint %s (step %d, window %d items)", path.name, step, len(window_state["lengths"]))
+            s.window_chain.written(window, path)
+            s.checkpoint_written(path, offsets, window.kind)
+            log.info("checkpoint %s (step %d, window %d items, %s)", path.name, step, window.seq.size, window.kind)
             return path
 
     def checkpoint_due(self) -> None:

@@ -32,6 +32,7 @@ from streamtrain.runtime.topology import RollbackNotTaken
 from streamtrain.serve import oip
 from streamtrain.serve.batcher import Overloaded, PredictBatcher
 from streamtrain.serve.schemas import (
+    CheckpointChainReport,
     CheckpointResult,
     ErrorOut,
     Health,
@@ -83,6 +84,7 @@ def window_report(service: ServiceDep) -> WindowReport:
     """Window statistics and the ledger of the Kafka messages the window covers (kept across restarts);
     in DP mode operator plane only (admin token)."""
     stats = service.window.stats()
+    chain = service.window_chain.report()
     return WindowReport(
         size=stats.size,
         capacity=stats.capacity,
@@ -103,6 +105,7 @@ def window_report(service: ServiceDep) -> WindowReport:
         },
         dead_letters_pending=service.ingest.dead_letters.pending,
         partitions=sorted(service.ingest.assigned),
+        checkpoints=None if service.scaled_out else CheckpointChainReport.model_validate(vars(chain)),
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +22,17 @@ class Quantiles(BaseModel):
     p90: float
     max: float
     mean: float
+
+
+class CheckpointChainReport(BaseModel):
+    """A one-process checkpoint holds the window whole (a base) or what changed since the last one (a delta)."""
+
+    last_kind: Literal["base", "delta"] | None = Field(description="The newest checkpoint's window; null before one")
+    chain_length: int = Field(description="Deltas since the newest base (0: the newest checkpoint is a base)")
+    base_bytes: int = Field(description="Size of that base's file")
+    deltas_bytes: int = Field(description="Sizes of the delta files since it, summed (a new base at base_bytes)")
+    bytes_written: dict[str, int] = Field(description="Checkpoint bytes this process wrote, by kind: base, delta")
+    written: dict[str, int] = Field(description="Checkpoints this process wrote, by kind: base, delta")
 
 
 class WindowReport(BaseModel):
@@ -59,6 +70,9 @@ class WindowReport(BaseModel):
     dead_letters_pending: int = Field(0, description="Dead letters not yet acknowledged by Kafka")
     partitions: list[int] = Field(
         default_factory=list, description="Partitions this process consumes, ascending (scaled out: those it owns)"
+    )
+    checkpoints: CheckpointChainReport | None = Field(
+        None, description="What this process's checkpoints wrote of the window (one process; null scaled out)"
     )
 
 

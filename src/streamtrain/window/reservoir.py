@@ -75,6 +75,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -612,40 +613,13 @@ class RecencyWindow:
         """Everything needed to resume exactly: items, keys, offsets, counters, RNG."""
         return self.capture_state()()
 
-    def capture_state(self) -> Callable[[], dict[str, Any]]:
-        """Fix the state now (a reference, under the lock); the returned call builds the dict.
+    def capture_state(self) -> WindowCapture:
+        """Fix the state now (a reference, under the lock); the capture builds the dict later.
 
-        Everything, readings included, is gathered by that call with no lock held: a
-        checkpoint never holds ingest back.
+        Everything, readings included, is gathered by the capture (called for the whole
+        state, or asked for a delta) with no lock held: a checkpoint never holds ingest back.
         """
-        state, now = self._current(), self._clock()
-
-        def build() -> dict[str, Any]:
-            snap = self._snapshot_of(state, now)
-            flat = snap.all_values()
-            return {
-                "capacity": self.capacity,
-                "half_life_s": self.half_life_s,
-                "channels": self.channels,
-                "reference_ts": state.reference_ts,
-                "accepted_total": state.accepted_total,
-                "rejected_total": dict(state.rejected),
-                "held_out_total": state.held_out_total,
-                "rng_state": state.rng_state,
-                "values": flat,
-                "lengths": snap.lengths,
-                "ts": snap.ts,
-                "labels": snap.labels,
-                "keys": snap.keys,
-                "sensor_ids": snap.sensor_ids,
-                "partitions": snap.partitions,
-                "offsets": snap.offsets,
-                "seq": snap.seq,
-                "next_offsets": {str(p): o for p, o in snap.next_offsets.items()},
-                "version": snap.version,
-            }
-
-        return build
+        return WindowCapture(self, self._current(), self._clock())
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise ValueError (one line) if ``state`` cannot be restored into this window."""
@@ -717,6 +691,90 @@ class RecencyWindow:
             ):
                 bit_generator.state = rng_state
             self._publish()
+
+
+class WindowCapture:
+    """One published state of a window, fixed for a checkpoint: the whole state or a delta.
+
+    Calling it builds what :meth:`RecencyWindow.state_dict` returns. :meth:`delta` builds
+    only what changed since a window whose items had the arrival numbers
+    ``previous_seq``: the items that entered since (readings and columns), the numbers of
+    those that left, and every counter whole (:mod:`streamtrain.checkpoint.incremental`).
+    """
+
+    def __init__(self, window: RecencyWindow, state: _Published, now: float) -> None:
+        self._window = window
+        self._state = state
+        self._now = now
+
+    @cached_property
+    def _snapshot(self) -> WindowSnapshot:
+        return self._window._snapshot_of(self._state, self._now)
+
+    @property
+    def settings(self) -> tuple[int, float, int]:
+        """(capacity, half-life, channels): what a delta and its parent must share."""
+        return (self._window.capacity, self._window.half_life_s, self._window.channels)
+
+    @property
+    def seq(self) -> np.ndarray:
+        """The window's items by arrival number (every item's own, unique), in item order."""
+        seq = self._snapshot.seq
+        assert seq is not None  # a window's snapshots always carry them
+        return seq
+
+    def _scalars(self) -> dict[str, Any]:
+        window, state = self._window, self._state
+        return {
+            "capacity": window.capacity,
+            "half_life_s": window.half_life_s,
+            "channels": window.channels,
+            "reference_ts": state.reference_ts,
+            "accepted_total": state.accepted_total,
+            "rejected_total": dict(state.rejected),
+            "held_out_total": state.held_out_total,
+            "rng_state": state.rng_state,
+            "next_offsets": {str(p): o for p, o in state.next_offsets.items()},
+            "version": state.version,
+        }
+
+    @staticmethod
+    def _items(snap: WindowSnapshot) -> dict[str, Any]:
+        return {
+            "values": snap.all_values(),
+            "lengths": snap.lengths,
+            "ts": snap.ts,
+            "labels": snap.labels,
+            "keys": snap.keys,
+            "sensor_ids": snap.sensor_ids,
+            "partitions": snap.partitions,
+            "offsets": snap.offsets,
+            "seq": snap.seq,
+        }
+
+    def __call__(self) -> dict[str, Any]:
+        """The whole state, as :meth:`RecencyWindow.load_state_dict` reads it."""
+        return {**self._scalars(), **self._items(self._snapshot)}
+
+    def delta(self, previous_seq: np.ndarray) -> dict[str, Any]:
+        """What changed since a window of the items ``previous_seq`` (sorted ascending).
+
+        ``entered``: the items not among them, as :meth:`__call__` lists items; ``left_seq``:
+        the numbers among them no longer in the window; the counters, offsets and RNG
+        state whole.
+        """
+        seq = self.seq
+        entered = np.flatnonzero(~sorted_member(seq, previous_seq))
+        left = previous_seq[~sorted_member(previous_seq, np.sort(seq))]
+        return {**self._scalars(), "entered": self._items(self._snapshot.subset(entered)), "left_seq": left}
+
+
+def sorted_member(values: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:
+    """Whether each of ``values`` is in ``sorted_pool`` (ascending): a vectorized binary search."""
+    if sorted_pool.size == 0:
+        return np.zeros(values.shape[0], dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_pool, values), sorted_pool.size - 1)
+    return sorted_pool[at] == values
 
 
 def rekey(

@@ -1,0 +1,220 @@
+"""Window checkpoints that cost what changed: a delta on the last one written, a new base now and then.
+
+A one-file checkpoint's window is either whole (a *base*: what ``RecencyWindow.state_dict``
+returns, as every checkpoint held before deltas existed, so old checkpoints restore as they
+did) or a *delta* on the checkpoint this process wrote last, its *parent*: the items that
+entered the window since (readings and columns), the arrival numbers (``seq``) of the items
+that left it, and the counters, offsets and RNG state whole (they are small). A delta names
+its parent by file name and by the SHA-256 in the parent's prefix, so it never builds on
+another file that took the name. The trainer's state is whole in every checkpoint.
+
+Restore (:class:`~streamtrain.checkpoint.store.CheckpointStore`) reads the chain back to its
+base, every file verified, and replays it (:func:`replay`); a checkpoint whose chain has a
+damaged or missing link is refused as a whole and the store falls back to an older one whose
+chain is sound: a restored window is always exactly the window of one cut, never a mix.
+
+Compaction: the checkpointer writes a new base (the whole window, from memory, in its own
+thread; ingest never waits for it) once the deltas since the last base hold as many bytes
+as that base (``compaction_ratio``), after ``max_chain`` deltas, when the parent is gone or
+was replaced, when the window's settings changed, and first after every start. With ``d``
+bytes of change per checkpoint and a base of ``B``, a base comes every ``B / d``
+checkpoints: the bytes written amortize to ``2 d`` per checkpoint, and a restore reads at
+most ``2 B``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from streamtrain.checkpoint.format import read_digest
+from streamtrain.window.reservoir import WindowCapture
+from streamtrain.window.snapshot import WindowSnapshot
+
+#: The key that marks a window state as a delta; its value is ``{"name", "sha256"}`` of the parent.
+DELTA_OF = "delta_of"
+
+Kind = Literal["base", "delta"]
+
+
+def parent_of(window_state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(file name, prefix SHA-256) of the checkpoint a delta builds on; None for a base."""
+    parent = window_state.get(DELTA_OF)
+    if parent is None:
+        return None
+    return str(parent["name"]), str(parent["sha256"])
+
+
+def replay(base: Mapping[str, Any], deltas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The whole window state a base and its deltas (oldest first) describe.
+
+    An item is in the window when the last change that names it (its entry, in the base or
+    a delta; its leaving, in a delta) is an entry: an item can leave a read and come back
+    (``max_age_s``), so it may enter twice, but never twice without leaving between. Items come out in arrival order, the
+    counters, offsets and RNG state are the newest delta's.
+    """
+    if not deltas:
+        return dict(base)
+    sources = [base, *(delta["entered"] for delta in deltas)]
+    seq = np.concatenate([np.asarray(source["seq"], dtype=np.int64) for source in sources])
+    entered_at = np.concatenate([np.full(len(source["seq"]), j, dtype=np.int64) for j, source in enumerate(sources)])
+    rows = np.argsort(seq, kind="stable")  # by arrival number; an item that came back is here twice
+    left_seq = np.concatenate([np.asarray(d["left_seq"], dtype=np.int64) for d in deltas])
+    left_at = np.concatenate([np.full(len(d["left_seq"]), j + 1, dtype=np.int64) for j, d in enumerate(deltas)])
+    last_left = np.full(rows.size, -1, dtype=np.int64)
+    if left_seq.size:
+        by_seq = np.lexsort((left_at, left_seq))
+        left_seq, left_at = left_seq[by_seq], left_at[by_seq]
+        final = np.ones(left_seq.size, dtype=bool)
+        final[:-1] = left_seq[1:] != left_seq[:-1]
+        left_seq, left_at = left_seq[final], left_at[final]  # the latest leaving of each
+        at = np.minimum(np.searchsorted(left_seq, seq[rows]), left_seq.size - 1)
+        named = left_seq[at] == seq[rows]
+        last_left[named] = left_at[at[named]]
+    rows = rows[entered_at[rows] > last_left]
+
+    lengths = [np.asarray(source["lengths"], dtype=np.int64) for source in sources]
+    channels = int(base["channels"])
+    chunks = tuple(np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources)
+    token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
+    starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        return np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])
+
+    items = WindowSnapshot(
+        flat_values=chunks,
+        starts=starts,
+        lengths=np.concatenate(lengths),
+        ts=column("ts", np.float64),
+        labels=column("labels", np.int64),
+        keys=column("keys", np.float64),
+        sensor_ids=column("sensor_ids", object),
+        partitions=column("partitions", np.int32),
+        offsets=column("offsets", np.int64),
+        seq=seq,
+    ).subset(rows)
+    newest = deltas[-1]
+    state = {key: value for key, value in newest.items() if key not in (DELTA_OF, "entered", "left_seq")}
+    state.update(
+        values=items.all_values(),
+        lengths=items.lengths,
+        ts=items.ts,
+        labels=items.labels,
+        keys=items.keys,
+        sensor_ids=items.sensor_ids,
+        partitions=items.partitions,
+        offsets=items.offsets,
+        seq=items.seq,
+    )
+    return state
+
+
+@dataclass(frozen=True)
+class PendingWindow:
+    """A checkpoint's window state, built, not yet written."""
+
+    state: dict[str, Any]
+    kind: Kind
+    seq: np.ndarray  # sorted arrival numbers of its window's items
+    settings: tuple[int, float, int]  # capacity, half-life, channels: a delta keeps all three
+
+
+@dataclass(frozen=True)
+class _Link:
+    """The last checkpoint written, as the next delta builds on it."""
+
+    name: str
+    sha256: str
+    seq: np.ndarray
+    settings: tuple[int, float, int]
+    base_bytes: int
+    deltas_bytes: int  # of the deltas since that base
+    deltas: int
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """What ``/v1/window`` and the metrics report of the checkpoints' chain."""
+
+    last_kind: Kind | None
+    chain_length: int  # deltas since the last base
+    base_bytes: int
+    deltas_bytes: int
+    bytes_written: Mapping[Kind, int]
+    written: Mapping[Kind, int]
+
+
+class WindowChain:
+    """Builds each checkpoint's window as a base or a delta on the last one written (module docstring).
+
+    Used by one checkpointer at a time (the service serializes checkpoints).
+    """
+
+    def __init__(self, *, compaction_ratio: float = 1.0, max_chain: int = 64) -> None:
+        if not compaction_ratio > 0:
+            raise ValueError(f"compaction_ratio must be > 0, got {compaction_ratio}")
+        if max_chain < 0:
+            raise ValueError(f"max_chain must be >= 0, got {max_chain}")
+        self.compaction_ratio = float(compaction_ratio)
+        self.max_chain = int(max_chain)
+        self._link: _Link | None = None
+        self._bytes: dict[Kind, int] = {"base": 0, "delta": 0}
+        self._written: dict[Kind, int] = {"base": 0, "delta": 0}
+        self._last_kind: Kind | None = None
+
+    def window_state(self, capture: WindowCapture, directory: Path) -> PendingWindow:
+        """The window of the next checkpoint into ``directory``: a delta where the chain allows one."""
+        settings = capture.settings
+        link = self._link
+        if link is not None and self._extends(link, settings, directory):
+            state = capture.delta(link.seq)
+            state[DELTA_OF] = {"name": link.name, "sha256": link.sha256}
+            return PendingWindow(state, "delta", np.sort(capture.seq), settings)
+        return PendingWindow(capture(), "base", np.sort(capture.seq), settings)
+
+    def _extends(self, link: _Link, settings: tuple[int, float, int], directory: Path) -> bool:
+        if link.settings != settings or link.deltas >= self.max_chain:
+            return False
+        if link.deltas_bytes >= self.compaction_ratio * link.base_bytes:
+            return False
+        try:
+            return read_digest(directory / link.name) == link.sha256
+        except OSError:
+            return False  # pruned, or the directory was emptied: start a new base
+
+    def written(self, pending: PendingWindow, path: Path) -> None:
+        """``pending`` is durable as ``path``: the next delta builds on it."""
+        size = path.stat().st_size
+        digest = read_digest(path)
+        link = self._link
+        if pending.kind == "base" or link is None:
+            self._link = _Link(path.name, digest, pending.seq, pending.settings, size, 0, 0)
+        else:
+            self._link = _Link(
+                path.name,
+                digest,
+                pending.seq,
+                pending.settings,
+                link.base_bytes,
+                link.deltas_bytes + size,
+                link.deltas + 1,
+            )
+        self._bytes[pending.kind] += size
+        self._written[pending.kind] += 1
+        self._last_kind = pending.kind
+
+    def report(self) -> ChainReport:
+        link = self._link
+        return ChainReport(
+            last_kind=self._last_kind,
+            chain_length=0 if link is None else link.deltas,
+            base_bytes=0 if link is None else link.base_bytes,
+            deltas_bytes=0 if link is None else link.deltas_bytes,
+            bytes_written=dict(self._bytes),
+            written=dict(self._written),
+        )

@@ -1,0 +1,293 @@
+"""Incremental window checkpoints: a delta on the last checkpoint, restored as base + deltas, never mixed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
+from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.events import EventBatch
+from streamtrain.window.reservoir import RecencyWindow
+
+ITEM_FIELDS = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets", "seq")
+COUNTERS = ("accepted_total", "rejected_total", "held_out_total", "next_offsets", "version", "reference_ts")
+
+
+def batch(start: int, n: int, *, clock: float | None = None, seed: int = 0) -> EventBatch:
+    """``n`` events numbered from ``start``: readings that name their event, lengths 1..8."""
+    rng = np.random.default_rng(start + 7919 * seed)
+    lengths = rng.integers(1, 9, n)
+    values = np.repeat(np.arange(start, start + n, dtype=np.float32), lengths)[:, None]
+    values = values + np.concatenate([np.arange(k) for k in lengths]).astype(np.float32)[:, None] / 16
+    return EventBatch(
+        sensor_ids=np.array([f"s{(start + i) % 13}" for i in range(n)], dtype=object),
+        ts=np.full(n, float(start if clock is None else clock)) + np.arange(n) * 1e-3,
+        labels=np.arange(start, start + n) % 3,
+        lengths=lengths,
+        values=values,
+        partitions=(np.arange(start, start + n) % 2).astype(np.int32),
+        offsets=np.arange(start, start + n),
+    )
+
+
+def assert_same_window(restored: dict, expected: dict) -> None:
+    for name in ITEM_FIELDS:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(expected[name]), err_msg=name)
+    for name in COUNTERS:
+        assert restored[name] == expected[name], name
+    assert restored["rng_state"] == expected["rng_state"]
+
+
+def checkpoint(window: RecencyWindow, chain: WindowChain, store: CheckpointStore, step: int) -> tuple[Path, str]:
+    pending = chain.window_state(window.capture_state(), store.directory)
+    path = store.save({"window": pending.state, "trainer": {"step": step}}, step=step)
+    chain.written(pending, path)
+    return path, pending.kind
+
+
+def new_window(max_age_s: float | None = None, clock: list[float] | None = None) -> RecencyWindow:
+    now = clock if clock is not None else [0.0]
+    return RecencyWindow(60, 20.0, max_age_s=max_age_s, slack=8, rng=np.random.default_rng(5), clock=lambda: now[0])
+
+
+def test_every_checkpoint_of_a_chain_restores_exactly_the_window_of_its_cut(tmp_path: Path) -> None:
+    window, chain = new_window(), WindowChain(compaction_ratio=100.0)
+    store = CheckpointStore(tmp_path, keep=50)
+    expected: dict[Path, dict] = {}
+    kinds = []
+    for step in range(12):
+        window.insert_batch(batch(100 * step, 30 + step), {0: 100 * step + 30 + step}, rejected={"decode": 1})
+        path, kind = checkpoint(window, chain, store, step)
+        expected[path], _ = window.state_dict(), kinds.append(kind)
+    assert kinds == ["base"] + ["delta"] * 11
+    for path, state in expected.items():  # each one, chain and all, from a store that never saw them
+        loaded = CheckpointStore(tmp_path).read(path)
+        assert loaded is not None
+        assert_same_window(loaded.state["window"], state)
+        restored = new_window()
+        restored.load_state_dict(loaded.state["window"])
+        assert_same_window(restored.state_dict(), state)
+
+
+def test_a_delta_holds_what_entered_and_the_numbers_of_what_left(tmp_path: Path) -> None:
+    window = RecencyWindow(2000, 20.0, slack=8, rng=np.random.default_rng(5), clock=lambda: 0.0)
+    chain, store = WindowChain(), CheckpointStore(tmp_path)
+    window.insert_batch(batch(0, 2008))
+    before = set(window.state_dict()["seq"].tolist())
+    base, _ = checkpoint(window, chain, store, 1)
+    window.insert_batch(batch(1000, 10, clock=1000.0))  # far newer: all ten enter, ten leave
+    after = window.state_dict()
+    pending = chain.window_state(window.capture_state(), tmp_path)
+    assert pending.kind == "delta"
+    assert pending.state[DELTA_OF]["name"] == base.name
+    entered = set(pending.state["entered"]["seq"].tolist())
+    assert entered == set(after["seq"].tolist()) - before and len(entered) == 10
+    assert set(pending.state["left_seq"].tolist()) == before - set(after["seq"].tolist())
+    assert pending.state["entered"]["values"].shape[0] == int(pending.state["entered"]["lengths"].sum())
+    delta = store.save({"window": pending.state}, step=2)
+    assert delta.stat().st_size < base.stat().st_size / 20  # 10 of 2000 items, and the counters
+
+
+def test_replay_follows_the_last_change_of_an_item_that_left_a_read_and_came_back(tmp_path: Path) -> None:
+    """With MAX_AGE_S an item can leave a read and come back: X in the window, outranked by an
+    older event B that arrives late, back once B expired, outranked again by a late C; the
+    chain must follow every change (the last one counts, not the first)."""
+    for seed in range(500):
+        now = [5.0]
+        window = RecencyWindow(1, 1e9, max_age_s=10.0, slack=10, rng=np.random.default_rng(seed), clock=lambda: now[0])
+        chain, store = WindowChain(compaction_ratio=100.0), CheckpointStore(tmp_path / str(seed), keep=10)
+        seen = []
+        for step, (ts, clock) in enumerate([(5.0, 5.0), (0.0, 5.0), (-100.0, 10.5), (1.0, 10.5)]):
+            now[0] = clock
+            window.insert_batch(batch(10 * step, 1, clock=ts))  # X, B, a stale event, C
+            path, kind = checkpoint(window, chain, store, step)
+            seen.append(window.state_dict()["seq"].tolist())
+        if seen == [[0], [1], [0], [3]]:  # X, B, X again, C
+            break
+    assert seen == [[0], [1], [0], [3]], "no seed gave B and C keys above X's"
+    assert kind == "delta"
+    loaded = CheckpointStore(tmp_path / str(seed)).read(path)
+    assert loaded is not None
+    assert_same_window(loaded.state["window"], window.state_dict())
+
+
+def test_a_new_base_comes_once_the_deltas_outweigh_the_last_one_and_old_chains_are_pruned(tmp_path: Path) -> None:
+    window, chain = new_window(), WindowChain(compaction_ratio=0.5)
+    store = CheckpointStore(tmp_path, keep=1)
+    kinds = []
+    for step in range(30):
+        window.insert_batch(batch(100 * step, 25, clock=100.0 * step))  # newer than all: 25 enter, 25 leave
+        _, kind = checkpoint(window, chain, store, step)
+        kinds.append(kind)
+        files = sorted(p.name for p in tmp_path.glob("ckpt-*"))
+        assert len(files) == chain.report().chain_length + 1  # the newest, its base and the deltas between
+    assert kinds.count("base") >= 5 and kinds.count("delta") >= 10
+    report = chain.report()
+    assert report.written == {"base": kinds.count("base"), "delta": kinds.count("delta")}
+    assert report.deltas_bytes < 0.5 * report.base_bytes + report.base_bytes  # compaction keeps the chain bounded
+    loaded = CheckpointStore(tmp_path).load_latest()
+    assert loaded is not None and loaded.step == 29
+    assert_same_window(loaded.state["window"], window.state_dict())
+
+
+def test_the_chain_is_bounded_by_max_chain(tmp_path: Path) -> None:
+    window, chain = new_window(), WindowChain(compaction_ratio=1e9, max_chain=3)
+    store = CheckpointStore(tmp_path, keep=1)
+    kinds = []
+    for step in range(9):
+        window.insert_batch(batch(100 * step, 5))
+        kinds.append(checkpoint(window, chain, store, step)[1])
+    assert kinds == ["base", "delta", "delta", "delta"] * 2 + ["base"]
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "delete", "replace"])
+def test_a_damaged_delta_falls_back_to_the_last_cut_before_it(tmp_path: Path, damage: str) -> None:
+    window, chain = new_window(), WindowChain(compaction_ratio=100.0)
+    store = CheckpointStore(tmp_path, keep=10)
+    states, paths = [], []
+    for step in range(5):
+        window.insert_batch(batch(100 * step, 40, clock=100.0 * step))
+        paths.append(checkpoint(window, chain, store, step)[0])
+        states.append(window.state_dict())
+    victim = paths[2]
+    if damage == "flip a byte":
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "delete":
+        victim.unlink()
+    else:  # another checkpoint of the same name: not the file the later deltas build on
+        other = CheckpointStore(tmp_path / "other")
+        other_window = new_window()
+        other_window.insert_batch(batch(5000, 3))
+        victim.write_bytes(other.save({"window": other_window.state_dict(), "trainer": {}}, step=2).read_bytes())
+    reported: list[tuple[str, str]] = []
+    reader = CheckpointStore(tmp_path, on_corrupt=lambda path, reason: reported.append((path.name, reason)))
+    loaded = reader.load_latest()
+    expected_step = 2 if damage == "replace" else 1  # a replacement is a sound checkpoint of its own
+    assert loaded is not None and loaded.step == expected_step
+    if damage != "replace":
+        assert_same_window(loaded.state["window"], states[1])
+    assert {name for name, _ in reported} >= {paths[3].name, paths[4].name}
+    assert all(victim.name in reason for name, reason in reported if name in (paths[3].name, paths[4].name))
+    assert reader.read(paths[4]) is None
+
+
+def test_a_base_checkpoint_without_deltas_still_restores_as_before(tmp_path: Path) -> None:
+    """Checkpoints written before deltas existed are bases: read exactly as they were."""
+    window = new_window()
+    window.insert_batch(batch(0, 100))
+    path = CheckpointStore(tmp_path).save({"window": window.state_dict(), "trainer": {}}, step=3)
+    loaded = CheckpointStore(tmp_path).read(path)
+    assert loaded is not None
+    assert_same_window(loaded.state["window"], window.state_dict())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    jumps=st.lists(st.sampled_from([0.0, 1.0, 50.0]), min_size=8, max_size=8),
+    max_age=st.sampled_from([None, 30.0]),
+)
+def test_replay_of_any_chain_equals_the_live_window(
+    sizes: list[int], jumps: list[float], max_age: float | None
+) -> None:
+    now = [0.0]
+    window = new_window(max_age, now)
+    base: dict | None = None
+    deltas: list[dict] = []
+    previous: np.ndarray | None = None
+    for i, n in enumerate(sizes):
+        now[0] += jumps[i]
+        if n:
+            window.insert_batch(batch(1000 * i, n, clock=now[0], seed=n))
+        capture = window.capture_state()
+        if previous is None:
+            base = capture()
+        else:
+            deltas.append(capture.delta(previous))
+        previous = np.sort(capture.seq)
+        assert base is not None
+        assert_same_window(replay(base, deltas), window.state_dict())
+
+
+# A child that checkpoints a deterministic stream and stalls in the middle of writing the
+# checkpoint of the kind asked for, so the test can SIGKILL it there.
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import streamtrain.checkpoint.store as store_module
+    from streamtrain.checkpoint.incremental import WindowChain
+    from streamtrain.checkpoint.store import CheckpointStore
+    sys.path.insert(0, sys.argv[3])
+    from test_checkpoint_incremental import batch, checkpoint, new_window
+
+    directory, kill_at = Path(sys.argv[1]), sys.argv[2]
+    current = {}
+    write = store_module.write_atomically
+
+    def stalling_write(path, chunks, **kwargs):
+        def stalled():
+            for i, chunk in enumerate(chunks):
+                yield chunk
+                if i == 0 and current["kind"] == kill_at and current["step"] >= 4:
+                    print("stalled", current["kind"], current["step"], flush=True)
+                    time.sleep(60)
+        return write(path, stalled(), **kwargs)
+
+    store_module.write_atomically = stalling_write
+    window, chain = new_window(), WindowChain(compaction_ratio=0.9)
+    store = CheckpointStore(directory, keep=1)
+    for step in range(100):
+        window.insert_batch(batch(100 * step, 20, clock=100.0 * step))
+        current["kind"] = chain.window_state(window.capture_state(), directory).kind
+        current["step"] = step
+        checkpoint(window, chain, store, step)
+    """
+)
+
+
+@pytest.mark.parametrize("kill_at", ["delta", "base"])
+def test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice(
+    tmp_path: Path, kill_at: str
+) -> None:
+    """``base`` is a compaction: the new base written while the old chain is still the newest."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path), kill_at, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().split()
+        assert line[:2] == ["stalled", kill_at], line
+        assert list(tmp_path.glob(".ckpt-*.tmp")), "the child stalls inside the write"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    killed_step = int(line[2])
+    loaded = CheckpointStore(tmp_path).load_latest()
+    assert loaded is not None and loaded.step == killed_step - 1  # the cut before the write in flight
+    # the same stream, replayed here up to that cut: the restored window is exactly its window
+    window = new_window()
+    for step in range(killed_step):
+        window.insert_batch(batch(100 * step, 20, clock=100.0 * step))
+    assert_same_window(loaded.state["window"], window.state_dict())
+    restored = new_window()
+    restored.load_state_dict(loaded.state["window"])
+    assert_same_window(restored.state_dict(), window.state_dict())
+    seq = restored.state_dict()["seq"]
+    assert np.unique(seq).size == seq.size  # nothing twice
