@@ -15,7 +15,8 @@ import pytest
 from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
-from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.checkpoint.incremental import parent_of
+from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
 from streamtrain.tools.simulate import run_simulation
 from streamtrain.tools.simulation_config import SimulationConfig
 
@@ -212,14 +213,20 @@ def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, ma
     time.sleep(2.5)  # a checkpoint covers this state
     sent += simulate(kafka_bootstrap, topic, count=1500, seed=2)  # more arrive, some maybe not checkpointed
     time.sleep(0.5)
+    chain = first.get("/v1/window")["checkpoints"]
     first.kill()
+    assert chain["written"]["delta"] >= 1, chain  # the checkpoints after the first are deltas on it
     step_before = CheckpointStore(tmp_path / "ckpt").latest_step  # the last completed checkpoint
     assert step_before is not None and step_before >= 5
+    newest = read_checkpoint(CheckpointStore(tmp_path / "ckpt").list()[0].path)
+    restores_a_chain = parent_of(newest.state["window"]) is not None
 
     second = ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve2.log", **settings).start()
     try:
         restored = second.get("/v1/model")
         assert restored["step"] >= step_before  # never back past the last completed checkpoint
+        if restores_a_chain:  # the window came back as a base and its deltas
+            assert "window deltas" in (tmp_path / "serve2.log").read_text()
         window = wait_for(lambda: (w := second.get("/v1/window"))["size"] >= sent and w, 90, "the whole stream")
         time.sleep(2)
         window = second.get("/v1/window")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,13 +86,7 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
 def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckpoint:
     """Verify and decode one checkpoint's bytes; CorruptCheckpoint names the failed check."""
     path = Path(path)
-    if not data:
-        raise CorruptCheckpoint(path, "empty file")
-    if len(data) < _PREFIX.size:
-        raise CorruptCheckpoint(path, f"{len(data)} bytes is shorter than the {_PREFIX.size}-byte prefix (truncated)")
-    magic, header_length, payload_length, expected_digest = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise CorruptCheckpoint(path, f"magic bytes {magic!r} are not {MAGIC!r}: not a streamtrain checkpoint")
+    header_length, payload_length, expected_digest = _check_prefix(data[: _PREFIX.size], path)
     expected_size = _PREFIX.size + header_length + payload_length
     if len(data) < expected_size:
         raise CorruptCheckpoint(
@@ -99,18 +94,58 @@ def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckp
         )
     if len(data) > expected_size:
         raise CorruptCheckpoint(path, f"{len(data) - expected_size} trailing bytes after the announced {expected_size}")
-    body = memoryview(data)[_PREFIX.size :]
-    if hashlib.sha256(body).digest() != expected_digest:
+    header_end = _PREFIX.size + header_length
+    return _decode_parts(data[_PREFIX.size : header_end], data[header_end:], expected_digest, path)
+
+
+def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
+    """:func:`decode_checkpoint` of a file, reading its payload into one buffer that is never copied.
+
+    A window of millions of items makes a payload of gigabytes: reading the file whole and
+    slicing the payload out of it would copy it once more.
+    """
+    path = Path(path)
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        header_length, payload_length, expected_digest = _check_prefix(file.read(_PREFIX.size), path)
+        expected_size = _PREFIX.size + header_length + payload_length
+        if size < expected_size:
+            raise CorruptCheckpoint(path, f"truncated: the prefix announces {expected_size} bytes, the file has {size}")
+        if size > expected_size:
+            raise CorruptCheckpoint(path, f"{size - expected_size} trailing bytes after the announced {expected_size}")
+        header = file.read(header_length)
+        payload = file.read(payload_length)
+    if len(header) + len(payload) != header_length + payload_length:
+        raise CorruptCheckpoint(path, "truncated while it was read")
+    return _decode_parts(header, payload, expected_digest, path)
+
+
+def _check_prefix(prefix: bytes, path: Path) -> tuple[int, int, bytes]:
+    """(header length, payload length, SHA-256) from a file's first bytes, or CorruptCheckpoint."""
+    if not prefix:
+        raise CorruptCheckpoint(path, "empty file")
+    if len(prefix) < _PREFIX.size:
+        raise CorruptCheckpoint(path, f"{len(prefix)} bytes is shorter than the {_PREFIX.size}-byte prefix (truncated)")
+    magic, header_length, payload_length, expected_digest = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptCheckpoint(path, f"magic bytes {magic!r} are not {MAGIC!r}: not a streamtrain checkpoint")
+    return header_length, payload_length, expected_digest
+
+
+def _decode_parts(header_bytes: bytes, payload: bytes, expected_digest: bytes, path: Path) -> LoadedCheckpoint:
+    digest = hashlib.sha256(header_bytes)
+    digest.update(payload)
+    if digest.digest() != expected_digest:
         raise CorruptCheckpoint(
             path, "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
         )
     try:
-        header = json.loads(bytes(body[:header_length]), parse_constant=reject_json_constant)
+        header = json.loads(header_bytes, parse_constant=reject_json_constant)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpoint(path, f"header is not valid JSON: {exc}") from exc
     step, created_at = _check_header(header, path)
     try:
-        tensors = safetensors.torch.load(bytes(body[header_length:]))
+        tensors = safetensors.torch.load(payload)
     except (SafetensorError, ValueError, KeyError) as exc:
         raise CorruptCheckpoint(path, f"payload is not valid safetensors: {exc}") from exc
     try:

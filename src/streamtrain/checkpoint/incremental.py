@@ -54,8 +54,8 @@ def replay(base: Mapping[str, Any], deltas: Sequence[Mapping[str, Any]]) -> dict
 
     An item is in the window when the last change that names it (its entry, in the base or
     a delta; its leaving, in a delta) is an entry: an item can leave a read and come back
-    (``max_age_s``), so it may enter twice, but never twice without leaving between. Items come out in arrival order, the
-    counters, offsets and RNG state are the newest delta's.
+    (``max_age_s``), so it may enter twice, but never twice without leaving between. Items
+    come out in arrival order, the counters, offsets and RNG state are the newest delta's.
     """
     if not deltas:
         return dict(base)
@@ -79,39 +79,76 @@ def replay(base: Mapping[str, Any], deltas: Sequence[Mapping[str, Any]]) -> dict
 
     lengths = [np.asarray(source["lengths"], dtype=np.int64) for source in sources]
     channels = int(base["channels"])
-    chunks = tuple(np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources)
-    token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
-    starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])
-
-    def column(name: str, dtype: Any) -> np.ndarray:
-        return np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])
-
-    items = WindowSnapshot(
-        flat_values=chunks,
-        starts=starts,
-        lengths=np.concatenate(lengths),
-        ts=column("ts", np.float64),
-        labels=column("labels", np.int64),
-        keys=column("keys", np.float64),
-        sensor_ids=column("sensor_ids", object),
-        partitions=column("partitions", np.int32),
-        offsets=column("offsets", np.int64),
-        seq=seq,
-    ).subset(rows)
+    chunks = [np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources]
     newest = deltas[-1]
     state = {key: value for key, value in newest.items() if key not in (DELTA_OF, "entered", "left_seq")}
-    state.update(
-        values=items.all_values(),
-        lengths=items.lengths,
-        ts=items.ts,
-        labels=items.labels,
-        keys=items.keys,
-        sensor_ids=items.sensor_ids,
-        partitions=items.partitions,
-        offsets=items.offsets,
-        seq=items.seq,
-    )
+    for name, dtype in (
+        ("ts", np.float64),
+        ("labels", np.int64),
+        ("keys", np.float64),
+        ("sensor_ids", object),
+        ("partitions", np.int32),
+        ("offsets", np.int64),
+    ):
+        state[name] = np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])[rows]
+    state["lengths"] = np.concatenate(lengths)[rows]
+    state["seq"] = seq[rows]
+    state["values"] = _gather_values(chunks, lengths, rows, entered_at)
     return state
+
+
+def _gather_values(
+    chunks: Sequence[np.ndarray], lengths: Sequence[np.ndarray], rows: np.ndarray, source_of: np.ndarray
+) -> np.ndarray:
+    """The readings of ``rows`` (indices into the sources' items, concatenated) back to back.
+
+    Usually the rows come source by source (the base's survivors, then each delta's), and
+    each source's rows in its own order: then a token mask per source compresses it (a
+    10M-item base in seconds, where a gather through a position per token takes a minute).
+    """
+    if rows.size < 2 or bool(np.all(source_of[rows][1:] >= source_of[rows][:-1])):
+        keep = np.zeros(source_of.size, dtype=bool)
+        keep[rows] = True
+        pieces, first = [], 0
+        for chunk, length in zip(chunks, lengths, strict=True):
+            mask = keep[first : first + length.size]
+            first += length.size
+            if mask.all():
+                pieces.append(chunk)
+            elif mask.any():
+                pieces.append(_rows_where(chunk, np.repeat(mask, length)))
+        return np.concatenate(pieces) if pieces else np.zeros((0, chunks[0].shape[1]), np.float32)
+    # an item that came back after a younger one entered (max_age_s): a gather in arrival order
+    all_lengths = np.concatenate(lengths)
+    token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
+    starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])
+    return (
+        WindowSnapshot(
+            flat_values=tuple(chunks),
+            starts=starts,
+            lengths=all_lengths,
+            ts=np.zeros(all_lengths.size),
+            labels=np.zeros(all_lengths.size, dtype=np.int64),
+            keys=np.zeros(all_lengths.size),
+            sensor_ids=np.zeros(all_lengths.size, dtype=object),
+            partitions=np.zeros(all_lengths.size, dtype=np.int32),
+            offsets=np.zeros(all_lengths.size, dtype=np.int64),
+        )
+        .subset(rows)
+        .all_values()
+    )
+
+
+def _rows_where(array: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``array[mask]`` for a C-contiguous ``[T, C]`` array, each row taken as one item.
+
+    numpy's boolean index along the first axis of a 2-D array runs ~10x slower than over
+    1-D items (1.5 s against 0.14 s for 67M float32 rows), so each row is viewed as one
+    opaque item of ``4 C`` bytes.
+    """
+    array = np.ascontiguousarray(array)
+    rows = array.view(np.dtype((np.void, array.dtype.itemsize * array.shape[1]))).reshape(-1)
+    return rows[mask].view(array.dtype).reshape(-1, array.shape[1])
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,17 @@
 """A directory of one-file checkpoints: written atomically, read verified, pruned to the newest.
 
 The trainer restarts from what it last wrote: model, optimizer, normalization statistics,
-RNG states and the window with the Kafka offsets it reflects. A crash mid-write, a full
-disk or a flipped bit must cost at most one checkpoint, and reading one must never run
-code from the file. One checkpoint is one file, ``ckpt-{step:012d}-{unix_ms}.stck``, in
+RNG states and the window with the Kafka offsets it reflects. A crash mid-write or a full
+disk must cost at most one checkpoint, a flipped bit at most the checkpoints built on the
+damaged file (with ``keep >= 2``, never all of them once an older chain exists), and
+reading one must never run code from the file. One checkpoint is one file, ``ckpt-{step:012d}-{unix_ms}.stck``, in
 the format of :mod:`streamtrain.checkpoint.format`, written through
 :func:`streamtrain.checkpoint.files.write_atomically`; a file whose name and header
-disagree on the step is refused. A service of one process (a world of one rank) writes
-these; scaled out, ranks write sharded checkpoints into the same directory
+disagree on the step is refused. A file's window may be a delta on an older file
+(:mod:`streamtrain.checkpoint.incremental`): reading it reads and verifies the chain back to
+its base and replays it, and a broken chain makes the file unusable like a corrupt one;
+pruning keeps what the kept files build on. A service of one process (a world of one rank)
+writes these; scaled out, ranks write sharded checkpoints into the same directory
 (:mod:`streamtrain.checkpoint.sharded_store`), and restore takes the newest of either kind.
 """
 
@@ -28,8 +32,8 @@ from streamtrain.checkpoint.files import TEMP_SUFFIX, write_atomically
 from streamtrain.checkpoint.format import (
     CorruptCheckpoint,
     LoadedCheckpoint,
-    decode_checkpoint,
     encode_checkpoint,
+    read_checkpoint_file,
     read_digest,
 )
 from streamtrain.checkpoint.incremental import parent_of, replay
@@ -76,10 +80,9 @@ def read_checkpoint(path: Path | str) -> LoadedCheckpoint:
     """Read, verify and decode one checkpoint file; its name must agree with its header."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        loaded = read_checkpoint_file(path)
     except OSError as exc:
         raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
-    loaded = decode_checkpoint(data, path)
     name = _CHECKPOINT_NAME.match(path.name)
     if name is not None and int(name.group(1)) != loaded.step:
         raise CorruptCheckpoint(path, f"file name says step {int(name.group(1))}, header says step {loaded.step}")
@@ -158,8 +161,9 @@ class CheckpointStore:
         """Delete what is older than the `keep` newest good checkpoints, and stale temp files.
 
         Files newer than those (corrupt ones, or ones from a run at higher steps) stay, and
-        so does the file just written even if its step sorts below them, and every older
-        checkpoint a kept delta builds on.
+        so does the file just written even if its step sorts below them, every older
+        checkpoint a kept delta builds on, and (``keep >= 2``) one checkpoint of an older
+        chain while all kept ones build on one base.
         """
         valid: builtins.list[Path] = []
         doomed: builtins.list[Path] = []
@@ -168,8 +172,11 @@ class CheckpointStore:
                 doomed.append(info.path)
             elif info.path == just_written or self._chain_reason(info.path) is None:
                 valid.append(info.path)
+        spare = self._spare_restore_point(valid, doomed)
+        if spare is not None:
+            valid.append(spare)
         needed = {name for path in valid for name in self._ancestors(path.name)}  # the bases their deltas build on
-        doomed = [path for path in doomed if path.name not in needed]
+        doomed = [path for path in doomed if path.name not in needed and path not in valid]
         if valid and valid[0] != just_written:
             logger.warning(
                 "saved %s, but %s sorts after it (higher step); load_latest will prefer that one. "
@@ -182,6 +189,24 @@ class CheckpointStore:
                 self._remove(path)
         for path in self._stale_temp_files():
             self._remove(path)
+
+    def _spare_restore_point(self, kept: builtins.list[Path], older: builtins.list[Path]) -> Path | None:
+        """With ``keep >= 2`` and every kept checkpoint built on one base: the newest sound
+        checkpoint of another chain, so that one damaged base never costs every checkpoint."""
+        if self.keep < 2 or not kept:
+            return None
+        roots = {self._root(path.name) for path in kept}
+        if len(roots) > 1:
+            return None
+        for path in older:
+            if self._root(path.name) not in roots and self._chain_reason(path) is None:
+                return path
+        return None
+
+    def _root(self, name: str) -> str:
+        """The base the window of ``name`` builds on (``name`` itself for a base)."""
+        ancestors = self._ancestors(name)
+        return ancestors[-1] if ancestors else name
 
     def _remove(self, path: Path) -> None:
         try:

@@ -121,6 +121,27 @@ def test_replay_follows_the_last_change_of_an_item_that_left_a_read_and_came_bac
     assert_same_window(loaded.state["window"], window.state_dict())
 
 
+def test_an_item_back_before_one_that_stayed_comes_back_in_arrival_order(tmp_path: Path) -> None:
+    """X and Y in the base; X outranked by a late older B, back once B expired: the restored
+    window lists X (from the newest delta) before Y (from the base), as the live one does."""
+    for seed in range(500):
+        now = [5.0]
+        window = RecencyWindow(2, 1e9, max_age_s=10.0, slack=10, rng=np.random.default_rng(seed), clock=lambda: now[0])
+        chain, store = WindowChain(compaction_ratio=100.0), CheckpointStore(tmp_path / str(seed), keep=10)
+        seen = []
+        for step, (first, n, ts, clock) in enumerate([(0, 2, 5.0, 5.0), (10, 1, 0.0, 5.0), (20, 1, -100.0, 10.5)]):
+            now[0] = clock
+            window.insert_batch(batch(first, n, clock=ts))  # X and Y, B, a stale event
+            path, kind = checkpoint(window, chain, store, step)
+            seen.append(window.state_dict()["seq"].tolist())
+        if seen == [[0, 1], [1, 2], [0, 1]]:
+            break
+    assert seen == [[0, 1], [1, 2], [0, 1]], "no seed gave X the lowest key"
+    loaded = CheckpointStore(tmp_path / str(seed)).read(path)
+    assert loaded is not None
+    assert_same_window(loaded.state["window"], window.state_dict())
+
+
 def test_a_new_base_comes_once_the_deltas_outweigh_the_last_one_and_old_chains_are_pruned(tmp_path: Path) -> None:
     window, chain = new_window(), WindowChain(compaction_ratio=0.5)
     store = CheckpointStore(tmp_path, keep=1)
@@ -138,6 +159,31 @@ def test_a_new_base_comes_once_the_deltas_outweigh_the_last_one_and_old_chains_a
     loaded = CheckpointStore(tmp_path).load_latest()
     assert loaded is not None and loaded.step == 29
     assert_same_window(loaded.state["window"], window.state_dict())
+
+
+def test_with_keep_2_a_damaged_base_leaves_the_previous_chain_to_restore(tmp_path: Path) -> None:
+    """Every kept delta builds on one base; the store keeps the tip of the chain before it too."""
+    window, chain = new_window(), WindowChain(compaction_ratio=1e9, max_chain=3)
+    store = CheckpointStore(tmp_path, keep=2)
+    states, kinds, paths = {}, [], []
+    for step in range(7):  # base, 3 deltas, base, 2 deltas
+        window.insert_batch(batch(100 * step, 25, clock=100.0 * step))
+        path, kind = checkpoint(window, chain, store, step)
+        states[step], _, _ = window.state_dict(), kinds.append(kind), paths.append(path)
+    assert kinds == ["base", "delta", "delta", "delta", "base", "delta", "delta"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == sorted(p.name for p in paths)  # all still needed
+    new_base = paths[4]
+    data = bytearray(new_base.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    new_base.write_bytes(bytes(data))
+    loaded = CheckpointStore(tmp_path).load_latest()
+    assert loaded is not None and loaded.step == 3  # the old chain's tip
+    assert_same_window(loaded.state["window"], states[3])
+    # once the new chain has two sound checkpoints of its own... it still keeps a second chain
+    window.insert_batch(batch(5000, 25, clock=5000.0))
+    chain._link = None  # as after a restart: the next one is a base
+    checkpoint(window, chain, CheckpointStore(tmp_path, keep=2), 7)
+    assert {p.name for p in tmp_path.glob("ckpt-*")} >= {paths[3].name, paths[0].name}
 
 
 def test_the_chain_is_bounded_by_max_chain(tmp_path: Path) -> None:
