@@ -4,10 +4,10 @@ The trainer restarts from what it last wrote: model, optimizer, normalization st
 RNG states and the window with the Kafka offsets it reflects. A crash mid-write or a full
 disk must cost at most one checkpoint, a flipped bit at most the checkpoints built on the
 damaged file (with ``keep >= 2``, never all of them once an older chain exists), and
-reading one must never run code from the file. One checkpoint is one file, ``ckpt-{step:012d}-{unix_ms}.stck``, in
-the format of :mod:`streamtrain.checkpoint.format`, written through
-:func:`streamtrain.checkpoint.files.write_atomically`; a file whose name and header
-disagree on the step is refused. A file's window may be a delta on an older file
+reading one must never run code from the file. One checkpoint is one file,
+``ckpt-{step:012d}-{unix_ms}.stck``, in the format of :mod:`streamtrain.checkpoint.format`,
+written through :func:`streamtrain.checkpoint.files.write_atomically`; a file whose name
+and header disagree on the step is refused. A file's window may be a delta on an older file
 (:mod:`streamtrain.checkpoint.incremental`): reading it reads and verifies the chain back to
 its base and replays it, and a broken chain makes the file unusable like a corrupt one;
 pruning keeps what the kept files build on. A service of one process (a world of one rank)
@@ -198,8 +198,8 @@ class CheckpointStore:
         roots = {self._root(path.name) for path in kept}
         if len(roots) > 1:
             return None
-        for path in older:
-            if self._root(path.name) not in roots and self._chain_reason(path) is None:
+        for path in older:  # verified first: that also tells which base it builds on
+            if self._chain_reason(path) is None and self._root(path.name) not in roots:
                 return path
         return None
 
