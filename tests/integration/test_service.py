@@ -16,7 +16,7 @@ from kafka_helpers import wait_for
 from service_process import ServiceProcess
 
 from streamtrain.checkpoint.incremental import parent_of
-from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
+from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint_link
 from streamtrain.tools.simulate import run_simulation
 from streamtrain.tools.simulation_config import SimulationConfig
 
@@ -218,7 +218,7 @@ def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, ma
     assert chain["written"]["delta"] >= 1, chain  # the checkpoints after the first are deltas on it
     step_before = CheckpointStore(tmp_path / "ckpt").latest_step  # the last completed checkpoint
     assert step_before is not None and step_before >= 5
-    newest = read_checkpoint(CheckpointStore(tmp_path / "ckpt").list()[0].path)
+    newest = read_checkpoint_link(CheckpointStore(tmp_path / "ckpt").list()[0].path)  # the file alone
     restores_a_chain = parent_of(newest.state["window"]) is not None
 
     second = ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve2.log", **settings).start()

@@ -77,7 +77,24 @@ class CheckpointInfo:
 
 
 def read_checkpoint(path: Path | str) -> LoadedCheckpoint:
-    """Read, verify and decode one checkpoint file; its name must agree with its header."""
+    """Read, verify and decode a checkpoint file, and the chain its window builds on (if a delta).
+
+    The window comes back whole, as a store's ``read`` gives it; CorruptCheckpoint names
+    what failed: the file itself, or a link of its chain.
+    """
+    path = Path(path)
+    reasons: builtins.list[tuple[Path, str]] = []
+    loaded = CheckpointStore(path.parent, on_corrupt=lambda bad, reason: reasons.append((bad, reason))).read(path)
+    if loaded is None:
+        raise CorruptCheckpoint(path, next((reason for bad, reason in reasons if bad == path), "unreadable"))
+    return loaded
+
+
+def read_checkpoint_link(path: Path | str) -> LoadedCheckpoint:
+    """Read, verify and decode one checkpoint file alone: a delta's window stays a delta.
+
+    Its name must agree with its header.
+    """
     path = Path(path)
     try:
         loaded = read_checkpoint_file(path)
@@ -301,7 +318,7 @@ class CheckpointStore:
         if verdict is not None and verdict.signature == signature:
             return verdict, None
         try:
-            loaded = read_checkpoint(path)
+            loaded = read_checkpoint_link(path)
         except CorruptCheckpoint as exc:
             verdict = _Verdict(signature, exc.reason, None)
             self._report_corrupt(path, exc.reason, verdict)
@@ -363,7 +380,7 @@ class CheckpointStore:
         loaded = []
         for link in chain:
             try:
-                loaded.append(contents.pop(link) if link in contents else read_checkpoint(link))
+                loaded.append(contents.pop(link) if link in contents else read_checkpoint_link(link))
             except CorruptCheckpoint as exc:  # changed since it was inspected
                 self._verdicts.pop(link.name, None)
                 self._report_corrupt(link, exc.reason, None)

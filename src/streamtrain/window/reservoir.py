@@ -427,14 +427,20 @@ class RecencyWindow:
         self._vocabulary_n += 1
         return code
 
-    def _append(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Write the rows past the published ``n`` (readers never look there) and their chunk."""
+    def _append(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray, *, adopt: bool = False) -> None:
+        """Write the rows past the published ``n`` (readers never look there) and their chunk.
+
+        ``adopt``: every row of ``batch``, in order, whose readings array nobody writes again
+        (a restored state's): it becomes the chunk as it is, instead of a copy.
+        """
         k = rows.shape[0]
         lengths = batch.lengths[rows]
-        # the rows' readings, copied into storage of the window's own (chunk_array)
-        chunk = gather_tokens(
-            batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels)
-        )
+        if adopt:
+            chunk = batch.values
+        else:  # the rows' readings, copied into storage of the window's own (chunk_array)
+            chunk = gather_tokens(
+                batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels)
+            )
         starts = np.zeros(k, dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
         self._grow(self._n + k)
@@ -638,7 +644,9 @@ class RecencyWindow:
         """Restore a state saved by :meth:`state_dict`.
 
         A smaller capacity keeps the top keys; another half-life re-keys the items
-        (module docstring); another ``channels`` raises ValueError.
+        (module docstring); another ``channels`` raises ValueError. The window keeps the
+        state's readings array as its own (no copy) when it is contiguous: do not write it
+        afterwards.
         """
         self.check_state(state)
         lengths = np.asarray(state["lengths"], dtype=np.int64)
@@ -669,7 +677,7 @@ class RecencyWindow:
             self._reset_storage(len(batch))
             self._accepted = 0
             if len(batch):
-                self._append(batch, keys, np.arange(len(batch)))
+                self._append(batch, keys, np.arange(len(batch)), adopt=flat.flags.c_contiguous)
                 if state.get("seq") is not None:
                     self._cols["seq"][: len(batch)] = np.asarray(state["seq"], dtype=np.int64)
             self._cut()

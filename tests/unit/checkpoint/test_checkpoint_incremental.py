@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
-from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_checkpoint_link
 from streamtrain.events import EventBatch
 from streamtrain.window.reservoir import RecencyWindow
 
@@ -227,6 +228,19 @@ def test_a_damaged_delta_falls_back_to_the_last_cut_before_it(tmp_path: Path, da
     assert {name for name, _ in reported} >= {paths[3].name, paths[4].name}
     assert all(victim.name in reason for name, reason in reported if name in (paths[3].name, paths[4].name))
     assert reader.read(paths[4]) is None
+
+
+def test_read_checkpoint_gives_the_whole_window_and_read_checkpoint_link_the_delta(tmp_path: Path) -> None:
+    window, chain = new_window(), WindowChain(compaction_ratio=100.0)
+    store = CheckpointStore(tmp_path)
+    for step in range(3):
+        window.insert_batch(batch(100 * step, 20, clock=100.0 * step))
+        path, _ = checkpoint(window, chain, store, step)
+    assert_same_window(read_checkpoint(path).state["window"], window.state_dict())
+    assert DELTA_OF in read_checkpoint_link(path).state["window"]
+    next(iter(sorted(tmp_path.glob("ckpt-000000000000-*")))).unlink()  # the base
+    with pytest.raises(CorruptCheckpoint, match="which is missing"):
+        read_checkpoint(path)
 
 
 def test_a_base_checkpoint_without_deltas_still_restores_as_before(tmp_path: Path) -> None:
