@@ -86,14 +86,7 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
 def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckpoint:
     """Verify and decode one checkpoint's bytes; CorruptCheckpoint names the failed check."""
     path = Path(path)
-    header_length, payload_length, expected_digest = _check_prefix(data[: _PREFIX.size], path)
-    expected_size = _PREFIX.size + header_length + payload_length
-    if len(data) < expected_size:
-        raise CorruptCheckpoint(
-            path, f"truncated: the prefix announces {expected_size} bytes, the file has {len(data)}"
-        )
-    if len(data) > expected_size:
-        raise CorruptCheckpoint(path, f"{len(data) - expected_size} trailing bytes after the announced {expected_size}")
+    header_length, payload_length, expected_digest = _check_prefix(data[: _PREFIX.size], path, len(data))
     header_end = _PREFIX.size + header_length
     return _decode_parts(data[_PREFIX.size : header_end], data[header_end:], expected_digest, path)
 
@@ -107,12 +100,7 @@ def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
     path = Path(path)
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
-        header_length, payload_length, expected_digest = _check_prefix(file.read(_PREFIX.size), path)
-        expected_size = _PREFIX.size + header_length + payload_length
-        if size < expected_size:
-            raise CorruptCheckpoint(path, f"truncated: the prefix announces {expected_size} bytes, the file has {size}")
-        if size > expected_size:
-            raise CorruptCheckpoint(path, f"{size - expected_size} trailing bytes after the announced {expected_size}")
+        header_length, payload_length, expected_digest = _check_prefix(file.read(_PREFIX.size), path, size)
         header = file.read(header_length)
         payload = file.read(payload_length)
     if len(header) + len(payload) != header_length + payload_length:
@@ -120,8 +108,8 @@ def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
     return _decode_parts(header, payload, expected_digest, path)
 
 
-def _check_prefix(prefix: bytes, path: Path) -> tuple[int, int, bytes]:
-    """(header length, payload length, SHA-256) from a file's first bytes, or CorruptCheckpoint."""
+def _check_prefix(prefix: bytes, path: Path, size: int) -> tuple[int, int, bytes]:
+    """(header length, payload length, SHA-256) from the first bytes of a ``size``-byte file, or CorruptCheckpoint."""
     if not prefix:
         raise CorruptCheckpoint(path, "empty file")
     if len(prefix) < _PREFIX.size:
@@ -129,6 +117,11 @@ def _check_prefix(prefix: bytes, path: Path) -> tuple[int, int, bytes]:
     magic, header_length, payload_length, expected_digest = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise CorruptCheckpoint(path, f"magic bytes {magic!r} are not {MAGIC!r}: not a streamtrain checkpoint")
+    expected_size = _PREFIX.size + header_length + payload_length
+    if size < expected_size:
+        raise CorruptCheckpoint(path, f"truncated: the prefix announces {expected_size} bytes, the file has {size}")
+    if size > expected_size:
+        raise CorruptCheckpoint(path, f"{size - expected_size} trailing bytes after the announced {expected_size}")
     return header_length, payload_length, expected_digest
 
 
