@@ -29,6 +29,11 @@ FAST_MODEL = {
 _STARTED: list[subprocess.Popen[bytes]] = []
 
 
+def track(process: subprocess.Popen[bytes]) -> None:
+    """Have :func:`kill_leftovers` stop ``process`` if the test that started it does not."""
+    _STARTED.append(process)
+
+
 def kill_leftovers() -> None:
     """SIGKILL every service process a test started and did not stop (failed tests too)."""
     for process in _STARTED:
@@ -75,7 +80,7 @@ class ServiceProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        _STARTED.append(self.process)
+        track(self.process)
         return self
 
     def wait_healthy(self, timeout_s: float = 60) -> None:

@@ -31,7 +31,7 @@ from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka_helpers import Broker, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from service_process import ServiceProcess
+from service_process import ServiceProcess, track
 
 from streamtrain.checkpoint.format import LoadedCheckpoint
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
@@ -140,6 +140,7 @@ class FaultyService(ServiceProcess):
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain.cli", "serve"], env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
+            track(self.process)  # a failed check still stops it (the integration conftest)
             log.close()
             return self
         self.process = subprocess.Popen(
@@ -148,6 +149,7 @@ class FaultyService(ServiceProcess):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
+        track(self.process)
         self._copier = threading.Thread(target=self._copy_output, daemon=True)
         self._copier.start()
         return self
