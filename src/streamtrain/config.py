@@ -332,7 +332,7 @@ class Settings(BaseSettings):
         le=64,
         description=(
             "Most lags of the linear (ridge autoregression) forecaster; the order and penalty are chosen per channel "
-            "on the holdout"
+            "by generalized cross-validation"
         ),
     )
     linear_fit_items: int = Field(

@@ -305,8 +305,8 @@ def collective_gate(collectives: Collectives, rank: int) -> dict[str, Any]:
     alone = gate_monitor(holdout_events(rank))
     out = {}
     for name, candidate in (("worse", worse), ("same", same)):
-        out[name] = selection_dict(monitor.select(candidate, serving, lambda: training_events(rank)))
-        out[f"{name}_alone"] = selection_dict(alone.select(candidate, serving, lambda: training_events(rank)))
+        out[name] = selection_dict(monitor.select(candidate, serving, lambda: (training_events(rank), 1.0)))
+        out[f"{name}_alone"] = selection_dict(alone.select(candidate, serving, lambda: (training_events(rank), 1.0)))
     return out
 
 

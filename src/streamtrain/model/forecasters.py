@@ -8,15 +8,24 @@ ModelOutput`` in the published model's normalized units — so predict, OIP v2, 
 quality monitor and ``streamtrain export`` run the choice through one code path
 (:class:`ServedModel`), and the class head, when there is one, is always the network's.
 
-The linear forecaster is a per-channel ridge regression of the *change* ``x[t+1] - x[t]``
-on an intercept and the last ``p`` readings ``x[t], ..., x[t-p+1]`` (positions before an
-instance's first reading repeat it, as the network's own features do). Regressing the
-change shrinks towards the last-value forecast: a large ridge penalty gives exactly the
-last value, so the penalty chosen on held-out data can only move away from it when the
-data says so. The fit is closed-form from sums of outer products (:class:`LagSums`),
-which add over chunks, windows and ranks, so every rank of a scaled-out group solves the
-same system from the all-reduced sums and one holdout's sums score every (order, penalty)
-pair at once.
+The linear forecaster forecasts the change ``x[t+1] - x[t]`` of each channel with a ridge
+regression, as a practitioner's autoregression would, but chosen so that it does not lose
+to one on series it has never seen. Per channel it tests for a unit root (an augmented
+Dickey-Fuller regression, the test ``auto.arima`` and ``ndiffs`` use to decide on a
+difference): where the test cannot reject one, the channel wanders (prices, levels that
+leave their range) and only models of its *changes* are fitted, which follow it wherever
+it goes; where it rejects one, the best model of its *levels* (which may revert to a mean)
+and the best model of its changes are both fitted and their forecasts averaged, a
+combination that is seldom much worse than the better of the two and often better than
+both. Each model's order and ridge penalty are chosen by generalized cross-validation,
+every model is fitted only on forecast origins whose lags are all real readings (no padding
+enters a fit), and the evidence is counted in distinct targets (sliding windows repeat
+each reading in many events). A large penalty gives the last value (all coefficients
+zero), which competes too. Everything comes from sums of outer products (:class:`LagSums`,
+per forecast position) that add over chunks, windows and ranks, so every rank of a
+scaled-out group solves the same systems from the all-reduced sums. A model of changes is
+a model of levels with one more lag whose coefficients sum to zero, so whatever is chosen
+serves as one set of lag coefficients (:class:`LinearForecast`).
 """
 
 from __future__ import annotations
@@ -35,39 +44,65 @@ from streamtrain.model.network import ModelOutput, SensorModel
 ForecasterKind = Literal["last_value", "linear", "network", "blend"]
 FORECASTER_KINDS: tuple[ForecasterKind, ...] = ("last_value", "linear", "network", "blend")
 
-#: Orders tried for the linear forecaster (capped by LINEAR_MAX_ORDER).
+#: Orders tried for the linear forecaster (capped by LINEAR_MAX_ORDER and by the events' lengths).
 ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: Ridge penalties tried, relative to the mean diagonal of the lag block of X'X.
 RELATIVE_PENALTIES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+#: The unit-root test: lagged changes in the augmented Dickey-Fuller regression, and its 5%
+#: critical value with a constant (MacKinnon's asymptotic value; a t-statistic above it keeps the root).
+ADF_LAGS = 4
+ADF_CRITICAL_T = -2.86
 _CHUNK_ROWS = 65_536  # positions per chunk when summing outer products
+
+Family = Literal["levels", "changes", "changes_no_drift"]
 
 
 # --------------------------------------------------------------------------------------------
-# Sums that fit and score the ridge autoregression
+# Sums that fit and score the ridge autoregressions
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
 class LagSums:
-    """Per channel: X'X over ``[1, x[t], ..., x[t-P+1]]``, X'y and y'y with ``y = x[t+1] - x[t]``.
+    """Per channel and forecast position: X'X over ``[1, x[t], ..., x[t-P+1]]``, X'y and y'y
+    with ``y = x[t+1] - x[t]``.
 
-    Orders below ``P`` use the leading blocks (their features are a prefix), so one set of
-    sums fits and scores every order up to ``P``.
+    Bucket ``k`` holds the targets whose forecast origin ``t`` is at position ``k`` of its
+    instance (the last bucket: ``P - 1`` or later), so a model that needs ``r`` real readings
+    is fitted on the buckets from ``r - 1`` on, where none of its lags repeats a padded
+    reading. Orders below ``P`` use the leading blocks (their features are a prefix).
     """
 
-    xtx: np.ndarray  # float64 [C, P+1, P+1]
-    xty: np.ndarray  # float64 [C, P+1]
-    yty: np.ndarray  # float64 [C]
-    rows: float  # one-step targets summed over
+    xtx: np.ndarray  # float64 [C, P, P+1, P+1]
+    xty: np.ndarray  # float64 [C, P, P+1]
+    yty: np.ndarray  # float64 [C, P]
+    rows: np.ndarray  # float64 [P]: one-step targets per bucket
+    instances: float  # instances with at least one target
 
     @classmethod
     def zeros(cls, channels: int, max_order: int) -> LagSums:
         size = max_order + 1
-        return cls(np.zeros((channels, size, size)), np.zeros((channels, size)), np.zeros(channels), 0.0)
+        return cls(
+            np.zeros((channels, max_order, size, size)), np.zeros((channels, max_order, size)),
+            np.zeros((channels, max_order)), np.zeros(max_order), 0.0,
+        )  # fmt: skip
 
     @property
     def max_order(self) -> int:
-        return int(self.xty.shape[1]) - 1
+        return int(self.xty.shape[2]) - 1
+
+    @property
+    def channels(self) -> int:
+        return int(self.xty.shape[0])
+
+    @property
+    def total_rows(self) -> float:
+        return float(self.rows.sum())
+
+    @property
+    def mean_length(self) -> float:
+        """Readings per instance, on average (an instance of n readings has n - 1 targets)."""
+        return self.total_rows / self.instances + 1.0 if self.instances else 0.0
 
     @classmethod
     def of(
@@ -94,66 +129,170 @@ class LagSums:
         position = np.arange(flat.shape[0], dtype=np.int64)
         has_target = position + 1 < np.repeat(starts + lengths, lengths)
         targets = np.flatnonzero(has_target)
+        bucket_of = np.minimum(targets - item_start[targets], max_order - 1)
         lags = np.arange(max_order, dtype=np.int64)
+        features = np.empty((min(targets.size, _CHUNK_ROWS), max_order + 1))
+        features[:, 0] = 1.0
         for begin in range(0, targets.size, _CHUNK_ROWS):
-            rows = targets[begin : begin + _CHUNK_ROWS]
+            buckets = bucket_of[begin : begin + _CHUNK_ROWS]
+            order = np.argsort(buckets, kind="stable")  # each bucket's rows contiguous
+            rows = targets[begin : begin + _CHUNK_ROWS][order]
+            counts = np.bincount(buckets, minlength=max_order)
+            bounds = np.concatenate([[0], np.cumsum(counts)])
             index = np.maximum(item_start[rows, None], rows[:, None] - lags[None, :])  # [N, P]
             change = flat[rows + 1] - flat[rows]  # [N, C]
-            for c in range(channels):  # one BLAS product per channel
-                features = np.empty((rows.size, max_order + 1))
-                features[:, 0] = 1.0
-                features[:, 1:] = flat[index, c]
-                sums.xtx[c] += features.T @ features
-                sums.xty[c] += features.T @ change[:, c]
-                sums.yty[c] += change[:, c] @ change[:, c]
-        sums.rows += float(targets.size)
+            chunk = features[: rows.size]
+            for c in range(channels):  # one BLAS product per channel and position bucket
+                chunk[:, 1:] = flat[index, c]
+                for k in np.flatnonzero(counts).tolist():
+                    x, y = chunk[bounds[k] : bounds[k + 1]], change[bounds[k] : bounds[k + 1], c]
+                    sums.xtx[c, k] += x.T @ x
+                    sums.xty[c, k] += x.T @ y
+                    sums.yty[c, k] += y @ y
+            sums.rows += counts
+        sums.instances += float(lengths.size)
         return sums
 
+    def tail(self, channel: int, first_position: int) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """(X'X, X'y, y'y, rows) of one channel over the targets whose origin is at
+        ``first_position`` or later."""
+        k = min(max(first_position, 0), self.max_order - 1)
+        return (
+            self.xtx[channel, k:].sum(axis=0), self.xty[channel, k:].sum(axis=0),
+            float(self.yty[channel, k:].sum()), float(self.rows[k:].sum()),
+        )  # fmt: skip
+
     def as_array(self) -> np.ndarray:
-        return np.concatenate([self.xtx.ravel(), self.xty.ravel(), self.yty, [self.rows]])
+        return np.concatenate([self.xtx.ravel(), self.xty.ravel(), self.yty.ravel(), self.rows, [self.instances]])
 
     @classmethod
     def from_array(cls, flat: np.ndarray, channels: int, max_order: int) -> LagSums:
         size = max_order + 1
         flat = np.asarray(flat, dtype=np.float64)
-        a, b = channels * size * size, channels * size
-        return cls(
-            flat[:a].reshape(channels, size, size).copy(),
-            flat[a : a + b].reshape(channels, size).copy(),
-            flat[a + b : a + b + channels].copy(),
-            float(flat[a + b + channels]),
-        )
+        sums = cls.zeros(channels, max_order)
+        at = 0
+        for part in (sums.xtx, sums.xty, sums.yty, sums.rows):
+            part[...] = flat[at : at + part.size].reshape(part.shape)
+            at += part.size
+        sums.instances = float(flat[at])
+        assert at + 1 == flat.size == channels * max_order * (size * size + size + 1) + max_order + 1
+        return sums
 
 
-def ridge_solve(sums: LagSums, channel: int, order: int, penalty: float) -> np.ndarray:
-    """Coefficients ``[intercept, w_1..w_order]`` of one channel (the intercept is not penalized)."""
-    size = order + 1
-    a = sums.xtx[channel, :size, :size].copy()
-    a[np.arange(1, size), np.arange(1, size)] += penalty
-    b = sums.xty[channel, :size]
+def family_basis(family: Family, order: int) -> tuple[np.ndarray, int]:
+    """(B, r): a model of ``order`` in ``family`` has features ``[1, x[t], ..., x[t-r+1]] @ B``
+    (r readings: its lag block of the level sums). ``levels``: the readings themselves;
+    ``changes``: an intercept and ``x[t-j] - x[t-j-1]`` for ``j < order``; ``changes_no_drift``:
+    the changes alone (the intercept is a drift a random walk may not have)."""
+    if family == "levels":
+        return np.eye(order + 1), order
+    readings = order + 1
+    basis = np.zeros((readings + 1, order + 1))
+    basis[0, 0] = 1.0
+    for j in range(order):
+        basis[1 + j, 1 + j], basis[2 + j, 1 + j] = 1.0, -1.0
+    return (basis[:, 1:], readings) if family == "changes_no_drift" else (basis, readings)
+
+
+@dataclass(frozen=True)
+class LinearModel:
+    """One fitted member of a family, its coefficients in level space (what serves)."""
+
+    family: Family
+    order: int
+    relative_penalty: float
+    coefficients: np.ndarray  # [1 + readings]: intercept, then lags x[t], x[t-1], ...
+    gcv_mse: float  # generalized cross-validation's estimate of the error per target
+
+    def report(self) -> dict[str, Any]:
+        return {"family": self.family, "order": self.order, "relative_penalty": self.relative_penalty}
+
+
+def _repeats(sums: LagSums, readings: int, redundancy: float) -> float:
+    """How many rows each distinct target stands in, for models that need ``readings`` real
+    readings: every instance that holds it with the origin where those lags are real (sliding
+    windows of length L and stride 1: L - readings of the L instances each reading is in)."""
+    length = sums.mean_length
+    return max(1.0, redundancy * (length - readings) / length) if length > 0 else 1.0
+
+
+def fit_model(
+    sums: LagSums, channel: int, family: Family, order: int, relative_penalty: float, redundancy: float = 1.0
+) -> LinearModel | None:
+    """The ridge fit of one (family, order, penalty) on the targets whose lags are all real,
+    with its GCV estimate (Golub, Heath and Wahba 1979: RSS / (1 - df / n)^2 with n the
+    distinct targets); None without data or with as many parameters as targets. The
+    penalty is relative to the mean diagonal of the penalized block; the intercept is not
+    penalized."""
+    basis, readings = family_basis(family, order)
+    if readings > sums.max_order:
+        return None
+    xtx, xty, yty, rows = sums.tail(channel, readings - 1)
+    if rows <= 0:
+        return None
+    width = readings + 1
+    a = basis.T @ xtx[:width, :width] @ basis
+    b = basis.T @ xty[:width]
+    penalized = np.arange(0 if family == "changes_no_drift" else 1, a.shape[0])
+    scale = float(np.diagonal(a)[penalized].mean()) if penalized.size else 0.0
+    ridge = a.copy()
+    ridge[penalized, penalized] += relative_penalty * (scale if scale > 0 else 1.0)
     try:
-        return np.linalg.solve(a, b)
+        solved = np.linalg.solve(ridge, np.concatenate([b[:, None], a], axis=1))  # coefficients, and the hat's trace
     except np.linalg.LinAlgError:
-        return np.linalg.lstsq(a, b, rcond=None)[0]
+        return None
+    phi, df = solved[:, 0], float(np.trace(solved[:, 1:]))
+    n = rows / _repeats(sums, readings, redundancy)
+    if not np.isfinite(phi).all() or df >= n:
+        return None
+    rss = max(yty - 2.0 * phi @ b + phi @ a @ phi, 0.0)
+    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2)
 
 
-def held_out_sse(holdout: LagSums, channel: int, coefficients: np.ndarray) -> float:
-    """The summed squared error on ``holdout`` of one channel's coefficients (closed form)."""
-    size = coefficients.size
-    xtx = holdout.xtx[channel, :size, :size]
-    xty = holdout.xty[channel, :size]
-    return float(holdout.yty[channel] - 2.0 * coefficients @ xty + coefficients @ xtx @ coefficients)
+def unit_root_t(sums: LagSums, channel: int, redundancy: float, lags: int = ADF_LAGS) -> float | None:
+    """The augmented Dickey-Fuller t-statistic of ``rho`` in
+    ``x[t+1] - x[t] = a + rho x[t] + sum_j phi_j (x[t-j] - x[t-j-1])``: well below
+    :data:`ADF_CRITICAL_T` rejects a unit root. Rows that repeat a target (overlapping
+    events) count once. None without enough data."""
+    lags = min(lags, sums.max_order - 1)
+    changes, readings = family_basis("changes", lags)
+    basis = np.concatenate([changes[:, :1], np.eye(readings + 1)[:, 1:2], changes[:, 1:]], axis=1)
+    xtx, xty, yty, rows = sums.tail(channel, readings - 1)
+    width = readings + 1
+    a, b = basis.T @ xtx[:width, :width] @ basis, basis.T @ xty[:width]
+    dof = rows / _repeats(sums, readings, redundancy) - a.shape[0]
+    if rows <= 0 or dof <= 0:
+        return None
+    try:
+        inverse = np.linalg.inv(a)
+    except np.linalg.LinAlgError:
+        return None
+    phi = inverse @ b
+    rss = max(yty - 2.0 * phi @ b + phi @ a @ phi, 0.0)
+    variance = float(inverse[1, 1]) * rss / dof  # the repeats scale X'X and the RSS alike
+    if not variance > 0:
+        return None
+    return float(phi[1] / math.sqrt(variance))
+
+
+@dataclass(frozen=True)
+class ChannelChoice:
+    """What one channel serves: the models averaged (none: the last value) and why."""
+
+    unit_root_t: float | None
+    models: tuple[LinearModel, ...]
+
+    def report(self) -> dict[str, Any]:
+        t = None if self.unit_root_t is None else round(self.unit_root_t, 3)
+        return {"unit_root_t": t, "models": [m.report() for m in self.models]}
 
 
 @dataclass(frozen=True)
 class LinearChoice:
     """The fitted forecaster and how it was chosen, per channel."""
 
-    coefficients: np.ndarray  # float64 [C, 1 + order]: intercept, then lags (zero beyond a channel's order)
-    orders: tuple[int, ...]
-    penalties: tuple[float, ...]  # relative to the lag block's mean diagonal (inf: the last value kept)
-    held_out_sse: tuple[float, ...]  # the estimate the choice minimized, per channel
-    criterion: str = "holdout"  # "holdout", or "gcv" (generalized cross-validation) without one
+    coefficients: np.ndarray  # float64 [C, 1 + readings]: intercept, then lags (zero beyond a channel's)
+    channels: tuple[ChannelChoice, ...]
 
     @property
     def is_last_value(self) -> bool:
@@ -164,77 +303,49 @@ class LinearChoice:
         return int(self.coefficients.shape[1]) - 1
 
     def report(self) -> dict[str, Any]:
-        penalties = [None if math.isinf(p) else p for p in self.penalties]
-        return {"orders": list(self.orders), "relative_penalties": penalties, "chosen_by": self.criterion}
+        return {"chosen_by": "gcv", "channels": [c.report() for c in self.channels]}
 
 
-def gcv_sse(train: LagSums, channel: int, coefficients: np.ndarray, penalty: float, redundancy: float = 1.0) -> float:
-    """Generalized cross-validation's estimate of the out-of-sample SSE over the training rows
-    (Golub, Heath and Wahba 1979): RSS / (1 - df / n)^2, df the trace of the ridge hat matrix.
-
-    ``redundancy`` is how many rows each reading stands in on average (sliding windows of
-    length L and stride 1: L): n is the rows divided by it, the independent evidence."""
-    size = coefficients.size
-    xtx = train.xtx[channel, :size, :size]
-    rss = float(train.yty[channel] - 2.0 * coefficients @ train.xty[channel, :size] + coefficients @ xtx @ coefficients)
-    a = xtx.copy()
-    a[np.arange(1, size), np.arange(1, size)] += penalty
-    try:
-        df = float(np.trace(np.linalg.solve(a, xtx)))
-    except np.linalg.LinAlgError:
-        return math.inf
-    n = train.rows / max(redundancy, 1.0)
-    return math.inf if df >= n else max(rss, 0.0) / (1.0 - df / n) ** 2
-
-
-def choose_linear(
-    train: LagSums, holdout: LagSums | None, max_order: int, redundancy: float = 1.0
-) -> LinearChoice | None:
-    """Per channel, the (order, penalty) with the least estimated out-of-sample error; None
-    without training data.
-
-    The estimate is the held-out error when there are held-out targets, else generalized
-    cross-validation on the training sums. The last value (every coefficient zero) competes
-    as well, so a channel nothing forecasts better keeps it.
-    """
-    if train.rows <= 0:
-        return None
-    channels = train.xty.shape[0]
-    orders = [p for p in ORDERS if p <= min(max_order, train.max_order)] or [1]
-    held_out = holdout if holdout is not None and holdout.rows > 0 else None
-
-    def estimate(c: int, coefficients: np.ndarray, penalty: float) -> float:
-        if held_out is not None:
-            return held_out_sse(held_out, c, coefficients)
-        return gcv_sse(train, c, coefficients, penalty, redundancy)
-
-    picks: list[tuple[int, float, np.ndarray, float]] = []
-    for c in range(channels):
-        zero = np.zeros(2)
-        last_value_sse = held_out_sse(held_out, c, zero) if held_out is not None else float(train.yty[c])
-        best = (1, math.inf, zero, last_value_sse)
-        for order in orders:
-            diagonal = np.diagonal(train.xtx[c])[1 : order + 1]
-            scale = float(diagonal.mean()) if diagonal.size and diagonal.mean() > 0 else 1.0
+def best_model(
+    sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
+) -> LinearModel | None:
+    """The least GCV error over ``families``, every order up to ``max_order`` and every penalty;
+    None when nothing beats the last value's error (every coefficient zero)."""
+    best: LinearModel | None = None
+    for family in families:
+        for order in (p for p in ORDERS if p <= max_order):
             for relative in RELATIVE_PENALTIES:
-                coefficients = ridge_solve(train, c, order, relative * scale)
-                if not np.isfinite(coefficients).all():
-                    continue
-                error = estimate(c, coefficients, relative * scale)
-                if error < best[3]:
-                    best = (order, relative, coefficients, error)
-        picks.append(best)
-    width = max(order for order, *_ in picks)
-    coefficients = np.zeros((channels, width + 1))
-    for c, (_, _, coef, _) in enumerate(picks):
-        coefficients[c, : coef.size] = coef
-    return LinearChoice(
-        coefficients=coefficients,
-        orders=tuple(p[0] for p in picks),
-        penalties=tuple(p[1] for p in picks),
-        held_out_sse=tuple(p[3] for p in picks),
-        criterion="holdout" if held_out is not None else "gcv",
-    )
+                model = fit_model(sums, channel, family, order, relative, redundancy)
+                if model is not None and (best is None or model.gcv_mse < best.gcv_mse):
+                    best = model
+    if best is None:
+        return None
+    _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
+    return best if best.gcv_mse < yty / rows else None  # the last value's error on the same targets
+
+
+def choose_linear(train: LagSums, max_order: int, redundancy: float = 1.0) -> LinearChoice | None:
+    """Per channel: the changes model alone where a unit root stands, else the average of the
+    best levels model and the best changes model (see the module's docstring); None without
+    training data. ``redundancy``: how many instances each reading is in, on average."""
+    if train.total_rows <= 0:
+        return None
+    max_order = min(max_order, train.max_order)
+    choices = []
+    for c in range(train.channels):
+        t = unit_root_t(train, c, redundancy)
+        wanders = t is None or t >= ADF_CRITICAL_T
+        groups: list[tuple[Family, ...]] = [("changes", "changes_no_drift")]
+        if not wanders:
+            groups.insert(0, ("levels",))
+        models = [m for g in groups if (m := best_model(train, c, g, max_order, redundancy)) is not None]
+        choices.append(ChannelChoice(t, tuple(models)))
+    width = max((m.coefficients.size for ch in choices for m in ch.models), default=2)
+    coefficients = np.zeros((train.channels, width))
+    for c, choice in enumerate(choices):
+        for model in choice.models:
+            coefficients[c, : model.coefficients.size] += model.coefficients / len(choice.models)
+    return LinearChoice(coefficients=coefficients, channels=tuple(choices))
 
 
 def best_blend(network_sse: float, linear_sse: float, cross: float) -> tuple[float, float]:

@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -39,7 +39,7 @@ from streamtrain.quality.config import SCORING_STREAM, QualityConfig
 from streamtrain.quality.drift import Drift, DriftMonitor
 from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter
 from streamtrain.quality.scoring import EventScores, Scorable, score_events
-from streamtrain.quality.selection import ForecasterSelector, GateDecision, Selection
+from streamtrain.quality.selection import ForecasterSelector, GateDecision, Selection, TrainingSample
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class QualityMonitor:
         self,
         candidate: Scorable,
         reference: Scorable | None,
-        training_values: Callable[[], Sequence[np.ndarray]],
+        training_values: Callable[[], TrainingSample],
     ) -> Selection:
         """The network gate, then the forecaster that serves (:meth:`ForecasterSelector.select`).
 

@@ -35,6 +35,10 @@ from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.scoring import Scorable, forward_in_data_units
 
+#: What the linear forecaster is fitted on: a sample of the window's readings, and the share
+#: of the window's events the sample holds (sliding windows repeat readings less in a sample).
+TrainingSample = tuple[Sequence[np.ndarray], float]
+
 _BLEND_MARGIN = 0.01  # a blend (its weight fitted on the holdout) serves only when 1% better than both parts
 
 
@@ -121,7 +125,7 @@ class ForecasterSelector:
         self,
         candidate: Scorable,
         reference: Scorable | None,
-        training_values: Callable[[], Sequence[np.ndarray]],
+        training_values: Callable[[], TrainingSample],
         values: list[np.ndarray],
     ) -> Selection:
         """The network gate, then the forecaster that serves: the least held-out error of the
@@ -140,7 +144,7 @@ class ForecasterSelector:
         if n < cfg.holdout_min_events:
             # The network cannot be judged yet; the linear forecaster can, by generalized
             # cross-validation on the window, against the last value (its all-zero choice).
-            linear = self._fit_linear(candidate, [], training_values)
+            linear = self._fit_linear(candidate, training_values)
             forecaster, kind = LAST_VALUE, "the last value"
             if linear is not None and not linear.is_last_value:
                 forecaster, kind = Forecaster("linear", linear.coefficients), "the linear forecaster (chosen by GCV)"
@@ -149,7 +153,7 @@ class ForecasterSelector:
                 GateDecision(True, reason, n), forecaster, candidate, reason, n, new_reference=reference is None,
                 linear=None if linear is None else linear.report(),
             )  # fmt: skip
-        linear = self._fit_linear(candidate, values, training_values)
+        linear = self._fit_linear(candidate, training_values)
         linear_forecaster = None if linear is None else Forecaster("linear", linear.coefficients)
         # One scoring pass: the networks against each other, the baselines beside them.
         models: list[Scorable | None] = [
@@ -199,19 +203,18 @@ class ForecasterSelector:
             new_reference=new_reference, linear=None if linear is None else linear.report(),
         )  # fmt: skip
 
-    def _fit_linear(
-        self, candidate: Scorable, holdout: list[np.ndarray], training_values: Callable[[], Sequence[np.ndarray]]
-    ) -> LinearChoice | None:
-        """The linear forecaster in the candidate's units: fitted on the window, order and penalty by the holdout."""
+    def _fit_linear(self, candidate: Scorable, training_values: Callable[[], TrainingSample]) -> LinearChoice | None:
+        """The linear forecaster in the candidate's units, fitted on a sample of the window (never
+        on the holdout, which judges it beside the network)."""
         max_order = max(1, min(self.config.linear_max_order, candidate.model.max_len))
         channels, units = candidate.model.channels, candidate.norm
-        sums = []
-        mean, std = units.mean.numpy(), units.std.numpy()
-        for values in (training_values(), holdout):
-            local = LagSums.of(values, max_order, channels, mean, std)
-            sums.append(LagSums.from_array(self._combined(local.as_array()), channels, max_order))
+        values, sampled_share = training_values()
+        local = LagSums.of(values, max_order, channels, units.mean.numpy(), units.std.numpy())
+        sums = LagSums.from_array(self._combined(local.as_array()), channels, max_order)
         readings, sensors = self._combined(self._redundancy_sums())
-        return choose_linear(sums[0], sums[1], max_order, redundancy=readings / sensors if sensors else 1.0)
+        # each reading is in (readings / sensors) events of the stream; a sample keeps a share of them
+        redundancy = max(1.0, sampled_share * readings / sensors) if sensors else 1.0
+        return choose_linear(sums, max_order, redundancy=redundancy)
 
     def _error_gram(
         self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm

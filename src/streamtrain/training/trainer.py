@@ -365,15 +365,16 @@ class Trainer(ModelTrainer):
                 self.metrics.model_holdout_mse.labels(kind).set(value)
         return selection
 
-    def _linear_training_values(self) -> list[np.ndarray]:
-        """Readings the linear forecaster is fitted on: a seeded sample of the window."""
+    def _linear_training_values(self) -> tuple[list[np.ndarray], float]:
+        """Readings the linear forecaster is fitted on (a seeded sample of the window), and
+        the share of the window's items the sample holds."""
         snapshot = self.window.snapshot()
         n = len(snapshot)
         limit = self.settings.linear_fit_items
         if n > limit:
             rng = make_randomness(self.settings.shuffle, self.settings.seed, self._version, purpose="linear")
             snapshot = snapshot.subset(np.sort(rng.permutation(n)[:limit]))
-        return snapshot.values
+        return snapshot.values, (min(1.0, limit / n) if n else 1.0)
 
     def _on_drift(self, drift: Drift) -> None:
         """The configured reaction (called on the ingest thread; the step applies it)."""

@@ -226,7 +226,7 @@ def test_two_ranks_agree_on_the_gate_rollbacks_and_drift_reactions(
     union = dist_worker.gate_monitor([v for rank in range(2) for v in dist_worker.holdout_events(rank)])
     union_training = [v for rank in range(2) for v in dist_worker.training_events(rank)]
     for name, candidate in (("worse", worse), ("same", same)):
-        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: union_training))
+        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: (union_training, 1.0)))
         for s in seen:
             got = s["gate"][name]
             assert [got[k] for k in ("publish", "reason", "holdout_events", "kind")] == [

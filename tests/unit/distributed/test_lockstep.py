@@ -393,14 +393,14 @@ def test_the_choice_on_summed_holdouts_is_the_choice_of_one_process_holding_the_
         def run(rank: int, candidate: Any = candidate, ranks: ThreadRanks = ranks, got: list[Any] = got) -> None:
             monitor = dist_worker.gate_monitor(holdouts[rank])
             monitor.combine = ranks.combine(rank)
-            got[rank] = dist_worker.selection_dict(monitor.select(candidate, serving, lambda: samples[rank]))
+            got[rank] = dist_worker.selection_dict(monitor.select(candidate, serving, lambda: (samples[rank], 1.0)))
 
         threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(60)
-        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: samples[0] + samples[1]))
+        expected = dist_worker.selection_dict(union.select(candidate, serving, lambda: (samples[0] + samples[1], 1.0)))
         assert json.dumps(got[0], sort_keys=True, default=float) == json.dumps(
             got[1], sort_keys=True, default=float
         )  # NaN alike
@@ -429,10 +429,10 @@ def test_the_monitor_gates_on_what_the_ranks_add_up() -> None:
 
     serving, worse, _ = _gate_models()
     monitor = dist_worker.gate_monitor(dist_worker.walks(9, 20))
-    alone = monitor.select(worse, serving, list).decision
+    alone = monitor.select(worse, serving, lambda: ([], 1.0)).decision
     assert alone.publish and alone.holdout_events == 20
     monitor.combine = lambda row: row * 2
-    together = monitor.select(worse, serving, list).decision
+    together = monitor.select(worse, serving, lambda: ([], 1.0)).decision
     assert not together.publish and together.holdout_events == 40
 
 

@@ -1,8 +1,12 @@
-"""The linear forecaster and the served module: the ridge fit against numpy's least squares,
-the module against the regression it was fitted as, the (order, penalty) choice following
-the held-out error, and the no-shuffle invariants of every served kind."""
+"""The linear forecaster and the served module: each fit against numpy's least squares on the
+regression written out row by row, GCV against the explicit hat matrix, the unit-root
+statistic against statsmodels' ADF, the choice on processes whose best forecast is known,
+the module against the regression it was fitted as, and the no-shuffle invariants of every
+served kind."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -10,30 +14,44 @@ import torch
 
 from streamtrain.data.collate import collate
 from streamtrain.model.forecasters import (
+    ADF_CRITICAL_T,
     LAST_VALUE,
     NETWORK,
-    ORDERS,
-    RELATIVE_PENALTIES,
     Forecaster,
     LagSums,
     LinearForecast,
     ServedModel,
     best_blend,
+    best_model,
     choose_linear,
-    gcv_sse,
-    held_out_sse,
-    ridge_solve,
+    family_basis,
+    fit_model,
+    unit_root_t,
 )
 from streamtrain.model.network import SensorModel
 
 
-def lag_matrix(instances: list[np.ndarray], order: int, channel: int) -> tuple[np.ndarray, np.ndarray]:
-    """The regression written out row by row: [1, x[t], ..., x[t-order+1]] -> x[t+1] - x[t]."""
+def lag_matrix(
+    instances: list[np.ndarray], readings: int, channel: int, first: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The regression written out row by row: [1, x[t], ..., x[t-readings+1]] -> x[t+1] - x[t],
+    over origins t at position ``first`` or later (positions before 0 repeat the first reading)."""
     rows, targets = [], []
     for x in instances:
-        for t in range(len(x) - 1):
-            lags = [x[max(t - k, 0), channel] for k in range(order)]
+        for t in range(first, len(x) - 1):
+            lags = [x[max(t - k, 0), channel] for k in range(readings)]
             rows.append([1.0, *lags])
+            targets.append(x[t + 1, channel] - x[t, channel])
+    return np.array(rows), np.array(targets)
+
+
+def changes_matrix(instances: list[np.ndarray], order: int, channel: int, drift: bool) -> tuple[np.ndarray, np.ndarray]:
+    """[1, x[t] - x[t-1], ..., x[t-order+1] - x[t-order]] -> x[t+1] - x[t], every lag real."""
+    rows, targets = [], []
+    for x in instances:
+        for t in range(order, len(x) - 1):
+            changes = [x[t - k, channel] - x[t - k - 1, channel] for k in range(order)]
+            rows.append([1.0, *changes] if drift else changes)
             targets.append(x[t + 1, channel] - x[t, channel])
     return np.array(rows), np.array(targets)
 
@@ -49,25 +67,40 @@ def ar2_instances(rng: np.random.Generator, n: int, length: int, channels: int =
     return out
 
 
-@pytest.mark.parametrize("order", [1, 3, 8])
-def test_the_ridge_fit_without_penalty_is_numpys_least_squares(order: int) -> None:
+def walks(rng: np.random.Generator, n: int, length: int) -> list[np.ndarray]:
+    return [np.cumsum(rng.normal(size=(length, 1)), axis=0).astype(np.float32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("readings", [1, 3, 8])
+def test_a_levels_fit_without_penalty_is_numpys_least_squares_on_rows_whose_lags_are_real(readings: int) -> None:
     rng = np.random.default_rng(0)
     instances = ar2_instances(rng, 20, 30, channels=2) + [rng.normal(size=(1, 2)).astype(np.float32)]
     sums = LagSums.of(instances, max_order=8, channels=2)
     for channel in range(2):
-        design, target = lag_matrix(instances, order, channel)
+        design, target = lag_matrix(instances, readings, channel, first=readings - 1)
         expected = np.linalg.lstsq(design, target, rcond=None)[0]
-        np.testing.assert_allclose(ridge_solve(sums, channel, order, penalty=0.0), expected, rtol=1e-6, atol=1e-9)
-        assert sums.rows == len(target)
+        model = fit_model(sums, channel, "levels", readings, 0.0)
+        assert model is not None
+        np.testing.assert_allclose(model.coefficients, expected, rtol=1e-6, atol=1e-9)
+    assert sums.total_rows == sum(len(x) - 1 for x in instances)
+    assert sums.tail(0, readings - 1)[3] == len(target)
 
 
-def test_the_held_out_error_in_closed_form_is_the_summed_squared_residual() -> None:
+@pytest.mark.parametrize(("order", "drift"), [(1, True), (4, True), (4, False)])
+def test_a_changes_fit_is_least_squares_on_the_changes_and_serves_as_levels(order: int, drift: bool) -> None:
     rng = np.random.default_rng(1)
-    train, holdout = ar2_instances(rng, 10, 40), ar2_instances(rng, 5, 25)
-    sums, held = LagSums.of(train, 4, 1), LagSums.of(holdout, 4, 1)
-    coefficients = ridge_solve(sums, 0, 4, penalty=0.5)
-    design, target = lag_matrix(holdout, 4, 0)
-    assert held_out_sse(held, 0, coefficients) == pytest.approx(float(np.sum((target - design @ coefficients) ** 2)))
+    instances = walks(rng, 15, 30)
+    sums = LagSums.of(instances, max_order=8, channels=1)
+    model = fit_model(sums, 0, "changes" if drift else "changes_no_drift", order, 0.0)
+    assert model is not None
+    design, target = changes_matrix(instances, order, 0, drift)
+    phi = np.linalg.lstsq(design, target, rcond=None)[0]
+    # the levels coefficients forecast exactly what the changes regression does
+    levels, _ = lag_matrix(instances, order + 1, 0, first=order)
+    np.testing.assert_allclose(levels @ model.coefficients, design @ phi, rtol=1e-6, atol=1e-8)
+    assert model.coefficients[1:].sum() == pytest.approx(0.0, abs=1e-9)  # no mean to revert to
+    basis, readings = family_basis("changes", order)
+    assert readings == order + 1 and basis.shape == (order + 2, order + 1)
 
 
 def test_sums_add_over_chunks_as_ranks_add_them() -> None:
@@ -77,6 +110,7 @@ def test_sums_add_over_chunks_as_ranks_add_them() -> None:
     parts = [LagSums.of(instances[:5], 6, 3), LagSums.of(instances[5:], 6, 3)]
     added = LagSums.from_array(parts[0].as_array() + parts[1].as_array(), 3, 6)
     np.testing.assert_allclose(added.as_array(), whole.as_array(), rtol=1e-12)
+    assert added.instances == 12 and added.mean_length == pytest.approx(20.0)
 
 
 def test_the_module_forecasts_what_the_regression_was_fitted_as() -> None:
@@ -93,45 +127,122 @@ def test_the_module_forecasts_what_the_regression_was_fitted_as() -> None:
             np.testing.assert_allclose(forecast[b, : len(x), channel], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_choice_follows_the_held_out_error() -> None:
-    rng = np.random.default_rng(4)
-    train, held_out = LagSums.of(ar2_instances(rng, 40, 32), 24, 1), LagSums.of(ar2_instances(rng, 20, 32), 24, 1)
-    choice = choose_linear(train, held_out, 24)
-    assert choice is not None and choice.orders[0] >= 2  # an AR(2) needs two lags
-    scale = lambda order: float(np.diagonal(train.xtx[0])[1 : order + 1].mean())  # noqa: E731
-    tried = [
-        held_out_sse(held_out, 0, ridge_solve(train, 0, order, relative * scale(order)))
-        for order in ORDERS if order <= 24 for relative in RELATIVE_PENALTIES
-    ]  # fmt: skip
-    assert choice.held_out_sse[0] == pytest.approx(min(tried))
-    # On a random walk the best forecast of the change is none: the penalty chosen is large
-    # and the coefficients end close to the last value's (all zero).
-    walks = [np.cumsum(rng.normal(size=(32, 1)), axis=0).astype(np.float32) for _ in range(80)]
-    held = [np.cumsum(rng.normal(size=(32, 1)), axis=0).astype(np.float32) for _ in range(40)]
-    walk = choose_linear(LagSums.of(walks, 24, 1), LagSums.of(held, 24, 1), 24)
-    assert walk is not None and np.abs(walk.coefficients[0, 1:]).sum() < 0.3
-
-
-def test_without_held_out_data_generalized_cross_validation_chooses() -> None:
-    rng = np.random.default_rng(5)
-    choice = choose_linear(LagSums.of(ar2_instances(rng, 30, 32), 24, 1), None, 24)
-    assert choice is not None and choice.criterion == "gcv" and choice.orders[0] >= 2
-    walks = [np.cumsum(rng.normal(size=(32, 1)), axis=0).astype(np.float32) for _ in range(60)]
-    walk = choose_linear(LagSums.of(walks, 24, 1), None, 24)
-    assert walk is not None and np.abs(walk.coefficients[0, 1:]).sum() < 0.3
-    assert choose_linear(LagSums.zeros(1, 24), None, 24) is None
-
-
 def test_gcv_from_the_sums_is_the_one_computed_from_the_explicit_hat_matrix() -> None:
     rng = np.random.default_rng(6)
     instances = ar2_instances(rng, 25, 30)
-    sums = LagSums.of(instances, 2, 1)
-    coefficients = ridge_solve(sums, 0, 2, 0.0)
-    design, target = lag_matrix(instances, 2, 0)
-    hat = design @ np.linalg.solve(design.T @ design, design.T)
-    residual = target - hat @ target
-    gcv = float(residual @ residual) / (1 - np.trace(hat) / len(target)) ** 2
-    assert gcv_sse(sums, 0, coefficients, 0.0) == pytest.approx(gcv, rel=1e-6)
+    sums = LagSums.of(instances, 4, 1)
+    for relative in (0.0, 0.1):
+        model = fit_model(sums, 0, "levels", 2, relative)
+        assert model is not None
+        design, target = lag_matrix(instances, 2, 0, first=1)
+        penalty = np.diag([0.0, 1.0, 1.0]) * relative * np.diagonal(design.T @ design)[1:].mean()
+        hat = design @ np.linalg.solve(design.T @ design + penalty, design.T)
+        residual = target - hat @ target
+        n = len(target)
+        gcv = float(residual @ residual) / n / (1 - np.trace(hat) / n) ** 2
+        assert model.gcv_mse == pytest.approx(gcv, rel=1e-6)
+
+
+def test_the_unit_root_statistic_is_statsmodels_adf() -> None:
+    adfuller = pytest.importorskip("statsmodels.tsa.stattools").adfuller
+    rng = np.random.default_rng(7)
+    for x in (np.cumsum(rng.normal(size=400)), ar2_instances(rng, 1, 400)[0][:, 0].astype(np.float64)):
+        expected = adfuller(x, maxlag=4, autolag=None, regression="c", result_object=False)[0]
+        t = unit_root_t(LagSums.of([x[:, None]], 8, 1), 0, redundancy=1.0, lags=4)
+        assert t == pytest.approx(expected, rel=1e-6)
+
+
+def test_sliding_windows_count_each_reading_once_in_the_unit_root_statistic() -> None:
+    """A series sent as sliding windows repeats each target in many events: the statistic must be
+    the series' own, not inflated by the repeats (without the correction it is ~4x larger here)."""
+    rng = np.random.default_rng(8)
+    x = ar2_instances(rng, 1, 600)[0]
+    whole = unit_root_t(LagSums.of([x], 24, 1), 0, redundancy=1.0)
+    windows = [x[i : i + 24] for i in range(len(x) - 23)]
+    sliding = unit_root_t(LagSums.of(windows, 24, 1), 0, redundancy=24.0)
+    assert whole is not None and sliding is not None and whole < ADF_CRITICAL_T
+    assert sliding == pytest.approx(whole, rel=0.1)
+
+
+def ar1_instances(rng: np.random.Generator, n: int, length: int, phi: float) -> list[np.ndarray]:
+    out = []
+    for _ in range(n):
+        x = np.zeros((length, 1))
+        x[0] = 5.0 * rng.normal()
+        for t in range(1, length):
+            x[t] = phi * x[t - 1] + rng.normal()
+        out.append(x.astype(np.float32))
+    return out
+
+
+def test_random_walks_keep_their_root_and_mostly_serve_exactly_the_last_value() -> None:
+    exactly_last = 0
+    for seed in range(10):
+        choice = choose_linear(LagSums.of(walks(np.random.default_rng(seed), 60, 32), 24, 1), 24)
+        assert choice is not None
+        t = choice.channels[0].unit_root_t
+        assert t is not None and t > ADF_CRITICAL_T
+        assert all(m.family != "levels" for m in choice.channels[0].models)
+        batch = collate(walks(np.random.default_rng(100 + seed), 20, 32))
+        change = LinearForecast(choice.coefficients)(batch.values) - batch.values
+        assert float(change.pow(2).mean()) < 0.05  # steps have variance 1: the forecast stays near the last value
+        exactly_last += choice.is_last_value  # GCV finds nothing that beats it
+    assert exactly_last >= 7, exactly_last  # 8 of these 10 seeds
+    assert choose_linear(LagSums.zeros(1, 24), 24) is None
+
+
+def test_where_the_unit_root_stands_no_levels_model_serves_even_one_that_fits() -> None:
+    """Near a unit root a levels model fits the training range (mean reversion) and fails
+    once the level leaves it; where the test keeps the root, only changes models serve."""
+    kept_out = 0
+    for seed in range(4):
+        sums = LagSums.of(ar1_instances(np.random.default_rng(seed), 40, 32, phi=0.98), 24, 1)
+        choice = choose_linear(sums, 24)
+        assert choice is not None
+        t = choice.channels[0].unit_root_t
+        if t is not None and t >= ADF_CRITICAL_T:
+            assert all(m.family != "levels" for m in choice.channels[0].models)
+            kept_out += best_model(sums, 0, ("levels",), 24, 1.0) is not None
+    assert kept_out >= 1  # the gate did keep a levels model that GCV would have taken
+
+
+def test_a_stationary_ar2_averages_a_levels_and_a_changes_model_and_forecasts_close_to_the_truth() -> None:
+    rng = np.random.default_rng(10)
+    train, test = ar2_instances(rng, 40, 32), ar2_instances(rng, 40, 32)
+    choice = choose_linear(LagSums.of(train, 24, 1), 24)
+    assert choice is not None
+    families = {m.family for m in choice.channels[0].models}
+    assert "levels" in families and families & {"changes", "changes_no_drift"}, families
+    assert all(m.order >= 2 for m in choice.channels[0].models)  # an AR(2) needs two lags
+    batch = collate(test)  # scored at origins whose lags are all real, as the models were fitted
+    first = choice.order - 1
+    forecast = LinearForecast(choice.coefficients)(batch.values).double().numpy()[:, first:-1, 0]
+    x = batch.values.double().numpy()[..., 0]
+    truth = 1.6 * x[:, first:-1] - 0.8 * x[:, first - 1 : -2]
+    model_mse = float(np.mean((forecast - x[:, first + 1 :]) ** 2))
+    best_mse = float(np.mean((truth - x[:, first + 1 :]) ** 2))
+    last_mse = float(np.mean((x[:, first:-1] - x[:, first + 1 :]) ** 2))
+    assert model_mse <= 1.1 * best_mse < 0.5 * last_mse, (model_mse, best_mse, last_mse)
+
+
+def test_the_choice_is_the_least_gcv_error_of_each_family() -> None:
+    rng = np.random.default_rng(11)
+    sums = LagSums.of(ar2_instances(rng, 30, 32), 24, 1)
+    choice = choose_linear(sums, 24)
+    assert choice is not None
+    for model in choice.channels[0].models:
+        families = ("levels",) if model.family == "levels" else ("changes", "changes_no_drift")
+        tried = [
+            m.gcv_mse
+            for family in families for order in (1, 2, 3, 4, 6, 8, 12, 16, 24)
+            for relative in (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+            if (m := fit_model(sums, 0, family, order, relative)) is not None
+        ]  # fmt: skip
+        assert model.gcv_mse == pytest.approx(min(tried))
+    averaged = np.mean([np.pad(m.coefficients, (0, choice.coefficients.shape[1] - m.coefficients.size))
+                        for m in choice.channels[0].models], axis=0)  # fmt: skip
+    np.testing.assert_allclose(choice.coefficients[0], averaged)
+    assert math.isfinite(choice.channels[0].unit_root_t or math.nan)
 
 
 def computing_network(channels: int = 2, n_classes: int = 0) -> SensorModel:

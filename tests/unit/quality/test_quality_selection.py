@@ -26,6 +26,7 @@ from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.monitor import QualityMonitor
 from streamtrain.quality.scoring import score_events
+from streamtrain.quality.selection import TrainingSample
 from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 from streamtrain.tools.export import decode_bundle, encode_bundle
@@ -55,7 +56,7 @@ def test_gate_holds_back_a_broken_candidate_and_passes_an_equal_one() -> None:
     norm = RunningNorm.from_public([0.0], [3.0])
     serving = Frozen(trained_like(1), norm, 1)
     same = Frozen(trained_like(1), norm, 2)
-    no_data: Callable[[], list[np.ndarray]] = list
+    no_data: Callable[[], TrainingSample] = lambda: ([], 1.0)  # noqa: E731
     assert quality.select(same, serving, no_data).decision.publish
     broken_model = trained_like(1)
     with torch.no_grad():
@@ -157,12 +158,12 @@ def test_a_slow_slide_of_candidates_each_a_little_worse_is_stopped_by_the_fixed_
     norm = RunningNorm.from_public([0.0], [1.0])
     biases = np.linspace(0.0, 0.45, 18)
     candidates = [scorable(float(b), norm, v) for v, b in enumerate(biases, start=1)]
-    errors = [monitor.select(c, None, list).mse["candidate"] for c in candidates]
+    errors = [monitor.select(c, None, lambda: ([], 1.0)).mse["candidate"] for c in candidates]
     steps = [b / a for a, b in zip(errors, errors[1:])]
     assert max(steps) <= 1.05 and errors[-1] > 1.3 * errors[0]  # each within tolerance of the last, the slide is not
     reference, passed = None, []
     for candidate in candidates:
-        selection = monitor.select(candidate, reference, list)
+        selection = monitor.select(candidate, reference, lambda: ([], 1.0))
         passed.append(selection.decision.publish)
         if selection.new_reference:
             reference = candidate
