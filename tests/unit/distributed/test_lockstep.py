@@ -211,8 +211,8 @@ def serve(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({"WORLD_SIZE": "2", "RANK": "0"}, "needs MASTER_ADDR and MASTER_PORT"),
         (
             {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "STREAMTRAIN_DP": "on",
-             "STREAMTRAIN_SHUFFLE": "crypto"},
-            "DP=on with WORLD_SIZE=2",
+             "STREAMTRAIN_SHUFFLE": "crypto", "STREAMTRAIN_DP_ADMIT_PER_STEP": "1"},
+            "DP_ADMIT_PER_STEP=1 with WORLD_SIZE=2",
         ),
         (
             {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
