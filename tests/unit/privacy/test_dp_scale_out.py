@@ -177,3 +177,24 @@ def test_one_process_restores_a_sharded_dp_checkpoint_of_two_ranks(tmp_path: Pat
     assert restored == expected
     assert engine.steps == step and one.restored_from == directory
     assert one.trainer.published is not None and one.trainer.published.step == step
+
+
+def test_a_revocation_in_a_group_stops_admitting_and_leaves_the_sync_to_the_agreed_ticks(tmp_path: Path) -> None:
+    """Scaled out no other process takes a partition over, and the record is synced by every rank
+    together: a revocation (ingest's watchdog, the stop) neither syncs on its own nor fences."""
+    trainer, _ = dp_trainer(tmp_path, dp_admission_dir=tmp_path / "record")
+    trainer.resume_after_restore()
+    fenced: list[str] = []
+    trainer.on_fenced = fenced.append
+    trainer.on_partitions_assigned([0])
+    trainer.admit(arrivals(0, range(0, 10)), {0: 10})
+    wait(lambda: trainer.run_step(time.time()) and trainer.engine.window.watermarks.get(0) == 10, 30, "a decision")
+    assert trainer.record.pending  # decided, not yet durable
+    (tmp_path / "record").mkdir(exist_ok=True)
+    (tmp_path / "record").rename(tmp_path / "record-away")
+    (tmp_path / "record").write_text("not a directory: a sync here would fail")
+    trainer.on_partitions_revoked([0])
+    assert fenced == [] and trainer.fenced is None and trainer.record_error is None
+    arrived = trainer.engine.window.arrived_total
+    trainer.admit(arrivals(0, range(10, 20)), {0: 20})  # no longer admitted from
+    assert trainer.engine.window.arrived_total == arrived == 10
