@@ -83,6 +83,8 @@ def test_the_dp_loop_publishes_on_the_public_clock_cuts_checkpoints_and_stops_wh
         assert model.published_at == trainer.engine.due_at(model.step + 1, time.time())
         assert model.step % trainer.publish_every_steps == 0 or model.version == 1
     assert trainer.record.synced_step >= published[-1].step  # the record covered it before it was published
+    outcome = loop.request_rollback(published[0].version, reason="test").wait(30)  # taken at an agreed tick
+    assert outcome is not None and outcome.applied and loop.rollbacks[-1] == outcome
     loop.checkpoint_due.set()
     wait(lambda: cuts.calls, 30, "a checkpoint")
     assert cuts.calls[0][0] is False and not loop.checkpoint_due.is_set()
