@@ -16,6 +16,7 @@ import random
 import re
 import resource
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from kafka_helpers import wait_for
 from test_faults import BackgroundProducer, FaultyService, IdentifiedStream, kill_during_checkpoint_write, stop_and_kill
 
 from streamtrain.privacy import participation
-from streamtrain.privacy.admissions import _read_lines
+from streamtrain.privacy.admissions import Participation, _read_lines
 
 pytestmark = pytest.mark.integration
 
@@ -56,6 +57,17 @@ def started() -> Any:
     for service in services:
         if service.process is not None and service.process.poll() is None:
             stop_and_kill(service)
+
+
+def assert_participation_bounded(counted: Participation, placed: Mapping[tuple[int, int], int], k: int) -> None:
+    """From the record alone: no event admitted twice or eligible in more than ``k`` steps, some in
+    exactly ``k`` (full eligibility is counted: the check can fail), and every admitted event produced."""
+    twice = {event: at for event, at in counted.admissions.items() if len(at) > 1}
+    assert not twice, f"{len(twice)} events admitted more than once, e.g. {sorted(twice.items())[:5]}"
+    over = {event: n for event, n in counted.steps.items() if n > k}
+    assert not over, f"{len(over)} events eligible in more than K={k} steps, e.g. {sorted(over.items())[:5]}"
+    assert max(counted.steps.values()) == k
+    assert set(counted.admissions) <= set(placed)
 
 
 def resumed_lines(log_text: str) -> list[tuple[int, int, int]]:
@@ -123,13 +135,8 @@ def test_sigkill_at_the_worst_moments_never_admits_an_event_twice(
     assert any(record > checkpoint for checkpoint, record, _ in starts), starts
     record_dir, clock_log = ckpt / "dp-admissions", ckpt / "dp-clock.jsonl"
     counted = participation(record_dir, clock_log)
-    twice = {event: at for event, at in counted.admissions.items() if len(at) > 1}
-    assert not twice, f"{len(twice)} events admitted more than once, e.g. {sorted(twice.items())[:5]}"
-    over = {event: n for event, n in counted.steps.items() if n > K}
-    assert not over, f"{len(over)} events eligible in more than K={K} steps, e.g. {sorted(over.items())[:5]}"
+    assert_participation_bounded(counted, stream.placed, K)
     assert len(counted.admissions) > 100
-    assert max(counted.steps.values()) == K  # full eligibility is counted (the check can fail)
-    assert set(counted.admissions) <= set(stream.placed)  # every admitted event was produced
     # no clock step ran twice, across every life
     steps = [int(entry["s"]) for entry in _read_lines(clock_log)]
     assert len(steps) == len(set(steps)) and steps == sorted(steps)

@@ -75,12 +75,16 @@ class IdentifiedStream:
             for _ in range(count):
                 event_id = self.next_id
                 self.next_id += 1
-                sensor = f"sensor-{event_id % self.sensors}"
+                sensor = self.sensor_name(event_id)
                 values = [float(event_id)] + [0.1 * (event_id % 13) + k for k in range(1 + event_id % 6)]
                 payload = {"sensor_id": sensor, "ts": now - 1.0, "values": values, "event_id": f"ev-{event_id}"}
                 key = sensor.encode() if self.keyed else None
                 future = self.producer.send(self.topic, key=key, value=orjson.dumps(payload))
                 self._pending.append((event_id, future))
+
+    def sensor_name(self, event_id: int) -> str:
+        """The sensor that sends event ``event_id``."""
+        return f"sensor-{event_id % self.sensors}"
 
     def flush(self, timeout_s: float = 120) -> dict[tuple[int, int], int]:
         """Wait for every send to be acknowledged; a failed delivery fails the test."""

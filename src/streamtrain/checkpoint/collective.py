@@ -77,6 +77,7 @@ class DistributedCheckpointer:
         window_state: Mapping[str, Any],
         common_state: Mapping[str, Any] | None,
         rank_state: Mapping[str, Any] | None = None,
+        partitioned_state: Mapping[str, Any] | None = None,
         veto: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> SaveResult:
@@ -84,7 +85,8 @@ class DistributedCheckpointer:
 
         ``veto`` (a reason) makes this rank refuse the checkpoint while still taking part
         in its collectives, e.g. when its dead letters are not acknowledged: then no
-        manifest is written and every rank gets ``ok=False``.
+        manifest is written and every rank gets ``ok=False``. ``rank_state`` and
+        ``partitioned_state``: see :func:`~streamtrain.checkpoint.shards.write_shard`.
         """
         started = time.perf_counter()
         c = self.collectives
@@ -120,6 +122,7 @@ class DistributedCheckpointer:
                 topic=self.topic,
                 window_state=window_state,
                 rank_state=rank_state,
+                partitioned_state=partitioned_state,
                 created_at=created_at,
             )
             if c.rank == 0:

@@ -5,8 +5,9 @@
 or whose manifest names a file that is missing, has another size or another SHA-256,
 is not valid; restore falls back to the previous complete one. The manifest carries
 the SHA-256 of its own canonical JSON, so an edit that keeps it valid JSON is caught
-too. It lists, per shard, the partitions, item count and next offsets it holds, so a
-checkpoint can be inspected (and a rescaled restore planned) without opening a shard.
+too. It lists, per shard, the partitions, item count and next offsets it holds (and
+whether it holds trainer state that follows partitions, the DP window), so a checkpoint
+can be inspected (and a rescaled restore planned) without opening a shard.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def write_manifest(
                 "index_sha256": receipt.index_sha256,
                 "partitions": [int(entry["partition"]) for entry in sections],
                 "items": int(sum(int(entry["items"]) for entry in sections)),
+                **({"partitioned_state": True} if "partitioned_state" in index else {}),
             }
         )
     manifest = {

@@ -55,6 +55,9 @@ class RestoredShare:
     rank_state: dict[str, Any] | None  # the rank-local state, only when the topology is unchanged
     source_ranks: list[int] = field(default_factory=list)  # old ranks whose shards this share read
     loaded: LoadedCheckpoint | None = None  # a one-file checkpoint as read (restored from one)
+    #: The trainer's state that follows partitions (DP: the DP windows): this rank's own under
+    #: the same ownership, every old rank's after a rescale; empty when the shards hold none.
+    partitioned_states: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,9 @@ def restore_share(
     """This rank's share of a checkpoint under the ownership ``(world_size, partition_count)``.
 
     Reads the sections of the partitions the rank now owns from every shard (and nothing
-    else), verifies each against the shard index and the index against the manifest.
+    else), and the trainer state that follows partitions of every shard that holds one
+    (only its own under the same ownership); verifies each against the shard index and the
+    index against the manifest.
     CheckpointMismatch (one line) for another topic or fewer partitions than the
     checkpoint holds state for; CorruptCheckpoint for anything that does not verify.
     ``partition_count=None`` takes the checkpoint's (ownership does not depend on it;
@@ -103,12 +108,15 @@ def restore_share(
     sections: list[_Section] = []
     shard_meta: dict[int, dict[str, Any]] = {}
     rank_state: dict[str, Any] | None = None
+    partitioned: list[dict[str, Any]] = []
     for entry in manifest.shards:
         old_rank = int(entry["rank"])
         if unchanged and old_rank != rank:
             continue  # same ownership: only this rank's own shard holds its partitions
-        if not unchanged and not owned_set.intersection(int(p) for p in entry["partitions"]):
-            continue  # holds none of them (the manifest's lists are disjoint, checked on reading it)
+        # holds none of them? (the manifest's lists are disjoint, checked on reading it)
+        wanted = unchanged or bool(owned_set.intersection(int(p) for p in entry["partitions"]))
+        if not wanted and not entry.get("partitioned_state"):
+            continue
         path = manifest.directory / str(entry["file"])
         index = read_shard_index(path, entry)
         if int(index["rank"]) != old_rank or int(index["step"]) != manifest.step or index["topic"] != manifest.topic:
@@ -117,6 +125,10 @@ def restore_share(
             )
         if [int(e["partition"]) for e in index["sections"]] != [int(p) for p in entry["partitions"]]:
             raise CorruptCheckpoint(path, "the shard's partitions are not the ones the manifest lists")
+        if "partitioned_state" in index:  # read from every shard: its records go wherever their partitions went
+            partitioned.append(dict(read_shard_blob(path, index["_data_start"], index["partitioned_state"]).state))
+        if not wanted:
+            continue
         window = index["window"]
         shard_meta[old_rank] = window
         for section_entry in index["sections"]:
@@ -150,6 +162,7 @@ def restore_share(
         topology_changed=not unchanged,
         rank_state=rank_state,
         source_ranks=sorted(shard_meta),
+        partitioned_states=partitioned,
     )
 
 

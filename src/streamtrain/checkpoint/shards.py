@@ -28,7 +28,10 @@ Shard file, ``.stsh``::
 A section holds one partition's window items (readings, keys, sensor ids, offsets, ...,
 the columns of :data:`streamtrain.window.storage.ITEM_COLUMNS`) with the partition's next
 offset; one more section holds the rank-local state (the window's key RNG, the
-sampler's progress), which only a restart with the same ownership takes back. The index
+sampler's progress), which only a restart with the same ownership takes back; a last,
+optional one the trainer's state that follows partitions (DP: the DP window's records),
+which every rank reads from every shard after a rescale and takes its partitions' share
+of (the trainer's :meth:`~streamtrain.training.protocol.ContinuousTrainer.state_from_parts`). The index
 gives each section's position, length and SHA-256, so a reader seeks straight to the
 partitions it owns (as Flink's key-group offsets let a subtask read only its key
 groups); the manifest records each shard's whole-file SHA-256 and the SHA-256 of its
@@ -182,6 +185,7 @@ def write_shard(
     topic: str,
     window_state: Mapping[str, Any],
     rank_state: Mapping[str, Any] | None = None,
+    partitioned_state: Mapping[str, Any] | None = None,
     created_at: float | None = None,
 ) -> FileReceipt:
     """Write this rank's shard into the checkpoint ``directory``; returns its receipt.
@@ -190,7 +194,8 @@ def write_shard(
     belong to partitions this rank owns under ``ownership`` (ValueError otherwise: state
     of someone else's partition would be restored twice). ``rank_state`` (the sampler's
     progress, ...) is restored only under the same ownership. The window's own key RNG
-    state goes there too.
+    state goes there too. ``partitioned_state`` (DP: the DP window) follows partitions: it
+    is read back from every shard after a rescale.
     """
     directory = Path(directory)
     created_at = time.time() if created_at is None else float(created_at)
@@ -212,6 +217,12 @@ def write_shard(
         start += entry["length"]
     local = {"window_rng_state": window_state.get("rng_state"), **dict(rank_state or {})}
     local_chunks = encode_checkpoint(local, step=step, created_at=created_at)
+    partitioned_chunks: list[bytes] = []
+    partitioned_entry: dict[str, Any] = {}
+    if partitioned_state is not None:
+        partitioned_chunks = encode_checkpoint(dict(partitioned_state), step=step, created_at=created_at)
+        local_length = _blob_entry(local_chunks, start)["length"]
+        partitioned_entry = {"partitioned_state": _blob_entry(partitioned_chunks, start + local_length)}
     index = canonical_json(
         {
             "format": SHARD_FORMAT,
@@ -224,6 +235,7 @@ def write_shard(
             "window": window_meta(window_state),
             "sections": table,
             "rank_state": _blob_entry(local_chunks, start),
+            **partitioned_entry,
         }
     )
     prefix = _SHARD_PREFIX.pack(SHARD_MAGIC, len(index), hashlib.sha256(index).digest())
@@ -234,6 +246,7 @@ def write_shard(
         for blob in blobs:
             yield from blob
         yield from local_chunks
+        yield from partitioned_chunks
 
     written = write_atomically(directory / shard_name(rank), shard_bytes(), sha256=True)
     assert written.sha256 is not None
@@ -300,7 +313,7 @@ def read_shard_index(path: Path, expected: FileReceipt | Mapping[str, Any]) -> d
             raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r}")
         data_start = _SHARD_PREFIX.size + length
         end = data_start
-        for entry in [*record["sections"], record["rank_state"]]:
+        for entry in [*record["sections"], record["rank_state"], *_optional_blobs(record)]:
             if int(entry["start"]) != end - data_start or int(entry["length"]) < 0:
                 raise ValueError(f"section table entry {entry!r} does not follow the one before")
             end += int(entry["length"])
@@ -310,6 +323,11 @@ def read_shard_index(path: Path, expected: FileReceipt | Mapping[str, Any]) -> d
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpoint(path, f"shard index is malformed: {exc}") from exc
     return record
+
+
+def _optional_blobs(index: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The index entries of the blobs a shard may hold after its rank-local state."""
+    return [index["partitioned_state"]] if "partitioned_state" in index else []
 
 
 def read_shard_blob(path: Path, data_start: int, entry: Mapping[str, Any]) -> LoadedCheckpoint:

@@ -44,9 +44,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -62,15 +62,17 @@ from streamtrain.distributed.collectives import (
     exit_after_collective_failure,
 )
 from streamtrain.distributed.data_parallel import DataParallelStep, ParallelStepReport
-from streamtrain.distributed.wire import AgreedRollback, AskedRollback, StepSignals
+from streamtrain.distributed.wire import AgreedRollback, AskedRollback, StepAgreement, StepSignals
+from streamtrain.training.protocol import ContinuousTrainer
 from streamtrain.training.registry import UnknownVersion
+from streamtrain.training.trainer import RANK_LOCAL_TRAINER_KEYS as RANK_LOCAL_TRAINER_KEYS
 from streamtrain.training.trainer import Trainer
+from streamtrain.training.trainer import join_trainer_state as join_trainer_state
+from streamtrain.training.trainer import split_trainer_state as split_trainer_state
 
 log = logging.getLogger(__name__)
 
-#: Trainer-state keys that belong to one rank (see the module docstring); the rest is shared.
-RANK_LOCAL_TRAINER_KEYS: Final = ("dataset", "rng", "quality")
-_STREAM_KEYS: Final = ("dataset", "rng")  # this rank's data stream: restored together or not at all
+TrainerT = TypeVar("TrainerT", bound=ContinuousTrainer)
 
 #: Settings every rank of a group must share: the model and how it learns, the window the
 #: shares add up to, the publish gate's rule and the kept versions (the registries of the
@@ -97,33 +99,28 @@ AGREED_SETTINGS: Final = (
     "holdout_min_events",
     "publish_gate_tolerance",
     "model_versions_keep",
+    # DP: the ranks' engines are one mechanism, accounted once, with one schedule
+    "dp_noise_multiplier",
+    "dp_clip_norm",
+    "dp_q0",
+    "dp_half_life_steps",
+    "dp_eligible_steps",
+    "dp_admit_per_step",
+    "dp_step_rate_hz",
+    "dp_delta",
+    "dp_target_epsilon",
+    "dp_expected_batch_size",
+    "dp_unit",
+    "dp_sensor_events",
+    "dp_expected_units",
+    "dp_norm_mean",
+    "dp_norm_std",
 )
 EXIT_LOOP_FAILURE: Final = 1  # a rank's own error (not a collective's): it leaves, the group restarts
 
 _IDLE_WAIT_S = 0.1  # between ticks while no rank has data
 _BATCH_WAIT_S = 0.05  # a rank that is training waits this long for its next batch
 _ROLLBACKS_KEPT = 100  # LockstepLoop.rollbacks: the most recent agreed rollbacks
-
-
-def split_trainer_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, rank-local) parts of :meth:`Trainer.state_dict`."""
-    shared = {key: value for key, value in state.items() if key not in RANK_LOCAL_TRAINER_KEYS}
-    local = {key: state[key] for key in RANK_LOCAL_TRAINER_KEYS if key in state}
-    return shared, local
-
-
-def join_trainer_state(trainer: Trainer, shared: Mapping[str, Any], local: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A state for :meth:`Trainer.load_state_dict`: the shared part with this rank's own, or,
-    when there is none (another ownership, or a checkpoint of one process), a fresh data
-    stream and generator for this rank, and a fresh quality monitor (no quality key)."""
-    joined = {key: value for key, value in shared.items() if key not in RANK_LOCAL_TRAINER_KEYS}
-    if local and all(key in local for key in _STREAM_KEYS):
-        joined.update({key: local[key] for key in _STREAM_KEYS})
-    else:
-        joined.update({"dataset": trainer.dataset.state_dict(), "rng": {"torch": torch.get_rng_state()}})
-    if local and "quality" in local:
-        joined["quality"] = local["quality"]
-    return joined
 
 
 def settings_fingerprint(settings: Settings) -> dict[str, Any]:
@@ -232,53 +229,38 @@ class RollbackTicket:
         return self.outcome
 
 
-class LockstepLoop:
-    """The trainer thread's work on every rank of a scaled-out service (module docstring).
+class LockstepControl(Generic[TrainerT]):
+    """What every lockstep loop shares: the agreed rollback, publication, checkpoint and stop.
 
-    ``checkpoint(final)`` cuts a checkpoint together with the other ranks; the loop calls
-    it on the trainer thread whenever the agreement says so (``final`` at the agreed
-    stop). ``on_stopped`` runs once the loop has ended after an agreed stop. The trainer
-    is built with the loop (``Trainer(loop=...)``): it asks automatic rollbacks of every rank
-    through :meth:`request_automatic_rollback`, its publish gate judges the union of the
-    ranks' holdouts through :meth:`sum_rows`, and it counts each agreed step in
-    :meth:`~streamtrain.training.trainer.Trainer.apply_step`.
+    Requests come from other threads (:attr:`stop_requested`, :attr:`checkpoint_due`,
+    :meth:`request_rollback`, :meth:`request_automatic_rollback`); each tick a subclass
+    carries them in one agreement (:meth:`_signals`, then
+    :meth:`~streamtrain.distributed.collectives.Collectives.agree`) and hands the agreement
+    to :meth:`_follow`, which takes the agreed actions in one order on every rank. Any error
+    ends the process (:meth:`__call__`). Subclasses implement :meth:`_run` and :meth:`_publish`.
     """
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: TrainerT,
         collectives: Collectives,
         *,
         checkpoint: Callable[[bool], None],
         on_stopped: Callable[[], None] | None = None,
-        stage_ahead: bool | None = None,
     ) -> None:
         self.trainer = trainer
         self.collectives = collectives
         self.settings = trainer.settings
         self.checkpoint = checkpoint
         self.on_stopped = on_stopped
-        self.stage_ahead = stage_ahead  # None: one batch ahead on CUDA only (tests force it on the CPU)
-        self.step = DataParallelStep(
-            collectives,
-            trainer.model,
-            trainer.norm,
-            trainer.optimizer,
-            grad_clip_norm=trainer.settings.grad_clip_norm,
-            scheduler=trainer.scheduler,
-            amp=trainer.settings.amp,
-        )
         self.tick = 0  # lockstep ticks since start, the same on every rank
         self.stop_requested = threading.Event()
         self.checkpoint_due = threading.Event()
         self.finished = threading.Event()  # the loop ended after the agreed stop
-        self.last_report: ParallelStepReport | None = None
         self.rollbacks: list[AppliedRollback] = []  # every agreed rollback, as applied (the same on every rank)
-        self.stager: DeviceStager | None = None
         self._rollback_lock = threading.Lock()
         self._rollback_queue: deque[RollbackTicket] = deque()
         self._last_publish = 0.0
-        self._training = False  # the last tick had a batch here: wait a little for the next
 
     # ------------------------------------------------------------------ requests from other threads
     def request_rollback(
@@ -335,59 +317,44 @@ class LockstepLoop:
             self.on_stopped()
 
     def _run(self) -> None:
-        trainer = self.trainer
-        device = trainer.device
-        prefetcher: Prefetcher[Batch] = Prefetcher(
-            trainer.dataset,
-            depth=self.settings.prefetch_depth,
-            name="trainer-prefetch",
-            transform=pin_batch if is_cuda(device) else None,  # pinned in the producer thread
+        """The ticks, until the ranks agree to stop (:meth:`_follow` returns True)."""
+        raise NotImplementedError
+
+    def _publish(self) -> None:
+        """Publish the model, as agreed at this tick (every rank)."""
+        raise NotImplementedError
+
+    def _signals(self, asked: RollbackTicket | None, **wants: bool) -> StepSignals:
+        """This rank's row of the tick's agreement: stop, checkpoint, its rollback request, and ``wants``."""
+        return StepSignals(
+            stop=self.stop_requested.is_set(),
+            checkpoint_due=self.checkpoint_due.is_set(),
+            rollback=None if asked is None else asked.request,
+            **wants,
         )
-        self.stager = stager = DeviceStager(prefetcher, device, ahead=self.stage_ahead)
-        try:
-            while True:
-                waited_before = prefetcher.data_wait_seconds
-                batch = stager.poll(_BATCH_WAIT_S if self._training else 0.0)
-                wait = prefetcher.data_wait_seconds - waited_before if self._training else 0.0
-                self._training = batch is not None
-                asked = self._pending_rollback()
-                signals = StepSignals(
-                    stop=self.stop_requested.is_set(),
-                    checkpoint_due=self.checkpoint_due.is_set(),
-                    publish_due=self._publish_due(),
-                    reset_optimizer=trainer.take_optimizer_reset(),
-                    rollback=None if asked is None else asked.request,
-                )
-                with trainer.lock:
-                    self.step.fault_injector = trainer.fault_injector
-                    report = self.step.step(batch, step=self.tick, signals=signals)
-                    tick = self.tick
-                    self.tick += 1
-                    self._account(batch, report, wait)
-                agreement = report.agreement
-                if batch is not None and report.skipped_reason != "stop":
-                    trainer.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
-                rolled_back = False
-                if agreement.rollback is not None:
-                    rolled_back = self._roll_back(tick, agreement.rollback, asked)
-                if agreement.publish and report.applied and not rolled_back:
-                    trainer.publish()  # the gate, if on, judges the union of the ranks' holdouts
-                    self._last_publish = time.monotonic()
-                if agreement.checkpoint or agreement.stop:
-                    self.checkpoint_due.clear()  # asked again meanwhile: the next tick cuts another
-                    self.checkpoint(agreement.stop)
-                if agreement.stop:
-                    log.info(
-                        "rank %d: the ranks agreed to stop at tick %d (step %d)",
-                        self.collectives.rank,
-                        self.tick,
-                        trainer.step,
-                    )
-                    return
-                if not agreement.has_data:
-                    self.stop_requested.wait(_IDLE_WAIT_S)
-        finally:
-            stager.close(timeout=0.5)
+
+    def _follow(self, tick: int, agreement: StepAgreement, asked: RollbackTicket | None, *, publish: bool) -> bool:
+        """Take what the ranks agreed at ``tick``, in one order on every rank; True when they stop.
+
+        A rollback first (a tick that rolls back publishes nothing), then the publication
+        (``publish``: the agreement's, as the subclass's step allows), then the checkpoint
+        (at the stop: the final one).
+        """
+        rolled_back = agreement.rollback is not None and self._roll_back(tick, agreement.rollback, asked)
+        if publish and not rolled_back:
+            self._publish()
+            self._last_publish = time.monotonic()
+        if agreement.checkpoint or agreement.stop:
+            self.checkpoint_due.clear()  # asked again meanwhile: the next tick cuts another
+            self.checkpoint(agreement.stop)
+        if agreement.stop:
+            log.info(
+                "rank %d: the ranks agreed to stop at tick %d (step %d)",
+                self.collectives.rank,
+                self.tick,
+                self.trainer.step,
+            )
+        return agreement.stop
 
     def _roll_back(self, tick: int, agreed: AgreedRollback, asked: RollbackTicket | None) -> bool:
         """Apply the agreed rollback (every rank, this tick); True when a version was rolled back to.
@@ -449,6 +416,83 @@ class LockstepLoop:
         for ticket in left:
             r = ticket.request
             ticket.resolve(AppliedRollback(self.tick, self.collectives.rank, r.trigger, r.version, None, False, why))
+
+
+class LockstepLoop(LockstepControl[Trainer]):
+    """The trainer thread's work on every rank of a scaled-out service (module docstring).
+
+    ``checkpoint(final)`` cuts a checkpoint together with the other ranks; the loop calls
+    it on the trainer thread whenever the agreement says so (``final`` at the agreed
+    stop). ``on_stopped`` runs once the loop has ended after an agreed stop. The trainer
+    is built with the loop (``Trainer(loop=...)``): it asks automatic rollbacks of every rank
+    through :meth:`request_automatic_rollback`, its publish gate judges the union of the
+    ranks' holdouts through :meth:`sum_rows`, and it counts each agreed step in
+    :meth:`~streamtrain.training.trainer.Trainer.apply_step`.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        collectives: Collectives,
+        *,
+        checkpoint: Callable[[bool], None],
+        on_stopped: Callable[[], None] | None = None,
+        stage_ahead: bool | None = None,
+    ) -> None:
+        super().__init__(trainer, collectives, checkpoint=checkpoint, on_stopped=on_stopped)
+        self.stage_ahead = stage_ahead  # None: one batch ahead on CUDA only (tests force it on the CPU)
+        self.step = DataParallelStep(
+            collectives,
+            trainer.model,
+            trainer.norm,
+            trainer.optimizer,
+            grad_clip_norm=trainer.settings.grad_clip_norm,
+            scheduler=trainer.scheduler,
+            amp=trainer.settings.amp,
+        )
+        self.last_report: ParallelStepReport | None = None
+        self.stager: DeviceStager | None = None
+        self._training = False  # the last tick had a batch here: wait a little for the next
+
+    def _run(self) -> None:
+        trainer = self.trainer
+        device = trainer.device
+        prefetcher: Prefetcher[Batch] = Prefetcher(
+            trainer.dataset,
+            depth=self.settings.prefetch_depth,
+            name="trainer-prefetch",
+            transform=pin_batch if is_cuda(device) else None,  # pinned in the producer thread
+        )
+        self.stager = stager = DeviceStager(prefetcher, device, ahead=self.stage_ahead)
+        try:
+            while True:
+                waited_before = prefetcher.data_wait_seconds
+                batch = stager.poll(_BATCH_WAIT_S if self._training else 0.0)
+                wait = prefetcher.data_wait_seconds - waited_before if self._training else 0.0
+                self._training = batch is not None
+                asked = self._pending_rollback()
+                signals = self._signals(
+                    asked, publish_due=self._publish_due(), reset_optimizer=trainer.take_optimizer_reset()
+                )
+                with trainer.lock:
+                    self.step.fault_injector = trainer.fault_injector
+                    report = self.step.step(batch, step=self.tick, signals=signals)
+                    tick = self.tick
+                    self.tick += 1
+                    self._account(batch, report, wait)
+                agreement = report.agreement
+                if batch is not None and report.skipped_reason != "stop":
+                    trainer.dataset.mark_trained(batch)  # applied or refused, the stream moves past it
+                # the gate, if on, judges the union of the ranks' holdouts
+                if self._follow(tick, agreement, asked, publish=agreement.publish and report.applied):
+                    return
+                if not agreement.has_data:
+                    self.stop_requested.wait(_IDLE_WAIT_S)
+        finally:
+            stager.close(timeout=0.5)
+
+    def _publish(self) -> None:
+        self.trainer.publish()
 
     def _publish_due(self) -> bool:
         return (

@@ -165,8 +165,7 @@ class DPEngine:
         self.gradients = PerSampleGradients(model, config.clip_norm, loss_fn)
         self.divisor = config.divisor
         self.record = record
-        if group is not None and record is not None:  # one writer for the group: one ledger spacing, one clock
-            record.writer = record.ledger.writer = group.writer(record.writer)
+        self._group_writer_taken = group is None  # one writer for the group: take_group_writer()
         self._share_ledger()
         self.fault_injector: Any = None  # tests: called at the start of a step's training; may raise
         self.record_fault: Any = None  # tests: called with each micro-batch's rows before its gradients; may raise
@@ -544,12 +543,28 @@ class DPEngine:
         self.window.ledger = self.record.ledger.entries
         self.window.claim = self.record.ledger.claim
 
+    def take_group_writer(self) -> None:
+        """In a group (a collective, once): write the record under rank 0's writer name.
+
+        One writer for the group: one ledger spacing (one candidacy per K steps of the
+        group's clock) and one clock log. Not in the constructor: the service builds the
+        engine before the ranks have met. Call before the record is read (the ledger tells
+        its own lines apart by the name); :meth:`resume` calls it if nobody did.
+        """
+        if self._group_writer_taken:
+            return
+        assert self.group is not None
+        if self.record is not None:
+            self.record.writer = self.record.ledger.writer = self.group.writer(self.record.writer)
+        self._group_writer_taken = True
+
     def resume(self, recorded: RecordState) -> int:
         """Continue after the last step the admission record shows (see :meth:`DPWindow.resume`).
 
         Call after :meth:`load_state_dict` (or on a fresh start with a record). Returns the
         step the clock continues after.
         """
+        self.take_group_writer()
         with self._step_lock:
             step = max(self.clock.steps_done, recorded.last_step)
             if self.group is not None:  # one clock log (rank 0's), one checkpoint step: every rank the same

@@ -12,6 +12,12 @@ last step that ran and each partition's watermark, and the engine continues afte
 published. Publication follows the public clock: the model after step t is published at
 the time step t + 1 is due, every ``PUBLISH_INTERVAL_S`` worth of steps, stamped with that
 public time.
+
+Scaled out (``WORLD_SIZE > 1``), the ranks' engines are one DP mechanism
+(:mod:`streamtrain.privacy.group`) and the trainer thread runs :class:`DPLockstepLoop`: every
+tick the ranks agree on stop, checkpoint, rollback and publication (rank 0's public clock
+decides when a model is due), then run the clock's step together. The record is synced by
+every rank together (:meth:`DPEngine.sync_record`) before a publication and a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +34,18 @@ from pydantic import ValidationError
 
 from streamtrain.config import Settings
 from streamtrain.data.randomness import make_randomness
+from streamtrain.distributed.collectives import Collectives
+from streamtrain.distributed.lockstep import LockstepControl
 from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
 from streamtrain.model.network import build_model
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.privacy.admissions import ADMISSION_DIR, CLOCK_LOG, AdmissionRecord, AdmissionRecordError
 from streamtrain.privacy.config import DPConfig, DPConfigError
-from streamtrain.privacy.engine import DPAggregates, DPEngine
+from streamtrain.privacy.engine import DPAggregates, DPEngine, DPStepReport
+from streamtrain.privacy.group import DPGroup
 from streamtrain.runtime.exits import leave_now
-from streamtrain.training.protocol import TrainerReport
+from streamtrain.training.protocol import CheckpointParts, RestoredParts, StepLoop, TrainerReport
 from streamtrain.training.publishing import ModelTrainer, PublishedModel
 from streamtrain.window.reservoir import RecencyWindow
 
@@ -46,6 +56,8 @@ EXIT_DP_FENCED = 75
 #: A revocation's sync is retried this often (with doubling waits from the first) before the process fences itself.
 REVOKE_SYNC_ATTEMPTS = 3
 REVOKE_SYNC_FIRST_WAIT_S = 0.5
+#: Scaled out: the longest a tick waits for the next step (a stop or checkpoint asked meanwhile waits no longer).
+_GROUP_TICK_WAIT_S = 0.1
 
 
 class AdmissionsFenced(OSError):
@@ -77,7 +89,17 @@ class DPTrainer(ModelTrainer):
 
     thread_name = "dp-trainer"
 
-    def __init__(self, settings: Settings, window: RecencyWindow, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        window: RecencyWindow,
+        metrics: Metrics,
+        *,
+        collectives: Collectives | None = None,
+        loop: Callable[[DPTrainer], StepLoop] | None = None,
+    ) -> None:
+        """``collectives`` (scaled out): the ranks whose engines are one DP mechanism; ``loop``
+        builds the lockstep loop the thread then runs (:class:`DPLockstepLoop`)."""
         super().__init__(settings, metrics, clock=self._public_time)
         torch.manual_seed(settings.seed)  # initial weights are public
         self.model = build_model(settings)
@@ -87,6 +109,7 @@ class DPTrainer(ModelTrainer):
         )
         self.config = dp_config(settings)
         self.record = admission_record(settings)
+        self.group = None if collectives is None else DPGroup(collectives)
         # SHUFFLE=seeded is refused inside (check_dp_safety), naming SHUFFLE and crypto.
         self.engine = DPEngine(
             self.model,
@@ -95,6 +118,7 @@ class DPTrainer(ModelTrainer):
             settings.dp_token_budget,
             randomness=make_randomness(settings.shuffle, settings.seed),
             record=self.record,
+            group=self.group,
         )
         self.norm: RunningNorm = self.engine.norm
         self.publish_every_steps = max(1, round(settings.publish_interval_s * self.config.step_rate_hz))
@@ -114,6 +138,7 @@ class DPTrainer(ModelTrainer):
         self._exported = DPAggregates()
         self._checkpoint_synced_step = 0  # the record's synced step when the restored checkpoint was taken
         self.metrics.dp_epsilon.set(self.engine.epsilon_spent())
+        self.loop: StepLoop | None = None if loop is None else loop(self)
 
     # ------------------------------------------------------------------ the Trainer surface
     @property
@@ -191,8 +216,14 @@ class DPTrainer(ModelTrainer):
         this process trained on: so this process fences itself — it never publishes or
         checkpoints again — and ends (:attr:`on_fenced`); its restart resumes from the
         durable record and checkpoint, in which those admissions never happened.
+
+        Scaled out, a partition has no next owner while the group runs (ownership is a fixed
+        rule; a consumer closed by ingest's watchdog gets the same partitions back), and the
+        record is synced by every rank together, on the trainer thread: nothing to sync here.
         """
         self.engine.window.drop_partitions(partitions)
+        if self.group is not None:
+            return
         wait = REVOKE_SYNC_FIRST_WAIT_S
         for attempt in range(1, REVOKE_SYNC_ATTEMPTS + 1):
             try:
@@ -222,7 +253,7 @@ class DPTrainer(ModelTrainer):
             if self.fenced is not None:
                 return None
             try:
-                self.record.sync()
+                self.engine.sync_record()  # scaled out: every rank's part, then the group's clock
             except OSError as err:
                 self._record_failed(err)
                 return None
@@ -236,17 +267,35 @@ class DPTrainer(ModelTrainer):
 
     def _work(self) -> None:
         """Publish the last step's model once the next step is due, then run that step."""
+        if self.loop is not None:
+            self.loop()
+            self._stop.set()  # the ranks agreed to stop: the thread ends
+            return
         now = time.time()
-        if self._publish_after is not None and now >= self.engine.due_at(self._publish_after + 1, now):
-            self._publish_at_step = self._publish_after
-            if self.publish() is not None:
-                self._publish_after = None
+        if self.publication_due(now):
+            self.publish_due_model()
+        if self.run_step(now) is None:
+            self._stop.wait(self.idle_wait_s())
+
+    def publication_due(self, now: float) -> bool:
+        """A model waits to be published and the public time of the step after it has come."""
+        return self._publish_after is not None and now >= self.engine.due_at(self._publish_after + 1, now)
+
+    def publish_due_model(self) -> None:
+        """Publish the model that waits (:meth:`publication_due`), stamped with that public time;
+        it waits on if the record cannot be made durable."""
+        if self._publish_after is None:
+            return
+        self._publish_at_step = self._publish_after
+        if self.publish() is not None:
+            self._publish_after = None
+
+    def run_step(self, now: float) -> DPStepReport | None:
+        """The clock's next step if it is due at ``now`` (scaled out: with every rank); None if not."""
         with self.lock:
             report = self.engine.step(now)
         if report is None:
-            wait = self.engine.seconds_until_next_step(time.time())
-            self._stop.wait(min(0.5, wait) if self._publish_after is None else min(0.05, wait))
-            return
+            return None
         self.metrics.dp_epsilon.set(report.epsilon)
         self.metrics.train_steps.inc()
         if report.aggregates_updated:
@@ -255,6 +304,12 @@ class DPTrainer(ModelTrainer):
             log.debug("DP clock is %d steps ahead of training", report.behind_steps)
         if report.step % self.publish_every_steps == 0 or self.published is None:
             self._publish_after = report.step
+        return report
+
+    def idle_wait_s(self) -> float:
+        """How long to wait after a tick without a step: until the next is due, shorter while a model waits."""
+        wait = self.engine.seconds_until_next_step(time.time())
+        return min(0.5, wait) if self._publish_after is None else min(0.05, wait)
 
     def _export_period(self, totals: DPAggregates) -> None:
         """Operator-plane counters move by whole reporting periods: no per-step batch size anywhere."""
@@ -271,7 +326,7 @@ class DPTrainer(ModelTrainer):
         with self.lock:
             if self.fenced is not None:
                 raise AdmissionsFenced(self.fenced)
-            self.record.sync()
+            self.engine.sync_record()  # scaled out: a collective (every rank cuts the checkpoint)
             return {
                 "model": self.model.state_dict(),
                 "model_config": dict(self.model.config),
@@ -281,6 +336,38 @@ class DPTrainer(ModelTrainer):
                 "version": self._version,
                 "tokens_trained": 0,
             }
+
+    def checkpoint_parts(self, state: dict[str, Any]) -> CheckpointParts:
+        """Shared: the model, optimizer and the group's DP state (clock, accountant, record step);
+        this rank's own: its operator-plane totals; by partition: its DP window's records."""
+        dp = dict(state["dp"])
+        window, published, running = dp.pop("window"), dp.pop("published"), dp.pop("running")
+        return CheckpointParts(
+            shared={**state, "dp": dp},
+            rank_local={"dp_totals": {"published": published, "running": running}},
+            by_partition={"dp_window": window},
+        )
+
+    def state_from_parts(self, parts: RestoredParts) -> dict[str, Any]:
+        """The group's DP state with this rank's share of the DP windows (:meth:`DPWindow.share_state`).
+
+        A one-file checkpoint (another world size) holds its one window in the shared state.
+        Operator-plane totals come back only under the same ownership.
+        """
+        dp = dict(parts.shared["dp"])
+        if parts.unchanged and parts.by_partition:
+            window = parts.by_partition[0]["dp_window"]
+        else:
+            sources = [part["dp_window"] for part in parts.by_partition] or [dp["window"]]
+            window = self.engine.window.share_state(sources, parts.owns)
+        totals = (parts.rank_local or {}).get("dp_totals")
+        fresh = asdict(DPAggregates())
+        dp.update(
+            window=window,
+            published=fresh if totals is None else totals["published"],
+            running=fresh if totals is None else totals["running"],
+        )
+        return {**parts.shared, "dp": dp}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
@@ -304,6 +391,7 @@ class DPTrainer(ModelTrainer):
         Refuses (AdmissionRecordError) a record that is damaged, or older than the checkpoint
         it must complement (deleted or rolled back): restoring from it could admit events twice.
         """
+        self.engine.take_group_writer()  # scaled out: before the record is read (the ledger knows its own lines)
         recorded = self.record.load()
         synced = self._checkpoint_synced_step
         if recorded.last_step < synced:
@@ -328,3 +416,33 @@ class DPTrainer(ModelTrainer):
         if restored_step:
             self._publish_at_step = step
             self.publish()  # the restored model (it used only steps the record and checkpoint cover)
+
+
+class DPLockstepLoop(LockstepControl[DPTrainer]):
+    """The DP trainer's thread on every rank of a scaled-out service: lockstep ticks on the public clock.
+
+    A tick: the ranks agree (one small all-gather, :class:`~streamtrain.distributed.lockstep.LockstepControl`)
+    on stop, checkpoint and rollback, as asked on any rank, and on publication, which rank 0
+    asks for once the public time of the step after the waiting model has come (rank 0's
+    clock is the group's); they take those actions together, then run the clock's next step
+    together if rank 0's clock says it is due (:meth:`DPEngine.step`: one exact integer sum
+    and one noise draw for the group). A publication and a checkpoint sync the admission
+    record with every rank first; one that cannot be synced on some rank is held back on all.
+    """
+
+    def _run(self) -> None:
+        trainer = self.trainer
+        while True:
+            asked = self._pending_rollback()
+            rank_zero_due = self.collectives.rank == 0 and trainer.publication_due(time.time())
+            signals = self._signals(asked, publish_due=rank_zero_due)
+            agreement = self.collectives.agree(self.tick, signals)
+            tick = self.tick
+            self.tick += 1
+            if self._follow(tick, agreement, asked, publish=agreement.publish):
+                return
+            if trainer.run_step(time.time()) is None:
+                self.stop_requested.wait(min(trainer.idle_wait_s(), _GROUP_TICK_WAIT_S))
+
+    def _publish(self) -> None:
+        self.trainer.publish_due_model()

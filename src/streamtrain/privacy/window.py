@@ -505,6 +505,117 @@ class DPWindow:
                 "gaps": np.asarray(self.gaps, dtype=np.int64).reshape(-1, 2),
             }
 
+    def share_state(self, states: Sequence[Mapping[str, Any]], owns: Callable[[int], bool]) -> dict[str, Any]:
+        """This window's share (a :meth:`load_state_dict` state) of the windows of one cut made
+        under another world size: ``states`` are the old windows (every rank's, or one
+        process's), ``owns(p)`` whether this window now admits partition p.
+
+        Records follow their partitions, so every rank's share together is the old windows,
+        each record once: an eligible record goes whole (a sensor group may hold events of
+        several partitions) to the owner of its lowest partition, with its admission step,
+        so it stays eligible exactly at the steps it had left; an undecided (pending)
+        arrival goes to the owner of its partition, and what one step's pending arrivals
+        here exceed is cut by their random keys as :meth:`admit` cuts it (the R smallest
+        event keys, a sensor's b smallest). Watermarks and next offsets of owned partitions
+        (the largest), the ledger (per sensor, the largest count and step) and the restart
+        gaps (all) are kept; the operator counters start again from zero.
+        """
+        if not states:
+            raise ValueError("DPWindow.share_state: no window states to take a share of")
+        closed = {int(state["closed_step"]) for state in states}
+        if len(closed) != 1:
+            raise ValueError(
+                f"DPWindow.share_state: the windows were closed at different steps {sorted(closed)}, "
+                "not one checkpoint's cut"
+            )
+        for state in states:
+            if int(state["eligible_steps"]) != self.eligible_steps or str(state.get("unit", "event")) != self.unit:
+                raise ValueError(
+                    f"DPWindow.share_state: a window of K={state['eligible_steps']}, unit {state.get('unit')} "
+                    f"cannot be shared into one of K={self.eligible_steps}, unit {self.unit}; restore the "
+                    "STREAMTRAIN_DP_* settings of the checkpoint"
+                )
+        records: dict[int, list[list[_Item]]] = {}  # admission step -> records kept
+        events: dict[int, list[_Item]] = {}  # step -> pending event records kept (event unit)
+        groups: dict[int, dict[str, tuple[int, list[_Item]]]] = {}  # step -> sensor -> pending group kept
+        marks: dict[int, dict[int, int]] = {}  # step -> partition -> pending watermark
+        next_offsets: dict[int, int] = {}
+        watermarks: dict[int, int] = {}
+        ledger: dict[str, tuple[int, int]] = {}
+        gaps: set[tuple[int, int]] = set()
+        first_admits: list[int] = []
+        for state in states:
+            by_record: dict[tuple[int, int], list[_Item]] = {}
+            for step, group, item in self._unpack(state["eligible"]):
+                by_record.setdefault((step, group), []).append(item)
+            for (step, _), items in sorted(by_record.items()):
+                if owns(min(item.partition for item in items)):
+                    records.setdefault(step, []).append(items)
+            sensors = list(state.get("pending_sensors", []))
+            keys = np.asarray(state.get("pending_group_keys", np.zeros(0, np.uint64)), dtype=np.uint64).tolist()
+            for step, group, item in self._unpack(state["pending"]):
+                if not owns(item.partition):
+                    continue
+                if group < 0:
+                    events.setdefault(step, []).append(item)
+                    continue
+                sensor = sensors[group]
+                key, items = groups.setdefault(step, {}).get(sensor, (int(keys[group]), []))
+                groups[step][sensor] = (min(key, int(keys[group])), [*items, item])
+            for step, partition_marks in dict(state.get("pending_watermarks", {})).items():
+                for partition, mark in dict(partition_marks).items():
+                    if owns(int(partition)):
+                        at = marks.setdefault(int(step), {})
+                        at[int(partition)] = max(at.get(int(partition), 0), int(mark))
+            for target, source in ((next_offsets, state["next_offsets"]), (watermarks, state.get("watermarks", {}))):
+                for partition, offset in dict(source).items():
+                    if owns(int(partition)):
+                        target[int(partition)] = max(target.get(int(partition), 0), int(offset))
+            counts = np.asarray(state.get("ledger", np.zeros((0, 2), np.int64)), dtype=np.int64).reshape(-1, 2)
+            for sensor, (count, last) in zip(state.get("ledger_sensors", []), counts.tolist(), strict=True):
+                have = ledger.get(str(sensor), (0, last))
+                ledger[str(sensor)] = (max(have[0], int(count)), max(have[1], int(last)))
+            old_gaps = np.asarray(state.get("gaps", np.zeros((0, 2))), dtype=np.int64).reshape(-1, 2).tolist()
+            gaps.update((int(lo), int(hi)) for lo, hi in old_gaps)
+            if int(state["first_admit_step"]) >= 0:
+                first_admits.append(int(state["first_admit_step"]))
+        eligible = [(step, number, item) for step in sorted(records) for number, items in enumerate(records[step])
+                    for item in items]  # fmt: skip
+        pending: list[tuple[int, int, _Item]] = []
+        pending_sensors: list[str] = []
+        group_keys: list[int] = []
+        arrivals: dict[int, int] = {}
+        for step, items in events.items():
+            kept = sorted(items, key=lambda item: item.key)[: self.admit_per_step]
+            pending.extend((step, -1, item) for item in kept)
+            arrivals[step] = len(kept)
+        for step, by_sensor in groups.items():
+            for sensor, (key, items) in by_sensor.items():
+                pending_sensors.append(sensor)
+                group_keys.append(key)
+                kept = sorted(items, key=lambda item: item.key)[: self.sensor_events]
+                pending.extend((step, len(pending_sensors) - 1, item) for item in kept)
+                arrivals[step] = arrivals.get(step, 0) + len(kept)
+        return {
+            "unit": self.unit,
+            "eligible_steps": self.eligible_steps,
+            "admit_per_step": self.admit_per_step,
+            "closed_step": closed.pop(),
+            "first_admit_step": min(first_admits, default=-1),
+            "counters": np.zeros(3, dtype=np.int64),
+            "eligible": self._pack(eligible),
+            "pending": self._pack(pending),
+            "pending_sensors": pending_sensors,
+            "pending_group_keys": np.asarray(group_keys, dtype=np.uint64),
+            "pending_arrivals": {str(step): count for step, count in arrivals.items()},
+            "pending_watermarks": {str(step): {str(p): m for p, m in at.items()} for step, at in marks.items()},
+            "next_offsets": {str(p): o for p, o in next_offsets.items()},
+            "watermarks": {str(p): o for p, o in watermarks.items()},
+            "ledger_sensors": list(ledger),
+            "ledger": np.asarray(list(ledger.values()), dtype=np.int64).reshape(-1, 2),
+            "gaps": np.asarray(sorted(gaps), dtype=np.int64).reshape(-1, 2),
+        }
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if int(state["eligible_steps"]) != self.eligible_steps:
             raise ValueError(

@@ -53,13 +53,13 @@ from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.config import Settings
 from streamtrain.distributed.launch import DistContext
-from streamtrain.distributed.lockstep import LockstepLoop, join_trainer_state
+from streamtrain.distributed.lockstep import LockstepControl
+from streamtrain.distributed.ownership import owner
 from streamtrain.ingest.ingestor import Ingestor
 from streamtrain.metrics import Metrics
 from streamtrain.runtime.topology import IncompatibleCheckpoint, LockstepGroup, OneProcess, Topology
-from streamtrain.training.protocol import ContinuousTrainer
+from streamtrain.training.protocol import ContinuousTrainer, RestoredParts
 from streamtrain.training.publishing import PublishedModel
-from streamtrain.training.trainer import Trainer
 from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Service:
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def loop(self) -> LockstepLoop | None:
+    def loop(self) -> LockstepControl[Any] | None:
         """Scaled out: the lockstep loop every rank trains in (None for one process)."""
         return self.topology.loop
 
@@ -185,23 +185,28 @@ class Service:
         with only one-file checkpoints restores the newest of them; otherwise the newest
         checkpoint of either kind is restored, this rank's share of it (collectively). In DP
         mode the admission record then decides where the DP clock and every partition's
-        admissions continue (privacy/trainer.py), checkpoint or not (DP runs in one process).
+        admissions continue (privacy/trainer.py), checkpoint or not (scaled out: with every rank).
         """
         restored = self.topology.restore()
         self.trainer.resume_after_restore()
         return restored
 
-    def restore_share(self, share: RestoredShare, trainer: Trainer | None) -> RestoredShare:
-        """Load this rank's share of a sharded checkpoint (all of it for one process).
-
-        ``trainer``: the service's trainer when it is a plain one (a sharded checkpoint is
-        never a DP one: :meth:`_check_compatible` refuses it before anything is loaded).
-        """
+    def restore_share(self, share: RestoredShare) -> RestoredShare:
+        """Load this rank's share of a sharded checkpoint (all of it for one process): its
+        window's partitions, and the trainer state the trainer joins from the checkpoint's
+        parts (DP: this rank's share of the DP windows)."""
         trainer_state = share.common["trainer"]
         self._check_compatible(share.path, trainer_state, share.window_state)
-        assert trainer is not None, "a DP service refuses a sharded checkpoint in _check_compatible"
         self.window.load_state_dict(share.window_state)
-        trainer.load_state_dict(join_trainer_state(trainer, trainer_state, share.rank_state))
+        rank, world_size = self.ctx.rank, self.ctx.world_size
+        parts = RestoredParts(
+            shared=trainer_state,
+            rank_local=share.rank_state,
+            by_partition=share.partitioned_states,
+            owns=lambda partition: owner(partition, world_size) == rank,
+            unchanged=not share.topology_changed,
+        )
+        self.trainer.load_state_dict(self.trainer.state_from_parts(parts))
         self.restored_from = share.path
         log.info(
             "restored %s as rank %d of %d: step %d, window %d items of partitions %s, offsets %s%s",

@@ -10,7 +10,9 @@ rollback and a stop are agreed. Nothing else in the service branches on scale-ou
 * :class:`LockstepGroup`: every rank trains in the lockstep loop; a checkpoint, a
   rollback and the stop are asked of the loop, which makes every rank take them at one
   agreed tick (checkpoints as one sharded cut whose offsets are committed once its
-  manifest is durable).
+  manifest is durable). In DP mode the trainer is the DP one, its engines one mechanism
+  across the ranks, and its loop the DP lockstep loop on the public clock
+  (:mod:`streamtrain.privacy.trainer`); the cut, the restore and the stop are the same.
 """
 
 from __future__ import annotations
@@ -31,11 +33,7 @@ from streamtrain.config import Settings
 from streamtrain.data.randomness import derive_seed
 from streamtrain.distributed.collectives import Collectives, resolve_backend
 from streamtrain.distributed.launch import capacity_share, rank_device
-from streamtrain.distributed.lockstep import (
-    LockstepLoop,
-    check_settings_agree,
-    split_trainer_state,
-)
+from streamtrain.distributed.lockstep import LockstepControl, LockstepLoop, check_settings_agree
 from streamtrain.ingest.consumers import OwnedPartitions
 from streamtrain.training.protocol import ContinuousTrainer
 from streamtrain.training.registry import UnknownVersion
@@ -74,7 +72,7 @@ def detached_copy(tree: Any) -> Any:
 class Topology(Protocol):
     """What depends on whether this process trains alone or in a lockstep group."""
 
-    loop: LockstepLoop | None
+    loop: LockstepControl[Any] | None
     owned_partitions: OwnedPartitions | None  # None: the consumer group assigns partitions
 
     def placed(self, settings: Settings) -> Settings:
@@ -108,12 +106,11 @@ class Topology(Protocol):
 class OneProcess:
     """Training alone: checkpoints are written on the caller's thread (module docstring)."""
 
-    loop: LockstepLoop | None = None
+    loop: LockstepControl[Any] | None = None
     owned_partitions: OwnedPartitions | None = None
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.plain_trainer: Trainer | None = None  # the trainer, unless it is the DP one
         self._lock = threading.Lock()  # one checkpoint at a time
 
     def placed(self, settings: Settings) -> Settings:
@@ -128,10 +125,8 @@ class OneProcess:
         if s.settings.dp == "on":
             from streamtrain.privacy.trainer import DPTrainer  # DP mode brings its own window rule
 
-            self.plain_trainer = None
             return DPTrainer(s.settings, s.window, s.metrics)
-        self.plain_trainer = Trainer(s.settings, s.window, s.metrics)
-        return self.plain_trainer
+        return Trainer(s.settings, s.window, s.metrics)
 
     def join(self) -> None:
         pass
@@ -152,7 +147,7 @@ class OneProcess:
             return None
         if share.loaded is not None:
             return s.restore_one_file(share.loaded)
-        return s.restore_share(share, self.plain_trainer)
+        return s.restore_share(share)
 
     def checkpoint(self) -> Path | None:
         s = self.service
@@ -215,7 +210,7 @@ class LockstepGroup:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.loop: LockstepLoop | None = None
+        self.loop: LockstepControl[Any] | None = None
         self.owned_partitions: OwnedPartitions | None = service.ctx.owned_partitions
         self._gpus_shared = False
         self._cuts = threading.Condition()
@@ -225,13 +220,6 @@ class LockstepGroup:
     def placed(self, settings: Settings) -> Settings:
         """Several ranks on one host: each its own GPU (LOCAL_RANK), where there are enough."""
         ctx = self.service.ctx
-        if settings.dp == "on":
-            raise ValueError(
-                f"DP=on with WORLD_SIZE={ctx.world_size}: the DP engine can train as one mechanism across ranks "
-                "(streamtrain.privacy.group), but the service does not run it yet: the DP trainer has no lockstep "
-                "loop (agreed stop, checkpoint and publish ticks) and no sharded DP checkpoint; unset WORLD_SIZE, "
-                "or set STREAMTRAIN_DP=off to scale out"
-            )
         device, self._gpus_shared = rank_device(settings.device, ctx)
         if str(device) != settings.device:
             log.info(
@@ -252,11 +240,22 @@ class LockstepGroup:
         )
 
     def build_trainer(self) -> ContinuousTrainer:
-        # a rank plans passes over its own window share, from a stream of its own, and
-        # waits for its share of the minimum window
         s = self.service
         ctx = s.ctx
+        if s.settings.dp == "on":  # the ranks' DP engines are one mechanism; the DP loop runs the public clock
+            from streamtrain.privacy.trainer import DPLockstepLoop, DPTrainer
 
+            def dp_lockstep(trainer: DPTrainer) -> DPLockstepLoop:
+                self.loop = DPLockstepLoop(trainer, s.collectives, checkpoint=self._cut, on_stopped=s.agreed_stop)
+                return self.loop
+
+            self.trainer: ContinuousTrainer = DPTrainer(
+                s.settings, s.window, s.metrics, collectives=s.collectives, loop=dp_lockstep
+            )
+            return self.trainer
+
+        # a rank plans passes over its own window share, from a stream of its own, and
+        # waits for its share of the minimum window
         def lockstep(trainer: Trainer) -> LockstepLoop:
             self.loop = LockstepLoop(trainer, s.collectives, checkpoint=self._cut, on_stopped=s.agreed_stop)
             return self.loop
@@ -272,7 +271,7 @@ class LockstepGroup:
         return self.trainer
 
     @property
-    def _loop(self) -> LockstepLoop:
+    def _loop(self) -> LockstepControl[Any]:
         assert self.loop is not None, "build_trainer() builds the loop"
         return self.loop
 
@@ -293,7 +292,7 @@ class LockstepGroup:
         if share is None:
             log.info("no checkpoint in %s: starting fresh", s.settings.checkpoint_dir)
             return None
-        return s.restore_share(share, self.trainer)
+        return s.restore_share(share)
 
     def checkpoint(self) -> Path | None:
         """Ask every rank for a checkpoint and wait until they have cut it."""
@@ -321,20 +320,27 @@ class LockstepGroup:
         path: Path | None = None
         try:
             with s.trainer.lock, s.ingest.apply_lock:  # both states cover the same offsets
-                trainer_state = s.trainer.state_dict()  # nothing trains meanwhile: this is the trainer thread
+                try:  # nothing trains meanwhile: this is the trainer thread
+                    trainer_state = s.trainer.state_dict()  # DP: syncs the admission record with every rank
+                except OSError as err:  # DP: on every rank alike (the ranks agree whether all synced)
+                    s.checkpoint_failed(f"DP admission record not durable: {err}")
+                    if final:
+                        s.final_checkpoint_error = s.checkpoint_error
+                    return
                 build_window_state = s.window.capture_state()
                 dead_letters = s.ingest.dead_letter_mark()
             window_state = build_window_state()
             veto = None
             if not s.ingest.flush_dead_letters(upto=dead_letters):  # the others wait in the next collective
                 veto = f"dead letters not acknowledged: {s.ingest.dead_letters.describe()}"
-            shared, local = split_trainer_state(trainer_state)
+            parts = s.trainer.checkpoint_parts(trainer_state)
             result = s.checkpointer.save(
                 step=int(trainer_state["step"]),
                 partition_count=s.ingest.partition_count,
                 window_state=window_state,
-                common_state={"trainer": shared} if s.ctx.is_primary else None,
-                rank_state=local,
+                common_state={"trainer": parts.shared} if s.ctx.is_primary else None,
+                rank_state=parts.rank_local,
+                partitioned_state=parts.by_partition,
                 veto=veto,
             )
             if not result.ok or result.path is None:

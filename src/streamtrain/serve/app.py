@@ -133,6 +133,8 @@ def model_report(service: ServiceDep) -> ModelReport:
             published_at=None if published is None else published.published_at,
             dp=report.dp,
             training=report.training,
+            world_size=service.ctx.world_size,
+            rank=service.ctx.rank,
         )
     return ModelReport(
         forecaster=report.forecaster,

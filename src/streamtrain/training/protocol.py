@@ -69,6 +69,38 @@ class TrainerReport:
     dp: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class CheckpointParts:
+    """A trainer state cut for a sharded checkpoint (``docs/scale-out.md``).
+
+    ``shared``: the same on every rank, saved once (rank 0). ``rank_local``: this rank's
+    own (its data stream, its quality monitor), restored only under the same ownership.
+    ``by_partition``: this rank's state that follows its partitions (the DP window's
+    records); after a rescale every old rank's is read, and each rank takes what belongs
+    to the partitions it now owns. None: the trainer keeps nothing per partition.
+    """
+
+    shared: dict[str, Any]
+    rank_local: dict[str, Any]
+    by_partition: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RestoredParts:
+    """The parts of a trainer state one rank takes back from a checkpoint (:class:`CheckpointParts`).
+
+    ``rank_local`` is None under another ownership; ``by_partition`` holds this rank's own
+    part when ``unchanged``, else every old rank's (empty for a one-file checkpoint, whose
+    ``shared`` is the whole state); ``owns`` says whether this rank owns a partition now.
+    """
+
+    shared: dict[str, Any]
+    rank_local: dict[str, Any] | None
+    by_partition: list[dict[str, Any]]
+    owns: Callable[[int], bool]
+    unchanged: bool
+
+
 class StepLoop(Protocol):
     """A training loop run in step with other processes, on the trainer's thread."""
 
@@ -130,6 +162,12 @@ class ContinuousTrainer(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def checkpoint_parts(self, state: dict[str, Any]) -> CheckpointParts:
+        """``state`` (:meth:`state_dict`) cut for a sharded checkpoint."""
+
+    def state_from_parts(self, parts: RestoredParts) -> dict[str, Any]:
+        """A state for :meth:`load_state_dict` from what this rank took back of a checkpoint."""
 
     def resume_after_restore(self) -> None:
         """Called once at start, after a checkpoint was loaded or none was found."""

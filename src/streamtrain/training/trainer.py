@@ -13,9 +13,9 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import torch
@@ -41,7 +41,14 @@ from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.drift import Drift
 from streamtrain.quality.monitor import QualityMonitor
 from streamtrain.quality.selection import Selection
-from streamtrain.training.protocol import LoopFactory, StepLoop, StepOutcome, TrainerReport
+from streamtrain.training.protocol import (
+    CheckpointParts,
+    LoopFactory,
+    RestoredParts,
+    StepLoop,
+    StepOutcome,
+    TrainerReport,
+)
 from streamtrain.training.publishing import ModelTrainer, PublishedModel
 from streamtrain.training.registry import UnknownVersion
 from streamtrain.training.replays import ReplayBudget
@@ -50,6 +57,10 @@ from streamtrain.window.reservoir import RecencyWindow
 log = logging.getLogger(__name__)
 
 _LOSS_SMOOTHING = 0.05
+
+#: Trainer-state keys that belong to one rank (scaled out: its data stream and quality monitor); the rest is shared.
+RANK_LOCAL_TRAINER_KEYS: Final = ("dataset", "rng", "quality")
+_STREAM_KEYS: Final = ("dataset", "rng")  # this rank's data stream: restored together or not at all
 
 
 def _smooth(average: float | None, value: float) -> float | None:
@@ -82,6 +93,27 @@ def build_budget(settings: Settings) -> TokenBudget:
         max_sequences=settings.max_batch_sequences,
         pad_to_multiple_of=settings.pad_to_multiple_of,
     )
+
+
+def split_trainer_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared, rank-local) parts of :meth:`Trainer.state_dict`."""
+    shared = {key: value for key, value in state.items() if key not in RANK_LOCAL_TRAINER_KEYS}
+    local = {key: state[key] for key in RANK_LOCAL_TRAINER_KEYS if key in state}
+    return shared, local
+
+
+def join_trainer_state(trainer: Trainer, shared: Mapping[str, Any], local: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A state for :meth:`Trainer.load_state_dict`: the shared part with this rank's own, or,
+    when there is none (another ownership, or a checkpoint of one process), a fresh data
+    stream and generator for this rank, and a fresh quality monitor (no quality key)."""
+    joined = {key: value for key, value in shared.items() if key not in RANK_LOCAL_TRAINER_KEYS}
+    if local and all(key in local for key in _STREAM_KEYS):
+        joined.update({key: local[key] for key in _STREAM_KEYS})
+    else:
+        joined.update({"dataset": trainer.dataset.state_dict(), "rng": {"torch": torch.get_rng_state()}})
+    if local and "quality" in local:
+        joined["quality"] = local["quality"]
+    return joined
 
 
 class Trainer(ModelTrainer):
@@ -424,6 +456,13 @@ class Trainer(ModelTrainer):
                 "dataset": self.dataset.state_dict(),
                 "rng": {"torch": torch.get_rng_state()},  # the only generator the trainer draws from itself
             }
+
+    def checkpoint_parts(self, state: dict[str, Any]) -> CheckpointParts:
+        shared, local = split_trainer_state(state)
+        return CheckpointParts(shared=shared, rank_local=local)
+
+    def state_from_parts(self, parts: RestoredParts) -> dict[str, Any]:
+        return join_trainer_state(self, parts.shared, parts.rank_local)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:

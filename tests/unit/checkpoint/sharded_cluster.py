@@ -86,8 +86,17 @@ class Cluster:
                     batch = EventBatch.from_events(events, [p] * len(events), range(start, start + len(events)))
                     window.insert_batch(batch, {p: start + len(events)})
 
-    def save(self, root: Path, step: int, partition_count: int, topic: str = TOPIC, **shard_extra: Any) -> Path:
-        """The collective save, one rank after another; the manifest last."""
+    def save(
+        self,
+        root: Path,
+        step: int,
+        partition_count: int,
+        topic: str = TOPIC,
+        partitioned: list[dict[str, Any] | None] | None = None,
+        **shard_extra: Any,
+    ) -> Path:
+        """The collective save, one rank after another; the manifest last. ``partitioned``: each
+        rank's trainer state that follows partitions (the DP window), if any."""
         ownership = Ownership(self.world_size, partition_count)
         directory = ShardedCheckpointStore(root).create_directory(step, 1000 + step)
         receipts = [
@@ -98,6 +107,7 @@ class Cluster:
                 ownership=ownership,
                 topic=topic,
                 window_state=window.state_dict(),
+                partitioned_state=None if partitioned is None else partitioned[rank],
                 **shard_extra,
             )
             for rank, window in enumerate(self.windows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,10 +17,12 @@ from sharded_cluster import (
     Cluster,
     Topic,
     assert_exact,
+    flip,
     one_rank_window,
 )
 
 from streamtrain.checkpoint.collective import DistributedCheckpointer
+from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.manifest import read_manifest
 from streamtrain.checkpoint.rescale import CheckpointMismatch, restore_share, share_from_single_file
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
@@ -209,3 +212,33 @@ def test_a_one_file_checkpoint_is_a_one_shard_checkpoint(tmp_path: Path) -> None
     assert sorted(union) == sorted(topic.sent())
     with pytest.raises(CheckpointMismatch):
         share_from_single_file(loaded, rank=0, world_size=1, partition_count=2)
+
+
+def test_state_that_follows_partitions_comes_from_every_shard_after_a_rescale(tmp_path: Path) -> None:
+    """The DP windows' records follow their partitions, and a record may sit in a shard that holds none
+    of the restoring rank's window partitions: after a rescale every shard's part is read (the manifest
+    says which shards have one), under the same ownership only the rank's own."""
+    topic = Topic(partitions=4, seed=3)
+    topic.produce(80)
+    cluster = Cluster(2, 1000, math.inf)
+    cluster.consume(topic)
+    parts: list[dict[str, Any] | None] = [{"records": np.arange(3) + 10 * rank} for rank in range(2)]
+    manifest = read_manifest(cluster.save(tmp_path, step=7, partition_count=4, partitioned=parts))
+    assert [shard.get("partitioned_state") for shard in manifest.shards] == [True, True]
+
+    def restored(rank: int, world_size: int) -> list[list[int]]:
+        share = restore_share(manifest, rank=rank, world_size=world_size, partition_count=4, topic=TOPIC)
+        return [np.asarray(part["records"]).tolist() for part in share.partitioned_states]
+
+    assert [restored(rank, 2) for rank in range(2)] == [[[0, 1, 2]], [[10, 11, 12]]]  # unchanged: its own
+    assert restored(0, 1) == [[0, 1, 2], [10, 11, 12]]
+    assert restored(4, 5) == [[0, 1, 2], [10, 11, 12]]  # owns no partition of the topic: still reads every part
+    # a shard without such state (the plain trainer's, or an earlier release's) gives none
+    without = read_manifest(cluster.save(tmp_path, step=8, partition_count=4, partitioned=[None, parts[1]]))
+    assert [shard.get("partitioned_state") for shard in without.shards] == [None, True]
+    share = restore_share(without, rank=0, world_size=1, partition_count=4, topic=TOPIC)
+    assert [np.asarray(part["records"]).tolist() for part in share.partitioned_states] == [[10, 11, 12]]
+    # its bytes are covered by the shard's index like every section's
+    flip(manifest.directory / "shard-00001.stsh", 0.999)
+    with pytest.raises(CorruptCheckpoint, match="SHA-256 mismatch"):
+        restore_share(manifest, rank=0, world_size=1, partition_count=4, topic=TOPIC)

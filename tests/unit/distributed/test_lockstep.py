@@ -211,8 +211,8 @@ def serve(extra_env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({"WORLD_SIZE": "2", "RANK": "0"}, "needs MASTER_ADDR and MASTER_PORT"),
         (
             {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "STREAMTRAIN_DP": "on",
-             "STREAMTRAIN_SHUFFLE": "crypto"},
-            "DP=on with WORLD_SIZE=2",
+             "STREAMTRAIN_SHUFFLE": "crypto", "STREAMTRAIN_DP_ADMIT_PER_STEP": "1"},
+            "DP_ADMIT_PER_STEP=1 with WORLD_SIZE=2",
         ),
         (
             {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -450,3 +450,7 @@ def test_settings_every_rank_must_share() -> None:
     assert set(fingerprint) == set(scale_out.AGREED_SETTINGS)
     assert {"d_model", "amp", "holdout_share", "model_versions_keep", "window_capacity"} <= set(fingerprint)
     assert "http_port" not in fingerprint and "device" not in fingerprint  # may differ per rank
+    # DP: the ranks' engines are one mechanism, accounted once: its settings must be the same everywhere
+    for name, other in (("dp_noise_multiplier", 2.0), ("dp_admit_per_step", 3), ("dp_unit", "sensor")):
+        changed = scale_out.settings_fingerprint(load_settings(checkpoint_dir="unused", **{name: other}))
+        assert changed != fingerprint and changed[name] != fingerprint[name], name

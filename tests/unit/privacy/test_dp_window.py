@@ -236,3 +236,103 @@ def test_sensor_window_state_round_trip_keeps_ledger_and_groups() -> None:
         DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(
             window.state_dict()
         )
+
+
+# ----------------------------------------------------------------------------------------
+# a window's share under another world size (scale-out: the DP window follows partitions)
+
+
+def placed_batch(events_at: list[tuple[int, int, str]]) -> EventBatch:
+    """Events (partition, offset, sensor), each carrying 1000 * partition + offset as its value."""
+    items = [SensorEvent(sensor, 0.0, np.full((2, 1), float(1000 * p + o), np.float32)) for p, o, sensor in events_at]
+    return EventBatch.from_events(items, partitions=[p for p, _, _ in events_at], offsets=[o for _, o, _ in events_at])
+
+
+def records(window: DPWindow) -> list[tuple[int, tuple[int, ...]]]:
+    """(admission step, the record's event values) of every eligible record, sorted."""
+    eligible = window.eligible()
+    found: dict[int, tuple[int, list[int]]] = {}
+    for value, age, record in zip(ids(eligible.values), eligible.ages.tolist(), eligible.groups.tolist(), strict=True):
+        found.setdefault(record, (window.closed_step - age, []))[1].append(value)
+    return sorted((step, tuple(sorted(values))) for step, values in found.values())
+
+
+def two_rank_windows(unit: str) -> list[DPWindow]:
+    """The windows of ranks 0 (partitions 0, 2) and 1 (partitions 1, 3) after three steps, with arrivals
+    pending for step 4; sensor "a" sends on partitions 0 and 2 (one group of rank 0 holds both), and
+    also on 1 (rank 1)."""
+    windows = [DPWindow(eligible_steps=4, admit_per_step=3, randomness=SeededRandomness(20 + r), unit=unit,
+                        sensor_events=2) for r in range(2)]  # fmt: skip
+    arrivals = {
+        1: [(0, 0, "a"), (2, 0, "a"), (0, 1, "b"), (1, 0, "a"), (3, 0, "c"), (1, 1, "d")],
+        2: [(0, 2, "e"), (2, 1, "f"), (1, 2, "g"), (3, 1, "h"), (3, 2, "h")],
+        3: [(2, 2, "i"), (0, 3, "j"), (1, 3, "k")],
+        4: [(0, 4, "m"), (2, 3, "m"), (0, 5, "n"), (2, 4, "o"), (0, 6, "p"), (1, 4, "q"), (3, 3, "q"), (1, 5, "r")],
+    }
+    for step in range(1, 5):
+        for rank, window in enumerate(windows):
+            mine = [event for event in arrivals[step] if event[0] % 2 == rank]
+            if mine:
+                window.admit(placed_batch(mine), step=step)
+            if step < 4:
+                window.close_step(step)
+    return windows
+
+
+@pytest.mark.parametrize("unit", ["event", "sensor"])
+def test_a_share_under_another_world_size_keeps_every_record_once_whole_at_its_step(unit: str) -> None:
+    old = two_rank_windows(unit)
+    states = [window.state_dict() for window in old]
+    before = sorted(record for window in old for record in records(window))
+    assert any(len(values) == 2 for _, values in before) == (unit == "sensor")  # "a": one group, two partitions
+    for world in (1, 2, 3, 4):
+        shares = []
+        for rank in range(world):
+            share = DPWindow(eligible_steps=4, admit_per_step=6 // world + (rank < 6 % world), unit=unit,
+                             randomness=SeededRandomness(40 + rank), sensor_events=2)  # fmt: skip
+            share.load_state_dict(share.share_state(states, lambda p, r=rank, w=world: p % w == r))
+            shares.append(share)
+        after = [record for share in shares for record in records(share)]
+        assert sorted(after) == before, f"{world} ranks: each record once, whole, with its admission step"
+        for rank, share in enumerate(shares):  # a record lives with the owner of its lowest partition
+            assert all(min(v // 1000 for v in values) % world == rank for _, values in records(share))
+            assert share.closed_step == 3 and share.eligible_ranges() == [(1, 3)]
+            assert set(share.watermarks) == {p for p in range(4) if p % world == rank}
+        # the pending arrivals of step 4 are decided by the owner of their partition, each once
+        decided = [share.close_step(4) for share in shares]
+        for rank, decision in enumerate(decided):
+            assert all(p % world == rank for p in decision.watermarks)
+        marks = {p: m for decision in decided for p, m in decision.watermarks.items()}
+        assert marks == {0: 7, 1: 6, 2: 5, 3: 4}
+        admitted = [(p, o) for decision in decided for p, offsets in decision.admitted.items() for o in offsets]
+        assert len(admitted) == len(set(admitted)) and len(admitted) >= 4
+
+
+def test_a_share_cuts_a_steps_pending_arrivals_to_this_windows_admissions() -> None:
+    """One process's window (R = 6) shared by two ranks (R = 3 each): a rank that owns all six
+    pending arrivals keeps the three with the smallest random keys, as admit would have."""
+    one = DPWindow(eligible_steps=3, admit_per_step=6, randomness=SeededRandomness(30))
+    one.admit(placed_batch([(0, o, "s") for o in range(6)]), step=1)
+    state = one.state_dict()
+    keys = sorted(zip(np.asarray(state["pending"]["keys"]).tolist(), np.asarray(state["pending"]["offsets"]).tolist()))
+    share = DPWindow(eligible_steps=3, admit_per_step=3, randomness=SeededRandomness(31))
+    share.load_state_dict(share.share_state([state], lambda p: p % 2 == 0))
+    decision = share.close_step(1)
+    assert decision.admitted == {0: sorted(offset for _, offset in keys[:3])}
+    assert decision.watermarks == {0: 6}  # the three cut were decided too: never offered again
+    other = DPWindow(eligible_steps=3, admit_per_step=3, randomness=SeededRandomness(32))
+    other.load_state_dict(other.share_state([state], lambda p: p % 2 == 1))
+    assert other.close_step(1).admitted == {}
+
+
+def test_a_share_keeps_the_ledger_and_refuses_windows_of_different_cuts() -> None:
+    old = two_rank_windows("sensor")
+    states = [window.state_dict() for window in old]
+    share = DPWindow(eligible_steps=4, admit_per_step=6, randomness=SeededRandomness(50), unit="sensor",
+                     sensor_events=2)  # fmt: skip
+    share.load_state_dict(share.share_state(states, lambda p: True))
+    assert share.ledger["a"] == (1, 1) and share.ledger["k"] == (1, 3)
+    assert set(share.ledger) == set(old[0].ledger) | set(old[1].ledger)
+    old[1].close_step(4)
+    with pytest.raises(ValueError, match="closed at different steps"):
+        share.share_state([old[0].state_dict(), old[1].state_dict()], lambda p: True)

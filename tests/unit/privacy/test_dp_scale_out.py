@@ -1,0 +1,202 @@
+"""DP scaled out, in one process: the DP lockstep loop, the DP state cut for a sharded checkpoint.
+
+The mechanism across real processes (one exact sum, one noise draw, rank 0's clock, 2 -> 1 -> 2
+on one record) is tests/unit/distributed/test_dp_group.py; the whole service on the broker,
+tests/integration/test_dp_scale_out.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from test_dp_operator_plane import DP, arrivals, make_service, run_until_decided
+
+from streamtrain.checkpoint.manifest import write_manifest
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
+from streamtrain.checkpoint.shards import write_common, write_shard
+from streamtrain.config import load_settings
+from streamtrain.distributed.collectives import Collectives
+from streamtrain.distributed.launch import DistContext
+from streamtrain.distributed.ownership import Ownership
+from streamtrain.metrics import Metrics
+from streamtrain.privacy.trainer import DPLockstepLoop, DPTrainer
+from streamtrain.training.protocol import RestoredParts
+from streamtrain.window.reservoir import RecencyWindow
+
+torch.set_num_threads(1)
+
+
+class Cuts:
+    """Stands in for the group's checkpoint cut: records (final, step) and the state as it would be cut."""
+
+    def __init__(self, trainer: DPTrainer) -> None:
+        self.trainer = trainer
+        self.calls: list[tuple[bool, int]] = []
+
+    def __call__(self, final: bool) -> None:
+        parts = self.trainer.checkpoint_parts(self.trainer.state_dict())
+        assert parts.by_partition is not None and "window" not in parts.shared["dp"]
+        self.calls.append((final, self.trainer.step))
+
+
+def dp_trainer(tmp_path: Path, **overrides: Any) -> tuple[DPTrainer, Cuts]:
+    """A DP trainer of a one-rank group (local collectives) with its lockstep loop."""
+    settings = load_settings(**{**DP, "checkpoint_dir": tmp_path / "ckpt", "publish_interval_s": 0.2, **overrides})
+    cuts: list[Cuts] = []
+
+    def loop(trainer: DPTrainer) -> DPLockstepLoop:
+        cuts.append(Cuts(trainer))
+        return DPLockstepLoop(trainer, Collectives(DistContext()), checkpoint=cuts[0])
+
+    trainer = DPTrainer(
+        settings, RecencyWindow(100, 60.0), Metrics(), collectives=Collectives(DistContext()), loop=loop
+    )
+    return trainer, cuts[0]
+
+
+def wait(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_the_dp_loop_publishes_on_the_public_clock_cuts_checkpoints_and_stops_when_agreed(tmp_path: Path) -> None:
+    trainer, cuts = dp_trainer(tmp_path)
+    loop = trainer.loop
+    assert isinstance(loop, DPLockstepLoop) and trainer.engine.group is not None
+    trainer.resume_after_restore()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    for start in range(0, 40, 10):
+        trainer.admit(arrivals(0, range(start, start + 10)), {0: start + 10})
+        time.sleep(0.1)
+    wait(lambda: trainer.step >= 12 and trainer.published is not None and trainer.published.version >= 3, 60,
+         "steps and publications")  # fmt: skip
+    published = [trainer.registry.get(v) for v in trainer.registry.versions()]
+    for model in published:  # the model after step t, published when step t + 1 was due, stamped with that time
+        assert model.published_at == trainer.engine.due_at(model.step + 1, time.time())
+        assert model.step % trainer.publish_every_steps == 0 or model.version == 1
+    assert trainer.record.synced_step >= published[-1].step  # the record covered it before it was published
+    outcome = loop.request_rollback(published[0].version, reason="test").wait(30)  # taken at an agreed tick
+    assert outcome is not None and outcome.applied and loop.rollbacks[-1] == outcome
+    loop.checkpoint_due.set()
+    wait(lambda: cuts.calls, 30, "a checkpoint")
+    assert cuts.calls[0][0] is False and not loop.checkpoint_due.is_set()
+    loop.stop_requested.set()
+    thread.join(30)
+    assert not thread.is_alive() and loop.finished.is_set()
+    assert cuts.calls[-1] == (True, trainer.step) and trainer.record.synced_step == trainer.step
+    assert loop.tick > trainer.step  # ticks without a due step go on (a stop or checkpoint is heard there)
+    assert trainer.engine.window.admitted_total > 0
+
+
+def test_a_dp_state_cut_in_parts_comes_back_whole_or_shared_by_partition(tmp_path: Path) -> None:
+    service = make_service(tmp_path)
+    service.restore()
+    trainer = service.trainer
+    for partition in range(4):
+        trainer.admit(arrivals(partition, range(0, 6)), {partition: 6})
+    for partition in range(4):
+        run_until_decided(service, partition, 6)
+    state = trainer.state_dict()
+    parts = trainer.checkpoint_parts(state)
+    assert parts.by_partition is not None and set(parts.rank_local) == {"dp_totals"}
+    assert not {"window", "published", "running"} & set(parts.shared["dp"])
+
+    def back(owns: Any, unchanged: bool, by_partition: list[dict[str, Any]]) -> dict[str, Any]:
+        return trainer.state_from_parts(RestoredParts(parts.shared, parts.rank_local if unchanged else None,
+                                                      by_partition, owns, unchanged))  # fmt: skip
+
+    whole = back(lambda p: True, True, [parts.by_partition])
+    assert (
+        whole["dp"]["window"] is parts.by_partition["dp_window"]
+        and whole["dp"]["published"] == state["dp"]["published"]
+    )
+    eligible = state["dp"]["window"]["eligible"]
+    held = sorted(zip(eligible["partitions"].tolist(), eligible["offsets"].tolist()))
+    assert {p for p, _ in held} == {0, 1, 2, 3}
+    shares = [back(lambda p, r=rank: p % 2 == r, False, [parts.by_partition]) for rank in range(2)]
+    for rank, share in enumerate(shares):
+        window = share["dp"]["window"]
+        assert set(window["eligible"]["partitions"].tolist()) == {rank, rank + 2}
+        assert share["dp"]["clock"] == state["dp"]["clock"] and share["step"] == state["step"]
+        assert share["dp"]["published"]["steps"] == 0  # operator-plane totals start again under another ownership
+    again = sorted(
+        (p, o)
+        for share in shares
+        for p, o in zip(
+            share["dp"]["window"]["eligible"]["partitions"].tolist(),
+            share["dp"]["window"]["eligible"]["offsets"].tolist(),
+            strict=True,
+        )
+    )
+    assert again == held
+    # a one-file checkpoint (another world size) holds its one window in the shared state: the whole state
+    from_one_file = trainer.state_from_parts(RestoredParts(state, None, [], lambda p: p % 2 == 1, False))
+    assert set(from_one_file["dp"]["window"]["eligible"]["partitions"].tolist()) == {1, 3}
+
+
+def test_one_process_restores_a_sharded_dp_checkpoint_of_two_ranks(tmp_path: Path) -> None:
+    """2 -> 1: the DP windows of both ranks' shards, the group's clock and record step (rank 0's common state)."""
+    ranks = []
+    for rank in range(2):
+        service = make_service(tmp_path / f"rank{rank}")
+        service.restore()
+        service.trainer.admit(arrivals(rank, range(0, 8)), {rank: 8})
+        run_until_decided(service, rank, 8)
+        ranks.append(service)
+    step = max(service.trainer.step for service in ranks)
+    for service in ranks:  # both at one clock step: one cut
+        while service.trainer.step < step:
+            service.trainer._work()
+    root = tmp_path / "rank0" / "ckpt"  # the group's directory: rank 0's record and clock log are there
+    ownership = Ownership(world_size=2, partition_count=2)
+    directory = ShardedCheckpointStore(root).create_directory(step, 1000)
+    receipts, shared = [], None
+    for rank, service in enumerate(ranks):
+        parts = service.trainer.checkpoint_parts(service.trainer.state_dict())
+        shared = shared or parts.shared
+        receipts.append(write_shard(directory, step=step, rank=rank, ownership=ownership, topic="sensor-events",
+                                    window_state=service.window.state_dict(), rank_state=parts.rank_local,
+                                    partitioned_state=parts.by_partition))  # fmt: skip
+    common = write_common(directory, {"trainer": shared}, step=step)
+    write_manifest(directory, step=step, topic="sensor-events", ownership=ownership, common=common, shards=receipts)
+
+    one = make_service(tmp_path / "one", checkpoint_dir=root)
+    one.restore()
+    engine = one.trainer.engine
+    eligible = engine.window.eligible()
+    held = [(ranks[r].trainer.engine.window.eligible(), r) for r in range(2)]
+    assert len(eligible) == sum(len(e) for e, _ in held) > 0  # every record of both ranks, once
+    restored = sorted(np.concatenate([v.ravel() for v in eligible.values]).tolist())
+    expected = sorted(np.concatenate([v.ravel() for e, _ in held for v in e.values]).tolist())
+    assert restored == expected
+    assert engine.steps == step and one.restored_from == directory
+    assert one.trainer.published is not None and one.trainer.published.step == step
+
+
+def test_a_revocation_in_a_group_stops_admitting_and_leaves_the_sync_to_the_agreed_ticks(tmp_path: Path) -> None:
+    """Scaled out no other process takes a partition over, and the record is synced by every rank
+    together: a revocation (ingest's watchdog, the stop) neither syncs on its own nor fences."""
+    trainer, _ = dp_trainer(tmp_path, dp_admission_dir=tmp_path / "record")
+    trainer.resume_after_restore()
+    fenced: list[str] = []
+    trainer.on_fenced = fenced.append
+    trainer.on_partitions_assigned([0])
+    trainer.admit(arrivals(0, range(0, 10)), {0: 10})
+    wait(lambda: trainer.run_step(time.time()) and trainer.engine.window.watermarks.get(0) == 10, 30, "a decision")
+    assert trainer.record.pending  # decided, not yet durable
+    (tmp_path / "record").mkdir(exist_ok=True)
+    (tmp_path / "record").rename(tmp_path / "record-away")
+    (tmp_path / "record").write_text("not a directory: a sync here would fail")
+    trainer.on_partitions_revoked([0])
+    assert fenced == [] and trainer.fenced is None and trainer.record_error is None
+    arrived = trainer.engine.window.arrived_total
+    trainer.admit(arrivals(0, range(10, 20)), {0: 20})  # no longer admitted from
+    assert trainer.engine.window.arrived_total == arrived == 10
