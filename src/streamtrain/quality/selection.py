@@ -40,6 +40,42 @@ from streamtrain.quality.scoring import Scorable, forward_in_data_units
 TrainingSample = tuple[Sequence[np.ndarray], float]
 
 _BLEND_MARGIN = 0.01  # a blend (its weight fitted on the holdout) serves only when 1% better than both parts
+#: One-sided 5%: the network (or a blend with it) replaces the better of the last value and the
+#: linear forecaster only when its holdout error is lower by this many standard errors.
+EVIDENCE_Z = 1.645
+
+
+@dataclass(frozen=True)
+class HoldoutErrors:
+    """Sums over the holdout's one-step targets of every model's errors (in the candidate's units).
+
+    ``gram[i, j]``: the sum of each target's channel mean of ``e_i e_j``, so ``gram[i, i]`` is
+    model i's summed squared error and any blend's follows. ``losses``: the Gram matrix of
+    those per-target products (as vectors over the ``k * k`` pairs), so the spread of the
+    difference of any two blends' per-target losses follows too (the paired test below).
+    """
+
+    steps: float
+    gram: np.ndarray  # [k, k]
+    losses: np.ndarray  # [k * k, k * k]
+
+    def loss_difference(self, weights_a: np.ndarray, weights_b: np.ndarray) -> tuple[float, float]:
+        """(mean, second moment) over targets of ``loss(a) - loss(b)``, where ``a`` and ``b`` are
+        forecasts ``sum_i w_i f_i`` (each a weight per model)."""
+        pairs = (np.outer(weights_a, weights_a) - np.outer(weights_b, weights_b)).ravel()
+        steps = max(self.steps, 1.0)
+        return float(pairs @ self.gram.ravel()) / steps, float(pairs @ self.losses @ pairs) / steps
+
+    def evidence(self, better: np.ndarray, than: np.ndarray, redundancy: float) -> float:
+        """The paired (Diebold-Mariano) statistic that ``better`` forecasts with less error than
+        ``than``: the mean loss difference over its standard error, with the targets counted once
+        however many held-out events repeat them (``redundancy``); 0 without a spread."""
+        mean, second = self.loss_difference(than, better)
+        variance = second - mean * mean
+        distinct = self.steps / max(redundancy, 1.0)
+        if not variance > 0 or distinct <= 1:
+            return 0.0
+        return mean / math.sqrt(variance / distinct)
 
 
 @dataclass(frozen=True)
@@ -141,10 +177,11 @@ class ForecasterSelector:
         cfg = self.config
         units = candidate.norm  # every model is scored in the same units
         n = int(round(self._combined(np.array([float(len(values))]))[0]))
+        redundancy = self._redundancy()
         if n < cfg.holdout_min_events:
             # The network cannot be judged yet; the linear forecaster can, by generalized
             # cross-validation on the window, against the last value (its all-zero choice).
-            linear = self._fit_linear(candidate, training_values)
+            linear = self._fit_linear(candidate, training_values, redundancy)
             forecaster, kind = LAST_VALUE, "the last value"
             if linear is not None and not linear.is_last_value:
                 forecaster, kind = Forecaster("linear", linear.coefficients), "the linear forecaster (chosen by GCV)"
@@ -153,7 +190,7 @@ class ForecasterSelector:
                 GateDecision(True, reason, n), forecaster, candidate, reason, n, new_reference=reference is None,
                 linear=None if linear is None else linear.report(),
             )  # fmt: skip
-        linear = self._fit_linear(candidate, training_values)
+        linear = self._fit_linear(candidate, training_values, redundancy)
         linear_forecaster = None if linear is None else Forecaster("linear", linear.coefficients)
         # One scoring pass: the networks against each other, the baselines beside them.
         models: list[Scorable | None] = [
@@ -162,7 +199,8 @@ class ForecasterSelector:
             _Served(candidate, LAST_VALUE),
             None if linear_forecaster is None else _Served(candidate, linear_forecaster),
         ]
-        steps, gram = self._error_gram(values, models, units)
+        errors = self._error_gram(values, models, units)
+        steps, gram = errors.steps, errors.gram
         if steps == 0:
             reason = "holdout events have no steps to forecast"
             return Selection(
@@ -186,24 +224,54 @@ class ForecasterSelector:
         if not decision.publish:
             return Selection(decision, NETWORK, None, decision.reason, n, mse)
         new_reference = reference_mse is None or candidate_mse <= reference_mse
-        options: list[tuple[str, float, Forecaster]] = [("last_value", sse[2] / steps, LAST_VALUE)]
-        if linear is not None and linear_forecaster is not None:
-            options.append(("linear", sse[3] / steps, linear_forecaster))
-        options.append(("network", candidate_mse, NETWORK))
+        _, forecaster, reason = self._choose(errors, mse, linear, redundancy)
+        return Selection(
+            decision, forecaster, candidate, reason, n, mse,
+            new_reference=new_reference, linear=None if linear is None else linear.report(),
+        )  # fmt: skip
+
+    def _choose(
+        self, errors: HoldoutErrors, mse: dict[str, float | None], linear: LinearChoice | None, redundancy: float
+    ) -> tuple[str, Forecaster, str]:
+        """(kind, forecaster, reason): the better of the last value and the linear forecaster on
+        the holdout, unless the network, or its blend with the linear, beats that with evidence
+        (:data:`EVIDENCE_Z` standard errors, the targets counted once): a holdout of a few dozen
+        events cannot tell a network that forecasts from one that fits its noise, and the
+        network is the model with most room to fit noise."""
+        steps, gram = errors.steps, errors.gram
+        weights = {kind: np.eye(4)[i] for kind, i in (("network", 0), ("last_value", 2), ("linear", 3))}
+        options: list[tuple[str, float, Forecaster]] = [("last_value", gram[2, 2] / steps, LAST_VALUE)]
+        if linear is not None:
+            options.append(("linear", gram[3, 3] / steps, Forecaster("linear", linear.coefficients)))
+        simple = min((o for o in options if math.isfinite(o[1])), key=lambda o: o[1])  # ties: the last value
+        challengers: list[tuple[str, float, Forecaster]] = [("network", gram[0, 0] / steps, NETWORK)]
         if linear is not None:
             weight, blend_sse = best_blend(gram[0, 0], gram[3, 3], gram[0, 3])
             mse["blend"] = blend_sse / steps
             if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[0, 0], gram[3, 3]):
-                options.append(("blend", blend_sse / steps, Forecaster("blend", linear.coefficients, weight)))
-        finite = [option for option in options if math.isfinite(option[1])]
-        kind, _, forecaster = min(finite, key=lambda option: option[1])  # ties: the simpler (listed first)
-        shown = ", ".join(f"{k} {v:.4g}" for k, v, _ in options)
-        return Selection(
-            decision, forecaster, candidate, f"{kind} forecasts the holdout best ({shown})", n, mse,
-            new_reference=new_reference, linear=None if linear is None else linear.report(),
-        )  # fmt: skip
+                challengers.append(("blend", blend_sse / steps, Forecaster("blend", linear.coefficients, weight)))
+                weights["blend"] = weight * weights["network"] + (1.0 - weight) * weights["linear"]
+        shown = ", ".join(f"{k} {v:.4g}" for k, v, _ in options + challengers)
+        best = min((c for c in challengers if math.isfinite(c[1])), key=lambda c: c[1], default=None)
+        if best is None or not best[1] < simple[1]:
+            return simple[0], simple[2], f"{simple[0]} forecasts the holdout best ({shown})"
+        z = errors.evidence(weights[best[0]], weights[simple[0]], redundancy)
+        if z >= EVIDENCE_Z:
+            return best[0], best[2], f"{best[0]} forecasts the holdout best, by z = {z:.2f} over {simple[0]} ({shown})"
+        reason = (
+            f"{best[0]} forecasts the holdout best but without evidence (z = {z:.2f} < {EVIDENCE_Z:g}): "
+            f"{simple[0]} serves ({shown})"
+        )
+        return simple[0], simple[2], reason
 
-    def _fit_linear(self, candidate: Scorable, training_values: Callable[[], TrainingSample]) -> LinearChoice | None:
+    def _redundancy(self) -> float:
+        """How many events each reading is in, on average over sensors (sliding windows: their length)."""
+        readings, sensors = self._combined(self._redundancy_sums())
+        return readings / sensors if sensors else 1.0
+
+    def _fit_linear(
+        self, candidate: Scorable, training_values: Callable[[], TrainingSample], redundancy: float
+    ) -> LinearChoice | None:
         """The linear forecaster in the candidate's units, fitted on a sample of the window (never
         on the holdout, which judges it beside the network)."""
         max_order = max(1, min(self.config.linear_max_order, candidate.model.max_len))
@@ -211,31 +279,26 @@ class ForecasterSelector:
         values, sampled_share = training_values()
         local = LagSums.of(values, max_order, channels, units.mean.numpy(), units.std.numpy())
         sums = LagSums.from_array(self._combined(local.as_array()), channels, max_order)
-        readings, sensors = self._combined(self._redundancy_sums())
-        # each reading is in (readings / sensors) events of the stream; a sample keeps a share of them
-        redundancy = max(1.0, sampled_share * readings / sensors) if sensors else 1.0
-        return choose_linear(sums, max_order, redundancy=redundancy)
+        # each reading is in ``redundancy`` events of the stream; a sample keeps a share of them
+        return choose_linear(sums, max_order, redundancy=max(1.0, sampled_share * redundancy))
 
-    def _error_gram(
-        self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm
-    ) -> tuple[float, np.ndarray]:
-        """(steps, G) over the holdout of every rank: ``G[i, j]`` sums, over one-step targets,
-        the channel mean of model i's error times model j's (so ``G[i, i]`` is model i's summed
-        squared error, and any blend's follows from G). A model that is None is absent on every rank."""
+    def _error_gram(self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm) -> HoldoutErrors:
+        """The holdout errors of every rank, as sums (see :class:`HoldoutErrors`). A model that
+        is None is absent on every rank."""
         k = len(models)
-        local = np.zeros(1 + k * k)
+        local = np.zeros(1 + k * k + k**4)
         budget = self.config.token_budget
         present = [i for i, model in enumerate(models) if model is not None]
         if values and present:
             unit_std = units.std.float()
             lengths = np.array([len(v) for v in values], dtype=np.int64)
-            gram = np.zeros((k, k))
+            gram, losses = np.zeros((k, k)), np.zeros((k * k, k * k))
             steps = 0.0
             with torch.inference_mode():
                 for group in plan_predict_batches(lengths, budget):
                     batch = collate([values[i] for i in group])
                     mask, data = batch.mask, batch.values
-                    valid = (mask[:, :-1] & mask[:, 1:]).double()[..., None]
+                    valid = mask[:, :-1] & mask[:, 1:]
                     errors = torch.zeros(k, *data[:, 1:].shape, dtype=torch.float64)
                     for i in present:
                         model = models[i]
@@ -247,11 +310,16 @@ class ForecasterSelector:
                             _, forecast = forward_in_data_units(module, model.norm, data, mask)
                         finally:
                             module.train(was_training)
-                        errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double() * valid
-                    flat = errors.reshape(k, -1)
-                    gram += (flat @ flat.T).numpy() / data.shape[-1]
+                        errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double()
+                    per_target = errors[:, valid]  # [k, N, C]
+                    products = torch.einsum("inc,jnc->ijn", per_target, per_target).reshape(k * k, -1)
+                    products /= data.shape[-1]  # [k * k, N]: each target's channel mean of e_i e_j
+                    gram += products.sum(dim=1).reshape(k, k).numpy()
+                    losses += (products @ products.T).numpy()
                     steps += float(valid.sum())
             local[0] = steps
-            local[1:] = gram.ravel()
+            local[1 : 1 + k * k] = gram.ravel()
+            local[1 + k * k :] = losses.ravel()
         total = self._combined(local)
-        return float(total[0]), total[1:].reshape(k, k)
+        gram, losses = total[1 : 1 + k * k].reshape(k, k), total[1 + k * k :].reshape(k * k, k * k)
+        return HoldoutErrors(float(total[0]), gram, losses)

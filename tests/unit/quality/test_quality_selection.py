@@ -21,12 +21,12 @@ from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
 from streamtrain.model.forecasters import LAST_VALUE, ServedModel
 from streamtrain.model.inference import predict
-from streamtrain.model.network import SensorModel
+from streamtrain.model.network import ModelOutput, SensorModel
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.monitor import QualityMonitor
 from streamtrain.quality.scoring import score_events
-from streamtrain.quality.selection import TrainingSample
+from streamtrain.quality.selection import ForecasterSelector, TrainingSample
 from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 from streamtrain.tools.export import decode_bundle, encode_bundle
@@ -236,3 +236,103 @@ def test_publishing_takes_at_most_its_share_of_the_trainers_time(tmp_path: Path)
     trainer._last_publish = time.monotonic() - 5.1
     trainer._publish_if_due()
     assert trainer.published is not first
+
+
+def sine_map_instances(rng: np.random.Generator, n: int, length: int) -> list[np.ndarray]:
+    """x[t+1] = 0.9 sin(2 x[t]) + 0.3 e: a process no linear forecast gets close to."""
+    out = []
+    for _ in range(n):
+        x = np.zeros(length)
+        x[0] = rng.normal()
+        for t in range(1, length):
+            x[t] = 0.9 * np.sin(2.0 * x[t - 1]) + 0.3 * rng.normal()
+        out.append(x[:, None].astype(np.float32))
+    return out
+
+
+class TowardsTheSineMap(SensorModel):
+    """A "network" whose forecast is the last value moved a share of the way to the true map."""
+
+    def __init__(self, share: float) -> None:
+        super().__init__(1, d_model=8, n_heads=2, n_layers=1, max_len=64)
+        self.share = share
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        truth = 0.9 * torch.sin(2.0 * x_norm)
+        return ModelOutput(forecast=(x_norm + self.share * (truth - x_norm)) * mask[..., None], logits=None)
+
+
+def sine_map_monitor(rng: np.random.Generator, held: int) -> QualityMonitor:
+    quality = monitor(None, holdout_share=0.5, holdout_min_events=16, holdout_capacity=held)
+    instances = sine_map_instances(rng, held, 24)
+    quality.holdout.add(events(*[i[:, 0].tolist() for i in instances]), np.arange(held))
+    return quality
+
+
+class Wiggle(SensorModel):
+    """A "network" that knows nothing: the last value moved by a fixed function of it."""
+
+    def __init__(self, phase: float) -> None:
+        super().__init__(1, d_model=8, n_heads=2, n_layers=1, max_len=64)
+        self.phase = phase
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        return ModelOutput(
+            forecast=(x_norm + 0.05 * torch.sin(7.0 * x_norm + self.phase)) * mask[..., None], logits=None
+        )
+
+
+def test_the_network_serves_with_evidence_and_not_on_a_lucky_margin() -> None:
+    """The network replaces the better of the last value and the linear forecaster only when the
+    holdout shows it forecasts better beyond its noise: a network that knows the process serves;
+    one that knows nothing but happens to beat the others on this holdout does not (the old
+    rule, the least holdout MSE, served it)."""
+    norm = RunningNorm.from_public([0.0], [1.0])
+    quality = sine_map_monitor(np.random.default_rng(20), held=64)
+    training: Callable[[], TrainingSample] = lambda: (sine_map_instances(np.random.default_rng(21), 400, 24), 1.0)  # noqa: E731
+    good = quality.select(Frozen(TowardsTheSineMap(1.0), norm, 1), None, training)
+    assert good.forecaster.kind == "network", good.reason
+    assert good.mse["candidate"] < 0.6 * min(good.mse["linear"], good.mse["last_value"])
+
+    walks = monitor(None, holdout_share=0.5, holdout_min_events=16, holdout_capacity=64)
+    walks.holdout.add(
+        events(*[np.cumsum(r).tolist() for r in np.random.default_rng(22).normal(size=(64, 24))]), np.arange(64)
+    )
+    nothing: Callable[[], TrainingSample] = lambda: ([], 1.0)  # noqa: E731
+    tries = [walks.select(Frozen(Wiggle(phase), norm, 1), None, nothing) for phase in np.linspace(0, 6.2, 32)]
+    lucky = min(tries, key=lambda selection: selection.mse["candidate"])
+    assert lucky.mse["candidate"] < lucky.mse["last_value"]  # it beats the last value on this holdout ...
+    assert lucky.forecaster.kind == "last_value" and "without evidence" in lucky.reason, lucky.reason  # ... by luck
+
+
+def test_the_evidence_is_the_paired_t_statistic_of_the_per_target_losses() -> None:
+    rng = np.random.default_rng(22)
+    values = sine_map_instances(rng, 40, 24) + [rng.normal(size=(7, 1)).astype(np.float32)]  # one shorter
+    norm = RunningNorm.from_public([0.5], [2.0])
+    models = [Frozen(TowardsTheSineMap(0.7), norm, 1), None, Frozen(TowardsTheSineMap(0.0), norm, 2)]
+    selector = ForecasterSelector(QualityConfig(), lambda local: local, lambda: np.array([0.0, 0.0]))
+    errors = selector._error_gram(values, models, norm)  # type: ignore[arg-type]
+    # the same errors, instance by instance, in the norm's units
+    per_target = []
+    for x in values:
+        for model in (models[0], models[2]):
+            assert model is not None
+            z = torch.from_numpy((x - 0.5) / 2.0)[None]
+            forecast = model.model(z, torch.ones(1, len(x), dtype=torch.bool)).forecast[0, :-1, 0].double()
+            per_target.append((forecast - z[0, 1:, 0].double()).numpy())
+    network = np.concatenate(per_target[0::2])
+    last = np.concatenate(per_target[1::2])
+    assert errors.steps == network.size
+    assert errors.gram[0, 0] == pytest.approx(float(network @ network), rel=1e-6)
+    assert errors.gram[0, 2] == pytest.approx(float(network @ last), rel=1e-6)
+    assert errors.gram[1, 1] == 0.0  # an absent model
+    d = last**2 - network**2
+    paired_t = d.mean() / (d.std() / np.sqrt(d.size))
+    network_w, last_w = np.eye(3)[0], np.eye(3)[2]
+    assert errors.evidence(network_w, last_w, redundancy=1.0) == pytest.approx(paired_t, rel=1e-6)
+    # a target repeated by r held-out events counts once: the statistic shrinks by sqrt(r)
+    assert errors.evidence(network_w, last_w, redundancy=4.0) == pytest.approx(paired_t / 2.0, rel=1e-6)
+    blend_w = 0.3 * network_w + 0.7 * last_w
+    blend = 0.3 * network + 0.7 * last
+    d = last**2 - blend**2
+    assert errors.evidence(blend_w, last_w, redundancy=1.0) == pytest.approx(d.mean() / (d.std() / np.sqrt(d.size)))
