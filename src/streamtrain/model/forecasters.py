@@ -203,6 +203,7 @@ class LinearModel:
     relative_penalty: float
     coefficients: np.ndarray  # [1 + readings]: intercept, then lags x[t], x[t-1], ...
     gcv_mse: float  # generalized cross-validation's estimate of the error per target
+    distinct_targets: float  # the evidence it was fitted on, each target counted once
 
     def report(self) -> dict[str, Any]:
         return {"family": self.family, "order": self.order, "relative_penalty": self.relative_penalty}
@@ -246,7 +247,7 @@ def fit_model(
     if not np.isfinite(phi).all() or df >= n:
         return None
     rss = max(yty - 2.0 * phi @ b + phi @ a @ phi, 0.0)
-    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2)
+    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2, n)
 
 
 def unit_root_t(sums: LagSums, channel: int, redundancy: float, lags: int = ADF_LAGS) -> float | None:
@@ -276,15 +277,63 @@ def unit_root_t(sums: LagSums, channel: int, redundancy: float, lags: int = ADF_
 
 
 @dataclass(frozen=True)
+class FamilyFit:
+    """A family's forecast: its models averaged with Akaike weights (Burnham and Anderson),
+    ``w ∝ exp(-n/2 log(GCV_m / GCV_best))`` with n the distinct targets (n log GCV is AIC to
+    first order), so models that GCV cannot tell apart share the forecast instead of one of
+    them winning by noise; a model of weight below 0.1% is left out."""
+
+    models: tuple[LinearModel, ...]  # the least GCV error first
+    weights: tuple[float, ...]
+    coefficients: np.ndarray  # [1 + readings of the widest model]
+
+    @property
+    def best(self) -> LinearModel:
+        return self.models[0]
+
+    def report(self) -> dict[str, Any]:
+        return {**self.best.report(), "weight": round(self.weights[0], 4), "models_averaged": len(self.models)}
+
+
+def family_fit(
+    sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
+) -> FamilyFit | None:
+    """Every order up to ``max_order`` and every penalty of ``families``, averaged (see
+    :class:`FamilyFit`); None when not even the best beats the last value's error (every
+    coefficient zero) on the targets it was fitted on."""
+    members = [
+        model
+        for family in families for order in ORDERS if order <= max_order for relative in RELATIVE_PENALTIES
+        if (model := fit_model(sums, channel, family, order, relative, redundancy)) is not None
+    ]  # fmt: skip
+    if not members:
+        return None
+    members.sort(key=lambda m: m.gcv_mse)
+    best = members[0]
+    _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
+    if not best.gcv_mse < yty / rows:  # the last value's error on the same targets
+        return None
+    logs = np.log(np.maximum([m.gcv_mse for m in members], 1e-300))
+    weights = np.exp(-0.5 * best.distinct_targets * (logs - logs[0]))
+    kept = weights / weights.sum() >= 1e-3
+    weights = weights[kept] / weights[kept].sum()
+    models = tuple(m for m, keep in zip(members, kept, strict=True) if keep)
+    coefficients = np.zeros(max(m.coefficients.size for m in models))
+    for weight, model in zip(weights, models, strict=True):
+        coefficients[: model.coefficients.size] += weight * model.coefficients
+    return FamilyFit(models, tuple(float(w) for w in weights), coefficients)
+
+
+@dataclass(frozen=True)
 class ChannelChoice:
-    """What one channel serves: the models averaged (none: the last value) and why."""
+    """What one channel serves: the families' fits averaged (none: the last value) and why."""
 
     unit_root_t: float | None
-    models: tuple[LinearModel, ...]
+    fits: tuple[FamilyFit, ...]
 
     def report(self) -> dict[str, Any]:
         t = None if self.unit_root_t is None else round(self.unit_root_t, 3)
-        return {"unit_root_t": t, "models": [m.report() for m in self.models]}
+        return {"unit_root_t": t, "families": [f.report() for f in self.fits]}
 
 
 @dataclass(frozen=True)
@@ -306,28 +355,10 @@ class LinearChoice:
         return {"chosen_by": "gcv", "channels": [c.report() for c in self.channels]}
 
 
-def best_model(
-    sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
-) -> LinearModel | None:
-    """The least GCV error over ``families``, every order up to ``max_order`` and every penalty;
-    None when nothing beats the last value's error (every coefficient zero)."""
-    best: LinearModel | None = None
-    for family in families:
-        for order in (p for p in ORDERS if p <= max_order):
-            for relative in RELATIVE_PENALTIES:
-                model = fit_model(sums, channel, family, order, relative, redundancy)
-                if model is not None and (best is None or model.gcv_mse < best.gcv_mse):
-                    best = model
-    if best is None:
-        return None
-    _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
-    return best if best.gcv_mse < yty / rows else None  # the last value's error on the same targets
-
-
 def choose_linear(train: LagSums, max_order: int, redundancy: float = 1.0) -> LinearChoice | None:
-    """Per channel: the changes model alone where a unit root stands, else the average of the
-    best levels model and the best changes model (see the module's docstring); None without
-    training data. ``redundancy``: how many instances each reading is in, on average."""
+    """Per channel: the changes family alone where a unit root stands, else the average of the
+    levels family and the changes family (see the module's docstring); None without training
+    data. ``redundancy``: how many instances each reading is in, on average."""
     if train.total_rows <= 0:
         return None
     max_order = min(max_order, train.max_order)
@@ -338,13 +369,13 @@ def choose_linear(train: LagSums, max_order: int, redundancy: float = 1.0) -> Li
         groups: list[tuple[Family, ...]] = [("changes", "changes_no_drift")]
         if not wanders:
             groups.insert(0, ("levels",))
-        models = [m for g in groups if (m := best_model(train, c, g, max_order, redundancy)) is not None]
-        choices.append(ChannelChoice(t, tuple(models)))
-    width = max((m.coefficients.size for ch in choices for m in ch.models), default=2)
+        fits = [f for g in groups if (f := family_fit(train, c, g, max_order, redundancy)) is not None]
+        choices.append(ChannelChoice(t, tuple(fits)))
+    width = max((f.coefficients.size for ch in choices for f in ch.fits), default=2)
     coefficients = np.zeros((train.channels, width))
     for c, choice in enumerate(choices):
-        for model in choice.models:
-            coefficients[c, : model.coefficients.size] += model.coefficients / len(choice.models)
+        for fit in choice.fits:
+            coefficients[c, : fit.coefficients.size] += fit.coefficients / len(choice.fits)
     return LinearChoice(coefficients=coefficients, channels=tuple(choices))
 
 

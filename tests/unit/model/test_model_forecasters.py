@@ -22,9 +22,9 @@ from streamtrain.model.forecasters import (
     LinearForecast,
     ServedModel,
     best_blend,
-    best_model,
     choose_linear,
     family_basis,
+    family_fit,
     fit_model,
     unit_root_t,
 )
@@ -182,7 +182,7 @@ def test_random_walks_keep_their_root_and_mostly_serve_exactly_the_last_value() 
         assert choice is not None
         t = choice.channels[0].unit_root_t
         assert t is not None and t > ADF_CRITICAL_T
-        assert all(m.family != "levels" for m in choice.channels[0].models)
+        assert all(f.best.family != "levels" for f in choice.channels[0].fits)
         batch = collate(walks(np.random.default_rng(100 + seed), 20, 32))
         change = LinearForecast(choice.coefficients)(batch.values) - batch.values
         assert float(change.pow(2).mean()) < 0.05  # steps have variance 1: the forecast stays near the last value
@@ -201,8 +201,8 @@ def test_where_the_unit_root_stands_no_levels_model_serves_even_one_that_fits() 
         assert choice is not None
         t = choice.channels[0].unit_root_t
         if t is not None and t >= ADF_CRITICAL_T:
-            assert all(m.family != "levels" for m in choice.channels[0].models)
-            kept_out += best_model(sums, 0, ("levels",), 24, 1.0) is not None
+            assert all(f.best.family != "levels" for f in choice.channels[0].fits)
+            kept_out += family_fit(sums, 0, ("levels",), 24, 1.0) is not None
     assert kept_out >= 1  # the gate did keep a levels model that GCV would have taken
 
 
@@ -211,9 +211,9 @@ def test_a_stationary_ar2_averages_a_levels_and_a_changes_model_and_forecasts_cl
     train, test = ar2_instances(rng, 40, 32), ar2_instances(rng, 40, 32)
     choice = choose_linear(LagSums.of(train, 24, 1), 24)
     assert choice is not None
-    families = {m.family for m in choice.channels[0].models}
+    families = {f.best.family for f in choice.channels[0].fits}
     assert "levels" in families and families & {"changes", "changes_no_drift"}, families
-    assert all(m.order >= 2 for m in choice.channels[0].models)  # an AR(2) needs two lags
+    assert all(f.best.order >= 2 for f in choice.channels[0].fits)  # an AR(2) needs two lags
     batch = collate(test)  # scored at origins whose lags are all real, as the models were fitted
     first = choice.order - 1
     forecast = LinearForecast(choice.coefficients)(batch.values).double().numpy()[:, first:-1, 0]
@@ -225,23 +225,35 @@ def test_a_stationary_ar2_averages_a_levels_and_a_changes_model_and_forecasts_cl
     assert model_mse <= 1.1 * best_mse < 0.5 * last_mse, (model_mse, best_mse, last_mse)
 
 
-def test_the_choice_is_the_least_gcv_error_of_each_family() -> None:
+def test_each_family_averages_its_models_with_akaike_weights_led_by_the_least_gcv_error() -> None:
     rng = np.random.default_rng(11)
     sums = LagSums.of(ar2_instances(rng, 30, 32), 24, 1)
     choice = choose_linear(sums, 24)
-    assert choice is not None
-    for model in choice.channels[0].models:
-        families = ("levels",) if model.family == "levels" else ("changes", "changes_no_drift")
+    assert choice is not None and len(choice.channels[0].fits) == 2
+    for fit in choice.channels[0].fits:
+        families = ("levels",) if fit.best.family == "levels" else ("changes", "changes_no_drift")
         tried = [
-            m.gcv_mse
+            m
             for family in families for order in (1, 2, 3, 4, 6, 8, 12, 16, 24)
             for relative in (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
             if (m := fit_model(sums, 0, family, order, relative)) is not None
         ]  # fmt: skip
-        assert model.gcv_mse == pytest.approx(min(tried))
-    averaged = np.mean([np.pad(m.coefficients, (0, choice.coefficients.shape[1] - m.coefficients.size))
-                        for m in choice.channels[0].models], axis=0)  # fmt: skip
-    np.testing.assert_allclose(choice.coefficients[0], averaged)
+        gcv = np.array([m.gcv_mse for m in tried])
+        assert fit.best.gcv_mse == pytest.approx(gcv.min())
+        akaike = np.exp(-0.5 * fit.best.distinct_targets * (np.log(gcv) - np.log(gcv.min())))
+        akaike /= akaike.sum()
+        assert len(fit.models) == int((akaike >= 1e-3).sum()) > 1  # GCV cannot tell several apart here
+        expected = sorted(akaike[akaike >= 1e-3], reverse=True)
+        np.testing.assert_allclose(sorted(fit.weights, reverse=True), np.array(expected) / sum(expected), rtol=1e-9)
+        width = fit.coefficients.size
+        averaged = sum(
+            w * np.pad(m.coefficients, (0, width - m.coefficients.size)) for w, m in zip(fit.weights, fit.models)
+        )
+        np.testing.assert_allclose(fit.coefficients, averaged)
+    both = [
+        np.pad(f.coefficients, (0, choice.coefficients.shape[1] - f.coefficients.size)) for f in choice.channels[0].fits
+    ]
+    np.testing.assert_allclose(choice.coefficients[0], np.mean(both, axis=0))
     assert math.isfinite(choice.channels[0].unit_root_t or math.nan)
 
 
