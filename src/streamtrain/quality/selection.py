@@ -233,36 +233,42 @@ class ForecasterSelector:
     def _choose(
         self, errors: HoldoutErrors, mse: dict[str, float | None], linear: LinearChoice | None, redundancy: float
     ) -> tuple[str, Forecaster, str]:
-        """(kind, forecaster, reason): the better of the last value and the linear forecaster on
-        the holdout, unless the network, or its blend with the linear, beats that with evidence
-        (:data:`EVIDENCE_Z` standard errors, the targets counted once): a holdout of a few dozen
-        events cannot tell a network that forecasts from one that fits its noise, and the
-        network is the model with most room to fit noise."""
+        """(kind, forecaster, reason). What the window's evidence chose serves (the linear
+        forecaster, or the last value where generalized cross-validation found nothing better)
+        unless the holdout shows another forecasts better *with evidence* (:data:`EVIDENCE_Z`
+        standard errors, the targets counted once); among those that do, the least held-out
+        error serves. A holdout holds a few dozen events: on it a network that fitted noise can
+        beat the linear forecaster by chance, and a linear forecaster fitted on thousands of
+        targets can lose to the last value by chance."""
         steps, gram = errors.steps, errors.gram
         weights = {kind: np.eye(4)[i] for kind, i in (("network", 0), ("last_value", 2), ("linear", 3))}
-        options: list[tuple[str, float, Forecaster]] = [("last_value", gram[2, 2] / steps, LAST_VALUE)]
+        options: dict[str, tuple[float, Forecaster]] = {"last_value": (gram[2, 2] / steps, LAST_VALUE)}
+        incumbent = "last_value"
         if linear is not None:
-            options.append(("linear", gram[3, 3] / steps, Forecaster("linear", linear.coefficients)))
-        simple = min((o for o in options if math.isfinite(o[1])), key=lambda o: o[1])  # ties: the last value
-        challengers: list[tuple[str, float, Forecaster]] = [("network", gram[0, 0] / steps, NETWORK)]
+            options["linear"] = (gram[3, 3] / steps, Forecaster("linear", linear.coefficients))
+            incumbent = "last_value" if linear.is_last_value else "linear"
+        options["network"] = (gram[0, 0] / steps, NETWORK)
         if linear is not None:
             weight, blend_sse = best_blend(gram[0, 0], gram[3, 3], gram[0, 3])
             mse["blend"] = blend_sse / steps
             if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[0, 0], gram[3, 3]):
-                challengers.append(("blend", blend_sse / steps, Forecaster("blend", linear.coefficients, weight)))
+                options["blend"] = (blend_sse / steps, Forecaster("blend", linear.coefficients, weight))
                 weights["blend"] = weight * weights["network"] + (1.0 - weight) * weights["linear"]
-        shown = ", ".join(f"{k} {v:.4g}" for k, v, _ in options + challengers)
-        best = min((c for c in challengers if math.isfinite(c[1])), key=lambda c: c[1], default=None)
-        if best is None or not best[1] < simple[1]:
-            return simple[0], simple[2], f"{simple[0]} forecasts the holdout best ({shown})"
-        z = errors.evidence(weights[best[0]], weights[simple[0]], redundancy)
-        if z >= EVIDENCE_Z:
-            return best[0], best[2], f"{best[0]} forecasts the holdout best, by z = {z:.2f} over {simple[0]} ({shown})"
-        reason = (
-            f"{best[0]} forecasts the holdout best but without evidence (z = {z:.2f} < {EVIDENCE_Z:g}): "
-            f"{simple[0]} serves ({shown})"
-        )
-        return simple[0], simple[2], reason
+        shown = ", ".join(f"{kind} {error:.4g}" for kind, (error, _) in options.items())
+        evidence = {
+            kind: errors.evidence(weights[kind], weights[incumbent], redundancy)
+            for kind, (error, _) in options.items()
+            if kind != incumbent and math.isfinite(error) and error < options[incumbent][0]
+        }
+        won = [kind for kind, z in evidence.items() if z >= EVIDENCE_Z]
+        if won:
+            kind = min(won, key=lambda k: options[k][0])
+            reason = f"{kind} forecasts the holdout better than {incumbent} by z = {evidence[kind]:.2f} ({shown})"
+            return kind, options[kind][1], reason
+        doubts = ", ".join(f"{kind} z = {z:.2f}" for kind, z in evidence.items())
+        reason = f"{incumbent} serves: nothing forecasts the holdout better with evidence (z >= {EVIDENCE_Z:g}"
+        reason += f"; {doubts}) ({shown})" if doubts else f") ({shown})"
+        return incumbent, options[incumbent][1], reason
 
     def _redundancy(self) -> float:
         """How many events each reading is in, on average over sensors (sliding windows: their length)."""
