@@ -289,6 +289,7 @@ def gate_monitor(values: list[np.ndarray]) -> QualityMonitor:
     monitor = QualityMonitor(GATE, Metrics(), lambda: None)
     monitor.holdout.values.extend(values)
     monitor.holdout.labels.extend([-1] * len(values))
+    monitor.holdout.sensors.extend(f"s{i}" for i in range(len(values)))
     return monitor
 
 
@@ -327,6 +328,7 @@ def loop_trainer(rank: int, out: Path, loop: LoopFactory | None = None) -> Train
     holdout = walks(700 + rank, 10)
     trainer.quality.holdout.values.extend(holdout)
     trainer.quality.holdout.labels.extend([-1] * len(holdout))
+    trainer.quality.holdout.sensors.extend(f"s{i}" for i in range(len(holdout)))
     return trainer
 
 

@@ -445,6 +445,18 @@ class Forecaster:
         if self.network_weight is not None and not 0.0 <= self.network_weight <= 1.0:
             raise ValueError(f"a blend's network weight must be within [0, 1], got {self.network_weight}")
 
+    def in_units(self, mean: np.ndarray, std: np.ndarray, to_mean: np.ndarray, to_std: np.ndarray) -> Forecaster:
+        """The same forecasts for a network normalized by ``(to_mean, to_std)`` instead of
+        ``(mean, std)``: the lag weights act on readings either way, only the intercept moves
+        (``a' = (std a + (to_mean - mean) sum_k w_k) / to_std``)."""
+        if self.coefficients is None:
+            return self
+        coefficients = np.array(self.coefficients, dtype=np.float64)
+        mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+        to_mean, to_std = np.asarray(to_mean, np.float64), np.asarray(to_std, np.float64)
+        coefficients[:, 0] = (std * coefficients[:, 0] + (to_mean - mean) * coefficients[:, 1:].sum(axis=1)) / to_std
+        return Forecaster(self.kind, coefficients, self.network_weight)
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"kind": self.kind}
         if self.coefficients is not None:

@@ -136,12 +136,13 @@ def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) ->
 
 
 class HoldoutBuffer:
-    """The most recent held-out events (readings and labels), never trained on."""
+    """The most recent held-out events (readings, labels and sensors), never trained on."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.values: deque[np.ndarray] = deque(maxlen=capacity)
         self.labels: deque[int] = deque(maxlen=capacity)
+        self.sensors: deque[str] = deque(maxlen=capacity)  # whose consecutive events may share readings
         self.version = 0  # bumps when the content changes
 
     def __len__(self) -> int:
@@ -153,6 +154,7 @@ class HoldoutBuffer:
             start = int(starts[i])
             self.values.append(np.array(batch.values[start : start + int(batch.lengths[i])], dtype=np.float32))
             self.labels.append(int(batch.labels[i]))
+            self.sensors.append(str(batch.sensor_ids[i]))
         if rows.size:
             self.version += 1
 
@@ -160,7 +162,10 @@ class HoldoutBuffer:
         lengths = np.array([len(v) for v in self.values], dtype=np.int64)
         channels = self.values[0].shape[1] if self.values else 0
         flat = np.concatenate(list(self.values)) if self.values else np.zeros((0, channels), np.float32)
-        return {"lengths": lengths, "values": flat, "labels": np.array(list(self.labels), dtype=np.int64)}
+        return {
+            "lengths": lengths, "values": flat, "labels": np.array(list(self.labels), dtype=np.int64),
+            "sensors": list(self.sensors),
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any], channels: int) -> None:
         lengths = np.asarray(state["lengths"], dtype=np.int64)
@@ -168,9 +173,14 @@ class HoldoutBuffer:
         if int(lengths.sum()) != flat.shape[0]:
             raise ValueError("holdout state is inconsistent: lengths do not sum to the stored values")
         bounds = np.concatenate([[0], np.cumsum(lengths)])
+        labels = np.asarray(state["labels"], dtype=np.int64).tolist()
+        # a holdout saved before sensors were kept: each event its own (no neighbour known)
+        sensors = [str(s) for s in state.get("sensors", [f"#{i}" for i in range(len(labels))])]
         self.values.clear()
         self.labels.clear()
-        for i, label in enumerate(np.asarray(state["labels"], dtype=np.int64).tolist()):
+        self.sensors.clear()
+        for i, (label, sensor) in enumerate(zip(labels, sensors, strict=True)):
             self.values.append(flat[bounds[i] : bounds[i + 1]].copy())
             self.labels.append(int(label))
+            self.sensors.append(sensor)
         self.version += 1

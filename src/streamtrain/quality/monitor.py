@@ -281,9 +281,9 @@ class QualityMonitor:
             reason = "gate off (HOLDOUT_SHARE=0)"
             return Selection(GateDecision(True, reason, 0), NETWORK, candidate, reason)
         with self._lock:
-            values = list(self.holdout.values)
+            values, sensors = list(self.holdout.values), list(self.holdout.sensors)
         selector = ForecasterSelector(self.config, self._combined, self.splitter.redundancy_sums)
-        return selector.select(candidate, reference, training_values, values)
+        return selector.select(candidate, reference, training_values, values, sensors)
 
     def _combined(self, local: np.ndarray) -> np.ndarray:
         return local if self.combine is None else np.asarray(self.combine(local), dtype=np.float64)

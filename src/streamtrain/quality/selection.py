@@ -40,9 +40,20 @@ from streamtrain.quality.scoring import Scorable, forward_in_data_units
 TrainingSample = tuple[Sequence[np.ndarray], float]
 
 _BLEND_MARGIN = 0.01  # a blend (its weight fitted on the holdout) serves only when 1% better than both parts
-#: One-sided 5%: the network (or a blend with it) replaces the better of the last value and the
-#: linear forecaster only when its holdout error is lower by this many standard errors.
+#: One-sided 5%: another forecaster replaces what the window's evidence chose only when its
+#: holdout error is lower by this many standard errors.
 EVIDENCE_Z = 1.645
+#: The standard error is a Newey-West one over the held-out events (each sensor's in arrival
+#: order), with a lag window of the events' overlap plus n^(1/3); it is trusted only when the
+#: holdout holds this many such windows (fewer: no evidence).
+MIN_LAG_WINDOWS = 5
+MAX_LAG = 64
+
+
+def lag_window(events: int, redundancy: float) -> int:
+    """The Newey-West bandwidth: overlapping events (a reading in ``redundancy`` of them) are
+    correlated up to the overlap, and consecutive forecasts of one sensor beyond it."""
+    return int(min(MAX_LAG, math.ceil(redundancy) + math.ceil(max(events, 1) ** (1 / 3))))
 
 
 @dataclass(frozen=True)
@@ -50,32 +61,44 @@ class HoldoutErrors:
     """Sums over the holdout's one-step targets of every model's errors (in the candidate's units).
 
     ``gram[i, j]``: the sum of each target's channel mean of ``e_i e_j``, so ``gram[i, i]`` is
-    model i's summed squared error and any blend's follows. ``losses``: the Gram matrix of
-    those per-target products (as vectors over the ``k * k`` pairs), so the spread of the
-    difference of any two blends' per-target losses follows too (the paired test below).
+    model i's summed squared error and any blend's follows. ``lagged[j]``: over the held-out
+    events in order (each sensor's consecutive), ``sum_e q_e q_{e+j}'`` with ``q_e`` the
+    event's summed products (``k * k``) and its target count: the autocovariances a
+    Newey-West standard error of any two blends' loss difference needs (:meth:`evidence`).
     """
 
     steps: float
     gram: np.ndarray  # [k, k]
-    losses: np.ndarray  # [k * k, k * k]
+    lagged: np.ndarray  # [J + 1, k * k + 1, k * k + 1]
+    events: float
 
-    def loss_difference(self, weights_a: np.ndarray, weights_b: np.ndarray) -> tuple[float, float]:
-        """(mean, second moment) over targets of ``loss(a) - loss(b)``, where ``a`` and ``b`` are
-        forecasts ``sum_i w_i f_i`` (each a weight per model)."""
-        pairs = (np.outer(weights_a, weights_a) - np.outer(weights_b, weights_b)).ravel()
-        steps = max(self.steps, 1.0)
-        return float(pairs @ self.gram.ravel()) / steps, float(pairs @ self.losses @ pairs) / steps
+    def loss_difference(self, weights_a: np.ndarray, weights_b: np.ndarray) -> float:
+        """The mean over targets of ``loss(a) - loss(b)``, where ``a`` and ``b`` are forecasts
+        ``sum_i w_i f_i`` (each a weight per model)."""
+        return float(_contrast(weights_a, weights_b) @ self.gram.ravel()) / max(self.steps, 1.0)
 
-    def evidence(self, better: np.ndarray, than: np.ndarray, redundancy: float) -> float:
+    def evidence(self, better: np.ndarray, than: np.ndarray) -> float:
         """The paired (Diebold-Mariano) statistic that ``better`` forecasts with less error than
-        ``than``: the mean loss difference over its standard error, with the targets counted once
-        however many held-out events repeat them (``redundancy``); 0 without a spread."""
-        mean, second = self.loss_difference(than, better)
-        variance = second - mean * mean
-        distinct = self.steps / max(redundancy, 1.0)
-        if not variance > 0 or distinct <= 1:
+        ``than``: the mean loss difference over its Newey-West standard error (Bartlett weights),
+        events as the units; 0 when the holdout holds fewer than :data:`MIN_LAG_WINDOWS` lag
+        windows or the difference has no spread."""
+        lags = self.lagged.shape[0] - 1
+        if self.events < MIN_LAG_WINDOWS * (lags + 1) or self.steps <= 0:
             return 0.0
-        return mean / math.sqrt(variance / distinct)
+        contrast = _contrast(than, better)
+        mean = float(contrast @ self.gram.ravel()) / self.steps
+        residual = np.append(contrast, -mean)  # per event: its summed difference minus mean x its targets
+        gammas = np.einsum("a,jab,b->j", residual, self.lagged, residual)
+        bartlett = 1.0 - np.arange(lags + 1) / (lags + 1)
+        variance = float(gammas[0] + 2.0 * (bartlett[1:] * gammas[1:]).sum())
+        if not variance > 0:
+            return 0.0
+        return mean * self.steps / math.sqrt(variance)
+
+
+def _contrast(weights_a: np.ndarray, weights_b: np.ndarray) -> np.ndarray:
+    """The weights over the ``k * k`` error products of ``loss(a) - loss(b)``."""
+    return (np.outer(weights_a, weights_a) - np.outer(weights_b, weights_b)).ravel()
 
 
 @dataclass(frozen=True)
@@ -91,8 +114,11 @@ class GateDecision:
 class Selection:
     """What a publication serves: the network gate's verdict and the forecaster chosen.
 
-    ``network`` is the candidate when it passed the gate, else None (nothing new serves).
-    ``mse`` holds each model's held-out error per step in the candidate's units.
+    ``network`` is the candidate when it passed the gate, else None: then, with
+    ``refreshed``, the reference network serves on with ``forecaster`` (chosen with it as the
+    network, in its units), so a held-back network never keeps a stale linear forecaster or
+    choice serving; without, nothing new serves. ``mse`` holds each model's held-out error per
+    step in the candidate's units.
     """
 
     decision: GateDecision
@@ -103,6 +129,7 @@ class Selection:
     mse: dict[str, float | None] = field(default_factory=dict)
     new_reference: bool = False
     linear: dict[str, Any] | None = None
+    refreshed: bool = False
 
     def report(self) -> dict[str, Any]:
         return {
@@ -163,16 +190,17 @@ class ForecasterSelector:
         reference: Scorable | None,
         training_values: Callable[[], TrainingSample],
         values: list[np.ndarray],
+        sensors: Sequence[str] | None = None,
     ) -> Selection:
-        """The network gate, then the forecaster that serves: the least held-out error of the
-        last value, the linear forecaster, the network and the best blend of the last two.
+        """The network gate, then the forecaster that serves (:meth:`_choose`).
 
-        ``values`` are this rank's held-out events. ``reference`` is the network the
-        candidate must not fall behind: the best one that passed the gate so far (or the
-        serving one), re-scored on today's holdout, so a run of candidates each a little
-        worse than the last cannot ratchet the quality down. With a held-back candidate
-        nothing new serves. ``training_values`` gives the readings the linear forecaster is
-        fitted on (a sample of the window).
+        ``values`` are this rank's held-out events (``sensors``: whose each is, in arrival
+        order). ``reference`` is the network the candidate must not fall behind: the best one
+        that passed the gate so far (or the serving one), re-scored on today's holdout, so a
+        run of candidates each a little worse than the last cannot ratchet the quality down.
+        A held-back candidate leaves the reference serving with a choice made afresh.
+        ``training_values`` gives the readings the linear forecaster is fitted on (a sample of
+        the window).
         """
         cfg = self.config
         units = candidate.norm  # every model is scored in the same units
@@ -199,7 +227,8 @@ class ForecasterSelector:
             _Served(candidate, LAST_VALUE),
             None if linear_forecaster is None else _Served(candidate, linear_forecaster),
         ]
-        errors = self._error_gram(values, models, units)
+        keys = sensors if sensors is not None else [str(i) for i in range(len(values))]
+        errors = self._error_gram(values, keys, models, units, lag_window(n, redundancy))
         steps, gram = errors.steps, errors.gram
         if steps == 0:
             reason = "holdout events have no steps to forecast"
@@ -222,16 +251,29 @@ class ForecasterSelector:
             reason = f"holdout MSE {candidate_mse:.4g} > {1.0 + tolerance:g} x reference {reference_mse:.4g}"
             decision = GateDecision(False, reason, n, candidate_mse, reference_mse)
         if not decision.publish:
-            return Selection(decision, NETWORK, None, decision.reason, n, mse)
+            if reference is None:
+                return Selection(decision, NETWORK, None, decision.reason, n, mse)
+            # the reference network serves on, with a choice made afresh beside it
+            _, forecaster, reason = self._choose(errors, mse, linear, network=1)
+            units, to = candidate.norm, reference.norm
+            forecaster = forecaster.in_units(units.mean.numpy(), units.std.numpy(), to.mean.numpy(), to.std.numpy())
+            return Selection(
+                decision, forecaster, None, f"{decision.reason}; the reference network serves on: {reason}", n, mse,
+                linear=None if linear is None else linear.report(), refreshed=True,
+            )  # fmt: skip
         new_reference = reference_mse is None or candidate_mse <= reference_mse
-        _, forecaster, reason = self._choose(errors, mse, linear, redundancy)
+        _, forecaster, reason = self._choose(errors, mse, linear)
         return Selection(
             decision, forecaster, candidate, reason, n, mse,
             new_reference=new_reference, linear=None if linear is None else linear.report(),
         )  # fmt: skip
 
     def _choose(
-        self, errors: HoldoutErrors, mse: dict[str, float | None], linear: LinearChoice | None, redundancy: float
+        self,
+        errors: HoldoutErrors,
+        mse: dict[str, float | None],
+        linear: LinearChoice | None,
+        network: int = 0,
     ) -> tuple[str, Forecaster, str]:
         """(kind, forecaster, reason). What the window's evidence chose serves (the linear
         forecaster, or the last value where generalized cross-validation found nothing better)
@@ -239,24 +281,26 @@ class ForecasterSelector:
         standard errors, the targets counted once); among those that do, the least held-out
         error serves. A holdout holds a few dozen events: on it a network that fitted noise can
         beat the linear forecaster by chance, and a linear forecaster fitted on thousands of
-        targets can lose to the last value by chance."""
+        targets can lose to the last value by chance. ``network``: which scored network
+        competes (0: the candidate, 1: the reference)."""
         steps, gram = errors.steps, errors.gram
-        weights = {kind: np.eye(4)[i] for kind, i in (("network", 0), ("last_value", 2), ("linear", 3))}
+        n = network
+        weights = {kind: np.eye(4)[i] for kind, i in (("network", n), ("last_value", 2), ("linear", 3))}
         options: dict[str, tuple[float, Forecaster]] = {"last_value": (gram[2, 2] / steps, LAST_VALUE)}
         incumbent = "last_value"
         if linear is not None:
             options["linear"] = (gram[3, 3] / steps, Forecaster("linear", linear.coefficients))
             incumbent = "last_value" if linear.is_last_value else "linear"
-        options["network"] = (gram[0, 0] / steps, NETWORK)
+        options["network"] = (gram[n, n] / steps, NETWORK)
         if linear is not None:
-            weight, blend_sse = best_blend(gram[0, 0], gram[3, 3], gram[0, 3])
+            weight, blend_sse = best_blend(gram[n, n], gram[3, 3], gram[n, 3])
             mse["blend"] = blend_sse / steps
-            if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[0, 0], gram[3, 3]):
+            if 0.0 < weight < 1.0 and blend_sse < (1.0 - _BLEND_MARGIN) * min(gram[n, n], gram[3, 3]):
                 options["blend"] = (blend_sse / steps, Forecaster("blend", linear.coefficients, weight))
                 weights["blend"] = weight * weights["network"] + (1.0 - weight) * weights["linear"]
         shown = ", ".join(f"{kind} {error:.4g}" for kind, (error, _) in options.items())
         evidence = {
-            kind: errors.evidence(weights[kind], weights[incumbent], redundancy)
+            kind: errors.evidence(weights[kind], weights[incumbent])
             for kind, (error, _) in options.items()
             if kind != incumbent and math.isfinite(error) and error < options[incumbent][0]
         }
@@ -288,23 +332,30 @@ class ForecasterSelector:
         # each reading is in ``redundancy`` events of the stream; a sample keeps a share of them
         return choose_linear(sums, max_order, redundancy=max(1.0, sampled_share * redundancy))
 
-    def _error_gram(self, values: list[np.ndarray], models: list[Scorable | None], units: RunningNorm) -> HoldoutErrors:
-        """The holdout errors of every rank, as sums (see :class:`HoldoutErrors`). A model that
-        is None is absent on every rank."""
-        k = len(models)
-        local = np.zeros(1 + k * k + k**4)
+    def _error_gram(
+        self,
+        values: list[np.ndarray],
+        sensors: Sequence[str],
+        models: list[Scorable | None],
+        units: RunningNorm,
+        lags: int,
+    ) -> HoldoutErrors:
+        """The holdout errors of every rank, as sums (see :class:`HoldoutErrors`), the lagged
+        ones over each sensor's events in arrival order (``values`` and ``sensors`` are in
+        arrival order). A model that is None is absent on every rank."""
+        k, width = len(models), len(models) ** 2 + 1
+        local = np.zeros(1 + k * k + (lags + 1) * width * width + 1)
         budget = self.config.token_budget
         present = [i for i, model in enumerate(models) if model is not None]
         if values and present:
             unit_std = units.std.float()
             lengths = np.array([len(v) for v in values], dtype=np.int64)
-            gram, losses = np.zeros((k, k)), np.zeros((k * k, k * k))
-            steps = 0.0
+            per_event = np.zeros((len(values), width))  # each event's summed products, then its targets
             with torch.inference_mode():
                 for group in plan_predict_batches(lengths, budget):
                     batch = collate([values[i] for i in group])
                     mask, data = batch.mask, batch.values
-                    valid = mask[:, :-1] & mask[:, 1:]
+                    valid = (mask[:, :-1] & mask[:, 1:]).double()
                     errors = torch.zeros(k, *data[:, 1:].shape, dtype=torch.float64)
                     for i in present:
                         model = models[i]
@@ -317,15 +368,18 @@ class ForecasterSelector:
                         finally:
                             module.train(was_training)
                         errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double()
-                    per_target = errors[:, valid]  # [k, N, C]
-                    products = torch.einsum("inc,jnc->ijn", per_target, per_target).reshape(k * k, -1)
-                    products /= data.shape[-1]  # [k * k, N]: each target's channel mean of e_i e_j
-                    gram += products.sum(dim=1).reshape(k, k).numpy()
-                    losses += (products @ products.T).numpy()
-                    steps += float(valid.sum())
-            local[0] = steps
-            local[1 : 1 + k * k] = gram.ravel()
-            local[1 + k * k :] = losses.ravel()
+                    # each target's channel mean of e_i e_j, summed over the event's targets
+                    products = torch.einsum("ibtc,jbtc,bt->ijb", errors, errors, valid) / data.shape[-1]
+                    rows = np.asarray(group, dtype=np.int64)
+                    per_event[rows, :-1] = products.reshape(k * k, -1).T.numpy()
+                    per_event[rows, -1] = valid.sum(dim=1).numpy()
+            order = sorted(range(len(values)), key=lambda i: sensors[i])  # stable: arrival order within a sensor
+            q = per_event[np.asarray(order, dtype=np.int64)]
+            lagged = np.stack([q[: len(q) - j].T @ q[j:] for j in range(lags + 1)])
+            local[0] = per_event[:, -1].sum()
+            local[1 : 1 + k * k] = per_event[:, :-1].sum(axis=0)
+            local[1 + k * k : -1] = lagged.ravel()
+            local[-1] = len(values)
         total = self._combined(local)
-        gram, losses = total[1 : 1 + k * k].reshape(k, k), total[1 + k * k :].reshape(k * k, k * k)
-        return HoldoutErrors(float(total[0]), gram, losses)
+        gram, lagged = total[1 : 1 + k * k].reshape(k, k), total[1 + k * k : -1].reshape(lags + 1, width, width)
+        return HoldoutErrors(float(total[0]), gram, lagged, float(total[-1]))

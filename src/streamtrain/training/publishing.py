@@ -143,15 +143,33 @@ class ModelTrainer:
         self._last_publish = time.monotonic()
         if decision.publish:
             self._show_serving(published)
-        else:
-            self.publish_held += 1
-            self.metrics.publish_held.inc()
-            serving = self.published
+            return published
+        self.publish_held += 1
+        self.metrics.publish_held.inc()
+        serving = self.published
+        if selection.refreshed and (network := self._refreshed_network()) is not None:
+            # the network that passed serves on, the choice beside it made afresh (a new version)
+            with self.lock:
+                self._version += 1
+                refreshed = replace(
+                    network, version=self._version, published_at=self._clock(), forecaster=selection.forecaster
+                )
+            self.registry.add(refreshed, serve=True)
+            self._show_serving(refreshed)
             log.warning(
-                "candidate version %d held back (%s); version %s keeps serving",
-                published.version, decision.reason, None if serving is None else serving.version,
+                "candidate version %d held back (%s); version %d serves network of version %d with %s",
+                published.version, decision.reason, refreshed.version, network.version, selection.forecaster.kind,
             )  # fmt: skip
+            return published
+        log.warning(
+            "candidate version %d held back (%s); version %s keeps serving",
+            published.version, decision.reason, None if serving is None else serving.version,
+        )  # fmt: skip
         return published
+
+    def _refreshed_network(self) -> PublishedModel | None:
+        """The network a held-back candidate was judged against, which serves on; subclasses with a gate say."""
+        return None
 
     def _show_serving(self, published: PublishedModel) -> None:
         self.metrics.model_version.set(published.version)

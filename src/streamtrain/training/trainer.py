@@ -397,6 +397,9 @@ class Trainer(ModelTrainer):
                 self.metrics.model_holdout_mse.labels(kind).set(value)
         return selection
 
+    def _refreshed_network(self) -> PublishedModel | None:
+        return self.reference if self.reference is not None else self.published
+
     def _linear_training_values(self) -> tuple[list[np.ndarray], float]:
         """Readings the linear forecaster is fitted on (a seeded sample of the window), and
         the share of the window's items the sample holds."""

@@ -326,3 +326,25 @@ def test_a_blend_serves_the_weighted_forecast_of_the_network_and_the_linear() ->
     torch.testing.assert_close(parts[2], 0.3 * parts[0] + 0.7 * parts[1])
     with pytest.raises(ValueError, match="network weight"):
         Forecaster("blend", coefficients)
+
+
+def test_a_forecaster_in_other_units_forecasts_the_same_readings() -> None:
+    rng = np.random.default_rng(12)
+    readings = torch.from_numpy(np.cumsum(rng.normal(size=(3, 20, 2)), axis=1).astype(np.float32) * 5 + 40)
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    network = computing_network()
+    (mean, std), (to_mean, to_std) = (
+        (np.array([40.0, 35.0]), np.array([5.0, 2.0])),
+        (np.array([1.0, 3.0]), np.array([9.0, 0.5])),
+    )
+    for kind in ("linear", "blend"):
+        forecaster = Forecaster(kind, rng.normal(size=(2, 4)), 0.4 if kind == "blend" else None)
+        moved = forecaster.in_units(mean, std, to_mean, to_std)
+        assert np.array_equal(moved.coefficients[:, 1:], forecaster.coefficients[:, 1:])
+        served = []
+        for f, (m, s) in ((forecaster, (mean, std)), (moved, (to_mean, to_std))):
+            m_t, s_t = torch.tensor(m, dtype=torch.float32), torch.tensor(s, dtype=torch.float32)
+            linear_only = ServedModel(network, Forecaster("linear", f.coefficients))
+            served.append(linear_only((readings - m_t) / s_t, mask).forecast * s_t + m_t)
+        torch.testing.assert_close(served[0], served[1], atol=1e-3, rtol=1e-5)
+    assert LAST_VALUE.in_units(mean, std, to_mean, to_std) is LAST_VALUE

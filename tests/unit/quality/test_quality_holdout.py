@@ -10,7 +10,7 @@ import pytest
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model.normalization import RunningNorm
-from streamtrain.quality.holdout import HoldoutSplitter
+from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the shared quality fixtures
 from quality_fixtures import ForecastsZero, Frozen, events, monitor  # noqa: E402
@@ -78,3 +78,19 @@ def test_events_that_do_not_overlap_are_held_out_in_blocks_without_a_guard() -> 
         [SensorEvent(f"s{i % 10}", 9000.0 + i, rng.normal(size=(30, 1)).astype(np.float32)) for i in range(640)]
     )
     assert np.array_equal(clone.split(more)[0], splitter.split(more)[0])  # restored phases and counts decide alike
+
+
+def test_the_holdout_buffer_keeps_each_events_sensor_through_a_checkpoint() -> None:
+    batch = EventBatch.from_events(
+        [SensorEvent(name, 1000.0 + i, np.full((3 + i, 1), i, np.float32)) for i, name in enumerate("abab")], channels=1
+    )
+    buffer = HoldoutBuffer(capacity=3)
+    buffer.add(batch, np.arange(4))
+    assert list(buffer.sensors) == ["b", "a", "b"]  # the most recent three, with their sensors
+    state = buffer.state_dict()
+    back = HoldoutBuffer(capacity=3)
+    back.load_state_dict(state, channels=1)
+    assert list(back.sensors) == ["b", "a", "b"] and [len(v) for v in back.values] == [4, 5, 6]
+    del state["sensors"]  # a holdout saved before sensors were kept: each event a sensor of its own
+    back.load_state_dict(state, channels=1)
+    assert len(set(back.sensors)) == 3 and len(back.values) == 3

@@ -92,6 +92,18 @@ def walk_events(rng: np.random.Generator, n: int, now: float, length: int = 24) 
     return EventBatch.from_events(items)
 
 
+def flip_events(rng: np.random.Generator, n: int, now: float, length: int = 24) -> EventBatch:
+    """x[t] = -0.6 x[t-1] + noise: every step reverses the last; the last value is a poor forecast."""
+    items = []
+    for i in range(n):
+        x = np.zeros(length)
+        x[0] = rng.normal()
+        for t in range(1, length):
+            x[t] = -0.6 * x[t - 1] + rng.normal()
+        items.append(SensorEvent(f"s{i % 7}", now - n + i, x[:, None].astype(np.float32)))
+    return EventBatch.from_events(items)
+
+
 def served_service(tmp: Path, **overrides: Any) -> Service:
     return build_service(tmp, holdout_share=0.25, holdout_min_events=16, **overrides)
 
@@ -112,9 +124,40 @@ def test_a_candidate_with_its_head_scaled_by_100_is_refused(tmp_path: Path) -> N
     trainer.candidate_hook = degrade
     train(service, 2)
     degraded = trainer.publish()
-    assert trainer.published is first and not trainer.last_gate.publish
-    assert degraded.version in trainer.registry.versions()
+    serving = trainer.published
+    assert not trainer.last_gate.publish and serving is not None and serving is not degraded
+    assert serving.model is first.model  # the network that passed serves on (in a version of its own)
+    assert serving.version == degraded.version + 1 and degraded.version in trainer.registry.versions()
     assert trainer.last_gate.candidate_mse > 1.05 * trainer.last_gate.serving_mse
+
+
+def test_a_held_back_candidate_keeps_no_stale_choice_serving(tmp_path: Path) -> None:
+    """The stream changes after a publication; the next candidate network is held back. What
+    serves beside the network that passed is chosen afresh on today's window and holdout, not
+    kept from before the change (the paced real-series runs served a linear forecaster fitted
+    on the first seconds of a trending series, 8x worse than the last value, this way)."""
+    service = served_service(tmp_path, window_capacity=600)
+    now = time.time()
+    feed(service, ar2_events(np.random.default_rng(4), 400, now - 1000))
+    trainer = service.trainer
+    first = trainer.publish()
+    assert first.forecaster.kind == "linear", trainer.last_selection
+    feed(service, flip_events(np.random.default_rng(5), 1600, now))  # another process: only a refit forecasts it
+    trainer.candidate_hook = lambda model: torch.nn.init.constant_(model.forecast_head.bias, 1.0)  # a broken network
+    held = trainer.publish()
+    serving = trainer.published
+    assert not trainer.last_gate.publish and serving is not None and serving.version == held.version + 1
+    assert serving.model is first.model
+    fresh = flip_events(np.random.default_rng(6), 300, now)
+    instances = [fresh.values[a : a + n] for a, n in zip(fresh.starts.tolist(), fresh.lengths.tolist(), strict=True)]
+    stale = score_events(first.served, first.norm, instances)
+    refreshed = score_events(serving.served, serving.norm, instances)
+    assert refreshed.sse.sum() <= 0.8 * min(refreshed.naive_sse.sum(), stale.sse.sum()), (
+        serving.forecaster.kind,
+        refreshed.sse.sum(),
+        refreshed.naive_sse.sum(),
+        stale.sse.sum(),
+    )
 
 
 def test_the_linear_forecaster_serves_when_it_forecasts_the_holdout_best(tmp_path: Path) -> None:
@@ -306,44 +349,64 @@ def test_the_network_serves_with_evidence_and_not_on_a_lucky_margin() -> None:
     assert "nothing forecasts the holdout better with evidence" in lucky.reason
 
 
-def test_the_evidence_is_the_paired_t_statistic_of_the_per_target_losses() -> None:
+def newey_west_t(sums: np.ndarray, counts: np.ndarray, lags: int) -> float:
+    """The textbook statistic: per event, its summed loss difference and its target count."""
+    mean = sums.sum() / counts.sum()
+    u = sums - mean * counts
+    gammas = [float(u[: len(u) - j] @ u[j:]) for j in range(lags + 1)]
+    variance = gammas[0] + 2 * sum((1 - j / (lags + 1)) * gammas[j] for j in range(1, lags + 1))
+    return float(mean * counts.sum() / np.sqrt(variance))
+
+
+def test_the_evidence_is_the_newey_west_statistic_of_the_per_event_losses_in_sensor_order() -> None:
     rng = np.random.default_rng(22)
     values = sine_map_instances(rng, 40, 24) + [rng.normal(size=(7, 1)).astype(np.float32)]  # one shorter
+    sensors = [f"s{i % 3}" for i in range(len(values))]  # three sensors, interleaved
     norm = RunningNorm.from_public([0.5], [2.0])
     models = [Frozen(TowardsTheSineMap(0.7), norm, 1), None, Frozen(TowardsTheSineMap(0.0), norm, 2)]
     selector = ForecasterSelector(QualityConfig(), lambda local: local, lambda: np.array([0.0, 0.0]))
-    errors = selector._error_gram(values, models, norm)  # type: ignore[arg-type]
-    # the same errors, instance by instance, in the norm's units
-    per_target = []
+    order = sorted(range(len(values)), key=lambda i: sensors[i])
+    errors = selector._error_gram(values, sensors, models, norm, lags=3)  # type: ignore[arg-type]
+    # the same errors, event by event, in the norm's units
+    network_sums, blend_sums, counts = [], [], []
+    totals = np.zeros(3)
     for x in values:
+        e = []
         for model in (models[0], models[2]):
             assert model is not None
             z = torch.from_numpy((x - 0.5) / 2.0)[None]
             forecast = model.model(z, torch.ones(1, len(x), dtype=torch.bool)).forecast[0, :-1, 0].double()
-            per_target.append((forecast - z[0, 1:, 0].double()).numpy())
-    network = np.concatenate(per_target[0::2])
-    last = np.concatenate(per_target[1::2])
-    assert errors.steps == network.size
-    assert errors.gram[0, 0] == pytest.approx(float(network @ network), rel=1e-6)
-    assert errors.gram[0, 2] == pytest.approx(float(network @ last), rel=1e-6)
+            e.append((forecast - z[0, 1:, 0].double()).numpy())
+        network, last = e
+        blend = 0.3 * network + 0.7 * last
+        network_sums.append(float(np.sum(last**2 - network**2)))
+        blend_sums.append(float(np.sum(last**2 - blend**2)))
+        counts.append(len(x) - 1)
+        totals += [network @ network, network @ last, last @ last]
+    assert errors.steps == sum(counts) and errors.events == len(values)
+    np.testing.assert_allclose([errors.gram[0, 0], errors.gram[0, 2], errors.gram[2, 2]], totals, rtol=1e-6)
     assert errors.gram[1, 1] == 0.0  # an absent model
-    d = last**2 - network**2
-    paired_t = d.mean() / (d.std() / np.sqrt(d.size))
     network_w, last_w = np.eye(3)[0], np.eye(3)[2]
-    assert errors.evidence(network_w, last_w, redundancy=1.0) == pytest.approx(paired_t, rel=1e-6)
-    # a target repeated by r held-out events counts once: the statistic shrinks by sqrt(r)
-    assert errors.evidence(network_w, last_w, redundancy=4.0) == pytest.approx(paired_t / 2.0, rel=1e-6)
-    blend_w = 0.3 * network_w + 0.7 * last_w
-    blend = 0.3 * network + 0.7 * last
-    d = last**2 - blend**2
-    assert errors.evidence(blend_w, last_w, redundancy=1.0) == pytest.approx(d.mean() / (d.std() / np.sqrt(d.size)))
+    in_order = np.asarray(order)
+    expected = newey_west_t(np.array(network_sums)[in_order], np.array(counts, float)[in_order], lags=3)
+    assert errors.evidence(network_w, last_w) == pytest.approx(expected, rel=1e-6)
+    expected = newey_west_t(np.array(blend_sums)[in_order], np.array(counts, float)[in_order], lags=3)
+    assert errors.evidence(0.3 * network_w + 0.7 * last_w, last_w) == pytest.approx(expected, rel=1e-6)
+    # in arrival order (sensors interleaved) the lagged sums would pair other events: another statistic
+    arrival = newey_west_t(np.array(network_sums), np.array(counts, float), lags=3)
+    assert errors.evidence(network_w, last_w) != pytest.approx(arrival, rel=1e-3)
+    # too few lag windows for a variance: no evidence
+    short = selector._error_gram(values[:12], sensors[:12], models, norm, lags=3)  # type: ignore[arg-type]
+    assert short.evidence(network_w, last_w) == 0.0
 
 
 def holdout_errors(errors: np.ndarray) -> HoldoutErrors:
-    """The sums of :class:`HoldoutErrors` from explicit per-target errors ``[models, targets]`` (one channel)."""
+    """:class:`HoldoutErrors` from explicit per-target errors ``[models, targets]`` (one channel),
+    each target an event of its own (no lags)."""
     k = errors.shape[0]
     products = np.einsum("in,jn->ijn", errors, errors).reshape(k * k, -1)
-    return HoldoutErrors(float(errors.shape[1]), products.sum(axis=1).reshape(k, k), products @ products.T)
+    q = np.vstack([products, np.ones(products.shape[1])]).T  # per event: products, one target
+    return HoldoutErrors(float(errors.shape[1]), products.sum(axis=1).reshape(k, k), (q.T @ q)[None], len(q))
 
 
 def test_the_linear_forecaster_chosen_on_the_window_yields_to_the_last_value_only_with_evidence() -> None:
@@ -362,5 +425,5 @@ def test_the_linear_forecaster_chosen_on_the_window_yields_to_the_last_value_onl
         network = 2.0 * lin  # worse than both, and no blend of it with the linear helps
         errors = holdout_errors(np.stack([network, network, last, lin]))
         mse = {"last_value": float(np.mean(last**2)), "linear": float(np.mean(lin**2))}
-        chosen, _, reason = selector._choose(errors, dict(mse), linear, redundancy=1.0)
+        chosen, _, reason = selector._choose(errors, dict(mse), linear)
         assert chosen == kind, (worse, reason, mse)
