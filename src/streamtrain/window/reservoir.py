@@ -731,6 +731,16 @@ class WindowCapture:
         assert seq is not None  # a window's snapshots always carry them
         return seq
 
+    @property
+    def partitions(self) -> np.ndarray:
+        """The Kafka partition of each of the window's items, in item order."""
+        return self._snapshot.partitions
+
+    @property
+    def next_offsets(self) -> dict[int, int]:
+        """The next offset of every partition the window has read, at the capture."""
+        return dict(self._state.next_offsets)
+
     def _scalars(self) -> dict[str, Any]:
         window, state = self._window, self._state
         return {

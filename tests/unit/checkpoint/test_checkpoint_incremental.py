@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
@@ -285,28 +282,23 @@ def test_replay_of_any_chain_equals_the_live_window(
 # checkpoint of the kind asked for, so the test can SIGKILL it there.
 _CHILD = textwrap.dedent(
     """
-    import sys, time
+    import sys
     from pathlib import Path
     import streamtrain.checkpoint.store as store_module
     from streamtrain.checkpoint.incremental import WindowChain
     from streamtrain.checkpoint.store import CheckpointStore
     sys.path.insert(0, sys.argv[3])
+    from stalled_child import stall_writes
     from test_checkpoint_incremental import batch, checkpoint, new_window
 
     directory, kill_at = Path(sys.argv[1]), sys.argv[2]
     current = {}
-    write = store_module.write_atomically
-
-    def stalling_write(path, chunks, **kwargs):
-        def stalled():
-            for i, chunk in enumerate(chunks):
-                yield chunk
-                if i == 0 and current["kind"] == kill_at and current["step"] >= 4:
-                    print("stalled", current["kind"], current["step"], flush=True)
-                    time.sleep(60)
-        return write(path, stalled(), **kwargs)
-
-    store_module.write_atomically = stalling_write
+    stall_writes(
+        store_module,
+        lambda path, i: f"{current['kind']} {current['step']}"
+        if i == 0 and current["kind"] == kill_at and current["step"] >= 4
+        else None,
+    )
     window, chain = new_window(), WindowChain(compaction_ratio=0.9)
     store = CheckpointStore(directory, keep=1)
     for step in range(100):
@@ -323,22 +315,7 @@ def test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_not
     tmp_path: Path, kill_at: str
 ) -> None:
     """``base`` is a compaction: the new base written while the old chain is still the newest."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path), kill_at, str(Path(__file__).parent)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline().split()
-        assert line[:2] == ["stalled", kill_at], line
-        assert list(tmp_path.glob(".ckpt-*.tmp")), "the child stalls inside the write"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    killed_step = int(line[2])
+    killed_step = kill_when_stalled(_CHILD, tmp_path, kill_at, ".ckpt-*.tmp")
     loaded = CheckpointStore(tmp_path).load_latest()
     assert loaded is not None and loaded.step == killed_step - 1  # the cut before the write in flight
     # the same stream, replayed here up to that cut: the restored window is exactly its window
