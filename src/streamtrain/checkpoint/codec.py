@@ -206,12 +206,22 @@ class _Flattener:
         items = array.reshape(-1).tolist()
         shape = list(array.shape)
         if set(map(type, items)) <= {str}:
-            # sensor ids: one UTF-8 blob plus per-item lengths in code points, so loading decodes once
-            blob = "".join(items).encode("utf-8", "surrogatepass")
-            lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
-            encoded_blob = self._add(torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()))
-            return {"$strarray": encoded_blob, "lengths": self._add(torch.from_numpy(lengths)), "shape": shape}
+            # sensor ids: one UTF-8 blob plus per-string lengths in code points, so loading decodes once;
+            # ids that repeat (a window's: a fleet's sensors) are each stored once, with a code per item
+            strings = list(dict.fromkeys(items))
+            if 2 * len(strings) > len(items):
+                return {**self._encode_strings(items), "shape": shape}
+            index = {string: code for code, string in enumerate(strings)}
+            dtype = np.int32 if len(strings) < 2**31 else np.int64
+            codes = np.fromiter(map(index.__getitem__, items), dtype=dtype, count=len(items))
+            return {**self._encode_strings(strings), "codes": self._add(torch.from_numpy(codes)), "shape": shape}
         return {"$objarray": [self.encode(item, path + (index,)) for index, item in enumerate(items)], "shape": shape}
+
+    def _encode_strings(self, strings: list[str]) -> dict[str, str]:
+        blob = "".join(strings).encode("utf-8", "surrogatepass")
+        lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
+        encoded_blob = self._add(torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()))
+        return {"$strarray": encoded_blob, "lengths": self._add(torch.from_numpy(lengths))}
 
 
 def _is_scalar_key(key: Any) -> bool:
@@ -286,7 +296,15 @@ class _Unflattener:
         if (lengths < 0).any() or (ends[-1] if len(ends) else 0) != len(text):
             raise ValueError("string array lengths do not add up to its text")
         starts = (ends - lengths).tolist()
-        return _object_array([text[start:end] for start, end in zip(starts, ends.tolist())], node["shape"])
+        strings = _object_array([text[start:end] for start, end in zip(starts, ends.tolist())], [len(starts)])
+        if "codes" not in node:
+            return strings.reshape([int(size) for size in node["shape"]])
+        codes = self._tensor(node["codes"]).numpy()
+        if codes.dtype not in (np.int32, np.int64) or (
+            codes.size and not 0 <= codes.min() <= codes.max() < len(strings)
+        ):
+            raise ValueError(f"string array codes must be int32/int64 indices into its {len(strings)} strings")
+        return strings[codes].reshape([int(size) for size in node["shape"]])
 
     def _decode_objarray(self, node: dict) -> np.ndarray:
         return _object_array([self.decode(item) for item in node["$objarray"]], node["shape"])

@@ -102,6 +102,21 @@ def file_sha256(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def read_range(path: Path, start: int, length: int) -> bytearray:
+    """``length`` bytes of ``path`` from byte ``start``, read into a buffer the caller owns (no copy);
+    OSError when the file ends before."""
+    data = bytearray(length)
+    with open(path, "rb", buffering=0) as file:
+        file.seek(start)
+        view, at = memoryview(data), 0
+        while at < length:
+            got = file.readinto(view[at:])
+            if not got:
+                raise OSError(f"{path} ends at byte {start + at}, before {start + length}")
+            at += got
+    return data
+
+
 def remove_quietly(path: Path) -> None:
     """Delete ``path`` if it exists; a failure is logged, not raised (a leftover is pruned later)."""
     try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamtrain.checkpoint.files import file_sha256, write_atomically
+from streamtrain.checkpoint.files import file_sha256, read_range, write_atomically
 from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, reject_json_constant
 from streamtrain.checkpoint.shards import (
     DIR_NAME,
@@ -273,7 +273,7 @@ def read_common(manifest: Manifest) -> LoadedCheckpoint:
     path = manifest.directory / entry["file"]
     check_file_size(path, int(entry["size"]))
     try:
-        data = path.read_bytes()
+        data = read_range(path, 0, int(entry["size"]))
     except OSError as exc:
         raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:

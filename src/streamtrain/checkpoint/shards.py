@@ -60,7 +60,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.files import write_atomically
+from streamtrain.checkpoint.files import read_range, write_atomically
 from streamtrain.checkpoint.format import (
     CorruptCheckpoint,
     LoadedCheckpoint,
@@ -417,9 +417,7 @@ def read_shard_index(path: Path, expected: FileReceipt | Mapping[str, Any]) -> d
 def read_shard_blob(path: Path, data_start: int, entry: Mapping[str, Any]) -> LoadedCheckpoint:
     """One section (or the rank-local state) of a shard, verified against its index entry."""
     try:
-        with open(path, "rb") as file:
-            file.seek(data_start + int(entry["start"]))
-            data = file.read(int(entry["length"]))
+        data = read_range(path, data_start + int(entry["start"]), int(entry["length"]))
     except OSError as exc:
         raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:

@@ -43,6 +43,20 @@ def test_string_arrays_keep_every_code_point_and_their_shape() -> None:
     assert_tree_equal(unflatten_state(tensors, skeleton), {"ids": array, "none": np.empty((0, 3), dtype=object)})
 
 
+def test_repeated_strings_are_stored_once_with_a_code_per_item() -> None:
+    """A window's sensor ids: a fleet's few ids over millions of items."""
+    fleet = ["sensor-a", "sensor-é", "", "sensor-a2"]
+    ids = np.array([fleet[i % 4] for i in range(1000)], dtype=object).reshape(10, 100)
+    tensors, skeleton = flatten_state({"ids": ids})
+    node = skeleton["$dict"][0][1]
+    assert tensors[node["$strarray"]].numel() == len("".join(fleet).encode())  # each id once
+    assert tensors[node["codes"]].dtype == torch.int32 and tensors[node["codes"]].shape == (1000,)
+    assert_tree_equal(unflatten_state(tensors, skeleton), {"ids": ids})
+    tensors[node["codes"]][7] = 4  # past the four ids
+    with pytest.raises(ValueError, match="indices into its 4 strings"):
+        unflatten_state(tensors, skeleton)
+
+
 def test_ordered_state_dict_keeps_its_module_metadata() -> None:
     model, _ = small_model_and_optimizer(seed=0)
     state_dict = model.state_dict()

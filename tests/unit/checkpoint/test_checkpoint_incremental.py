@@ -15,6 +15,7 @@ from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_checkpoint_link
 from streamtrain.events import EventBatch
+from streamtrain.window.partitions import join_partitions, split_by_partition
 from streamtrain.window.reservoir import RecencyWindow
 
 ITEM_FIELDS = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets", "seq")
@@ -138,6 +139,26 @@ def test_an_item_back_before_one_that_stayed_comes_back_in_arrival_order(tmp_pat
     loaded = CheckpointStore(tmp_path / str(seed)).read(path)
     assert loaded is not None
     assert_same_window(loaded.state["window"], window.state_dict())
+
+
+def test_a_window_restored_out_of_arrival_order_replays_in_its_own_order(tmp_path: Path) -> None:
+    """A sharded restore lists items by partition, not by arrival: base + deltas written after it
+    still give every item its own readings, in the live window's order."""
+    window = new_window()
+    window.insert_batch(batch(0, 40))
+    state = window.state_dict()
+    by_partition = join_partitions(split_by_partition(state), channels=1)
+    assert not np.all(np.diff(by_partition["seq"]) > 0)  # not in arrival order
+    restored = new_window()
+    restored.load_state_dict({**state, **by_partition})
+    chain, store = WindowChain(compaction_ratio=100.0), CheckpointStore(tmp_path, keep=10)
+    for step in range(4):
+        restored.insert_batch(batch(100 * (step + 1), 6, clock=100.0 * (step + 1)))
+        path, kind = checkpoint(restored, chain, store, step)
+        loaded = CheckpointStore(tmp_path).read(path)
+        assert loaded is not None
+        assert_same_window(loaded.state["window"], restored.state_dict())
+    assert kind == "delta"
 
 
 def test_a_new_base_comes_once_the_deltas_outweigh_the_last_one_and_old_chains_are_pruned(tmp_path: Path) -> None:
