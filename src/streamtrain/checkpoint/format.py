@@ -14,8 +14,10 @@ and one for the shared state (``common.stck``)::
 
 The skeleton is the state with every bulky leaf replaced by a reference into the payload
 (:mod:`streamtrain.checkpoint.codec`); the digest covers it too, so no bit of a blob goes
-unchecked, and decoding verifies the digest before it parses anything. Only tensors
-(safetensors) and plain JSON are read: nothing is ever unpickled.
+unchecked, and decoding verifies the digest before it decodes anything (it reads the
+payload's tensor table first, to place each tensor). Only tensors (safetensors) and plain
+JSON are read: nothing is ever unpickled. Neither side copies the payload whole: it is
+written from each tensor's own memory and read into a buffer per tensor.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
 
 from streamtrain.checkpoint.codec import flatten_state, unflatten_state
+from streamtrain.checkpoint.files import Chunk
 
 FORMAT_NAME = "streamtrain.checkpoint"
 FORMAT_VERSION = 1
@@ -66,8 +68,14 @@ class LoadedCheckpoint:
     created_at: float  # Unix seconds
 
 
-def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float) -> list[bytes]:
-    """The file's bytes as chunks (prefix, header, payload), so writing never joins them."""
+def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float) -> list[Chunk]:
+    """The file's bytes as chunks (prefix, header, payload), so writing never joins them.
+
+    The payload's chunks are its tensor table and each tensor's own memory, not a copy: a
+    window of gigabytes is hashed and written from where it lies, with the interpreter
+    free for ingest meanwhile (hashlib and file writes release it; a serializer that builds
+    the payload in one call would hold it for seconds).
+    """
     tensors, skeleton = flatten_state(state if isinstance(state, dict) else dict(state))
     header = json.dumps(
         {
@@ -81,10 +89,34 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
         allow_nan=False,
         separators=(",", ":"),
     ).encode("ascii")
-    payload = safetensors.torch.save(tensors)
+    payload = _payload_chunks(tensors)
     digest = hashlib.sha256(header)
-    digest.update(payload)
-    return [_PREFIX.pack(MAGIC, len(header), len(payload), digest.digest()), header, payload]
+    for chunk in payload:
+        digest.update(chunk)
+    payload_length = sum(len(chunk) for chunk in payload)
+    return [_PREFIX.pack(MAGIC, len(header), payload_length, digest.digest()), header, *payload]
+
+
+def _payload_chunks(tensors: Mapping[str, torch.Tensor]) -> list[Chunk]:
+    """A safetensors payload of ``tensors`` (CPU, contiguous): its table, then each tensor's bytes.
+
+    The layout ``safetensors.torch.save`` writes (tensors by alignment, then name; the
+    table padded to 8 bytes), so any safetensors reader reads it.
+    """
+    codes = {dtype: code for code, dtype in _TENSOR_DTYPES.items()}
+    order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
+    table: dict[str, dict[str, Any]] = {}
+    chunks: list[Chunk] = []
+    at = 0
+    for name in order:
+        tensor = tensors[name]
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+        table[name] = {"dtype": codes[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [at, at + len(data)]}
+        chunks.append(data)
+        at += len(data)
+    encoded = json.dumps(table, separators=(",", ":")).encode("ascii")
+    encoded += b" " * (-len(encoded) % 8)
+    return [struct.pack("<Q", len(encoded)), encoded, *chunks]
 
 
 def decode_checkpoint(data: bytes | bytearray, path: Path | str = "<bytes>") -> LoadedCheckpoint:

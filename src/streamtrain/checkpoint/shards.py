@@ -60,7 +60,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.files import read_range, write_atomically
+from streamtrain.checkpoint.files import Chunk, read_range, write_atomically
 from streamtrain.checkpoint.format import (
     CorruptCheckpoint,
     LoadedCheckpoint,
@@ -205,7 +205,7 @@ def window_meta(window_state: Mapping[str, Any]) -> dict[str, Any]:
 # writing
 
 
-def _blob_entry(chunks: list[bytes], start: int) -> dict[str, Any]:
+def _blob_entry(chunks: list[Chunk], start: int) -> dict[str, Any]:
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)
@@ -247,7 +247,7 @@ def write_shard(
             f"rank {rank} of {ownership.world_size} holds state of partitions {foreign[:8]} that it does not own "
             f"(partition p belongs to rank p mod {ownership.world_size}); ingest must only consume owned partitions"
         )
-    blobs: list[list[bytes]] = []
+    blobs: list[list[Chunk]] = []
     table: list[dict[str, Any]] = []
     start = 0
     for partition, next_offset, state, items in sections:
@@ -275,7 +275,7 @@ def write_shard(
     index = canonical_json(record)
     prefix = _SHARD_PREFIX.pack(SHARD_MAGIC, len(index), hashlib.sha256(index).digest())
 
-    def shard_bytes() -> Iterable[bytes]:
+    def shard_bytes() -> Iterable[Chunk]:
         yield prefix
         yield index
         for blob in blobs:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from streamtrain.window.storage import ITEM_COLUMNS, gather_tokens
+from streamtrain.window.storage import ITEM_COLUMNS, SensorCodes, gather_tokens
 
 
 @dataclass
@@ -44,7 +44,7 @@ def split_by_partition(state: Mapping[str, Any]) -> list[PartitionItems]:
     """
     channels = int(state["channels"])
     columns = {
-        name: np.asarray(state[name], dtype=dtype).reshape(-1)
+        name: state[name] if isinstance(state[name], SensorCodes) else np.asarray(state[name], dtype=dtype).reshape(-1)
         for name, dtype in ITEM_COLUMNS
         if name not in ("partitions", "seq")
     }
