@@ -142,9 +142,9 @@ class Cluster:
 
     @classmethod
     def restore(
-        cls, directory: Path, world_size: int, capacity: int, half_life_s: float, partition_count: int
+        cls, directory: Path, world_size: int, capacity: int, half_life_s: float, partition_count: int, **chain: Any
     ) -> tuple[Cluster, list[RestoredShare]]:
-        cluster = cls(world_size, capacity, half_life_s, seed=99)
+        cluster = cls(world_size, capacity, half_life_s, seed=99, **chain)
         manifest = read_manifest(directory)
         shares = []
         for rank, window in enumerate(cluster.windows):
