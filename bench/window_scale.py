@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     restored.load_state_dict(loaded.state["window"])
     restore_s = time.perf_counter() - t
     assert len(restored) == len(window)
+    shutil.rmtree(directory, ignore_errors=True)  # gigabytes at 10M
     steady, started_at = np.array(insert_s), np.array(insert_at)
     during = np.zeros(started_at.shape, dtype=bool)
     for a, b in checkpoint_spans:
