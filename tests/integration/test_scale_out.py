@@ -330,7 +330,8 @@ def test_a_killed_rank_stops_the_others_and_a_restart_restores_exactly_once(
 def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
-    """One checkpoint directory, four partitions: 2 ranks, then one plain process, then 3 ranks."""
+    """One checkpoint directory, four partitions: 2 ranks (their last checkpoint base + deltas), then one
+    plain process, then 3 ranks."""
     topic = make_topic(partitions=4)
     checkpoint_dir = tmp_path / "ckpt"
     placements = Placements(kafka_bootstrap, topic)
@@ -340,8 +341,15 @@ def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(
         two.wait_holding(placements)
         assert_ownership(two.ranks, 4)
         assert_one_model(two.ranks)
+        response = two.ranks[0].client.post("/v1/admin/checkpoint", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status_code == 200, response.text  # every rank's shard whole: the base
+        assert [r.get("/v1/window")["checkpoints"]["last_kind"] for r in two.ranks] == ["base", "base"]
+        send(placements, 20, 4)
+        two.wait_holding(placements)
         assert two.terminate_all() == [0, 0], "SIGTERM to every rank ends each with status 0"
-        assert newest_manifest(checkpoint_dir).world_size == 2
+        manifest = newest_manifest(checkpoint_dir)
+        assert manifest.world_size == 2
+        assert all("delta_of" in shard for shard in manifest.shards), "the final shards are deltas on the base"
         assert_checkpoint_exact(checkpoint_dir, topic, placements)
 
         one = Group(1, kafka_bootstrap, topic, checkpoint_dir, tmp_path, plain=True).start()

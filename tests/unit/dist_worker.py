@@ -152,7 +152,8 @@ def train(collectives: Collectives, rank: int, out: Path) -> None:
 
 
 def checkpoint_round_trip(collectives: Collectives, rank: int, out: Path, trainer: Trainer) -> dict:
-    """Two collective checkpoints of a 3-partition window; the newer one's shard 1 is damaged."""
+    """Two collective checkpoints of a 3-partition window, each rank's newer shard a delta on its
+    older one; the newer one's shard 1 is damaged."""
     rng = np.random.default_rng(100 + rank)
     owned = [p for p in range(3) if p % WORLD == rank]
     window = RecencyWindow(10_000, math.inf, rng=np.random.default_rng(rank))
@@ -165,12 +166,13 @@ def checkpoint_round_trip(collectives: Collectives, rank: int, out: Path, traine
         result = checkpointer.save(
             step=step,
             partition_count=3,
-            window_state=window.state_dict(),
+            window_state=window.capture_state(),  # the newer shard a delta on the older
             common_state={"trainer": trainer.state_dict()} if rank == 0 else None,
         )
         snap = window.snapshot()
         saved[step] = {
             "ok": result.ok,
+            "kind": result.kind,
             "path": str(result.path),
             "next_offsets": {str(k): v for k, v in result.next_offsets.items()},
             "items": sorted(zip(snap.partitions.tolist(), snap.offsets.tolist())),

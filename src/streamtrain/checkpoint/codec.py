@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import numpy as np
 import torch
+
+from streamtrain.window.storage import OBJECT_PIECE_ITEMS, SensorCodes
 
 # Integers beyond 2**53 lose precision in most JSON readers; they travel as decimal strings.
 _JSON_SAFE_INT = 2**53
@@ -69,8 +71,10 @@ def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Skeleton]:
 
     Leaves: torch tensors (any dense dtype, any device; they come back on the CPU,
     detached, as plain tensors), numpy arrays and scalars (dtype kept; object arrays of
-    str or of other leaves), None, bool, int (any size), float (inf and nan too), str,
-    bytes. Containers: dict (any keys of those scalar types, order kept; an OrderedDict
+    str or of other leaves; str arrays whose items repeat keep each string once, with a
+    code per item), :class:`~streamtrain.window.storage.SensorCodes` (they come back as
+    the object array of the ids they name), None, bool, int (any size), float (inf and nan
+    too), str, bytes. Containers: dict (any keys of those scalar types, order kept; an OrderedDict
     keeps its ``_metadata``, which ``Module.load_state_dict`` reads), list, tuple.
     Subclasses of int, float, str, list, tuple and dict come back as the base type.
     """
@@ -109,6 +113,8 @@ class _Flattener:
             return self._encode_tensor(node, path)
         if isinstance(node, np.ndarray):
             return self._encode_array(node, path)
+        if isinstance(node, SensorCodes):
+            return self._encode_sensor_codes(node)
         if isinstance(node, np.generic):
             return {"$npscalar": self._encode_array(np.asarray(node), path)}
         if isinstance(node, int):
@@ -203,15 +209,69 @@ class _Flattener:
         return {"$ndarray": self._add(torch.from_numpy(raw)), "dtype": array.dtype.str, "shape": list(array.shape)}
 
     def _encode_object_array(self, array: np.ndarray, path: tuple[Any, ...]) -> Skeleton:
-        items = array.reshape(-1).tolist()
+        flat = array.reshape(-1)
         shape = list(array.shape)
-        if set(map(type, items)) <= {str}:
-            # sensor ids: one UTF-8 blob plus per-item lengths in code points, so loading decodes once
-            blob = "".join(items).encode("utf-8", "surrogatepass")
-            lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
-            encoded_blob = self._add(torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()))
-            return {"$strarray": encoded_blob, "lengths": self._add(torch.from_numpy(lengths)), "shape": shape}
-        return {"$objarray": [self.encode(item, path + (index,)) for index, item in enumerate(items)], "shape": shape}
+        strings = _distinct_strings(flat)
+        if strings is None:
+            items = flat.tolist()
+            return {"$objarray": [self.encode(item, path + (i,)) for i, item in enumerate(items)], "shape": shape}
+        # sensor ids: one UTF-8 blob plus per-string lengths in code points, so loading decodes once;
+        # ids that repeat (a window's: a fleet's sensors) are each stored once, with a code per item
+        if 2 * len(strings) > flat.size:
+            return {**self._encode_strings([item for piece in _pieces(flat) for item in piece]), "shape": shape}
+        index = {string: code for code, string in enumerate(strings)}
+        codes = np.empty(flat.size, dtype=np.int32 if len(strings) < 2**31 else np.int64)
+        at = 0
+        for piece in _pieces(flat):
+            codes[at : at + len(piece)] = np.fromiter(
+                map(index.__getitem__, piece), dtype=codes.dtype, count=len(piece)
+            )
+            at += len(piece)
+        return {**self._encode_strings(list(strings)), "codes": self._add(torch.from_numpy(codes)), "shape": shape}
+
+    def _encode_sensor_codes(self, column: SensorCodes) -> Skeleton:
+        """An object array of the ids ``column`` codes, each id used stored once (as for repeated strings)."""
+        codes = np.asarray(column.codes).reshape(-1)
+        used = np.zeros(len(column.strings), dtype=bool)
+        for start in range(0, codes.size, 1 << 20):  # bincount holds the interpreter: a million codes at a time
+            used |= np.bincount(codes[start : start + (1 << 20)], minlength=used.size) > 0
+        renumber = np.cumsum(used, dtype=np.int32) - 1
+        strings = column.strings[used].tolist()
+        if not set(map(type, strings)) <= {str}:
+            raise TypeError(f"sensor codes name {set(map(type, strings)) - {str}} entries; they must be str")
+        new_codes = renumber[codes] if codes.size else np.zeros(0, dtype=np.int32)
+        return {
+            **self._encode_strings(strings),
+            "codes": self._add(torch.from_numpy(np.ascontiguousarray(new_codes, dtype=np.int32))),
+            "shape": list(column.shape),
+        }
+
+    def _encode_strings(self, strings: list[str]) -> dict[str, str]:
+        blob = "".join(strings).encode("utf-8", "surrogatepass")
+        lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
+        encoded_blob = self._add(torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).copy()))
+        return {"$strarray": encoded_blob, "lengths": self._add(torch.from_numpy(lengths))}
+
+
+# Python objects an object array's items are worked on at a time: a pass over one holds the
+# interpreter a few milliseconds, so a checkpoint of millions never stalls the other threads long
+_PIECE_ITEMS = OBJECT_PIECE_ITEMS
+
+
+def _pieces(flat: np.ndarray) -> Iterator[list[Any]]:
+    """The items of a 1-D object array as lists of at most ``_PIECE_ITEMS``."""
+    for start in range(0, flat.size, _PIECE_ITEMS):
+        yield flat[start : start + _PIECE_ITEMS].tolist()
+
+
+def _distinct_strings(flat: np.ndarray) -> dict[str, None] | None:
+    """The distinct items of a 1-D object array, in order of first appearance; None unless all are str."""
+    distinct: dict[str, None] = {}
+    for piece in _pieces(flat):
+        if not set(map(type, piece)) <= {str}:
+            return None
+        distinct.update(dict.fromkeys(piece))
+    return distinct
 
 
 def _is_scalar_key(key: Any) -> bool:
@@ -286,7 +346,15 @@ class _Unflattener:
         if (lengths < 0).any() or (ends[-1] if len(ends) else 0) != len(text):
             raise ValueError("string array lengths do not add up to its text")
         starts = (ends - lengths).tolist()
-        return _object_array([text[start:end] for start, end in zip(starts, ends.tolist())], node["shape"])
+        strings = _object_array([text[start:end] for start, end in zip(starts, ends.tolist())], [len(starts)])
+        if "codes" not in node:
+            return strings.reshape([int(size) for size in node["shape"]])
+        codes = self._tensor(node["codes"]).numpy()
+        if codes.dtype not in (np.int32, np.int64) or (
+            codes.size and not 0 <= codes.min() <= codes.max() < len(strings)
+        ):
+            raise ValueError(f"string array codes must be int32/int64 indices into its {len(strings)} strings")
+        return strings[codes].reshape([int(size) for size in node["shape"]])
 
     def _decode_objarray(self, node: dict) -> np.ndarray:
         return _object_array([self.decode(item) for item in node["$objarray"]], node["shape"])

@@ -19,13 +19,15 @@ import numpy as np
 import torch
 
 from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint
+from streamtrain.checkpoint.incremental import Kind, PendingWindow, WindowChain
 from streamtrain.checkpoint.manifest import read_manifest, write_manifest
 from streamtrain.checkpoint.rescale import CheckpointMismatch, RestoredShare, restore_share, share_from_single_file
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import FileReceipt, shard_name, write_common, write_shard
+from streamtrain.checkpoint.shards import FileReceipt, shard_name, shard_present, write_common, write_shard
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.ownership import Ownership
+from streamtrain.window.reservoir import WindowCapture
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class SaveResult:
     next_offsets: dict[int, int]  # this rank's partitions: commit them to the group once ok
     error: str | None
     seconds: float
+    kind: Kind = "base"  # this rank's shard: its window whole, or a delta on its last sealed shard
+    shard_bytes: int = 0  # of this rank's shard, once sealed
 
 
 class DistributedCheckpointer:
@@ -60,10 +64,21 @@ class DistributedCheckpointer:
     so no two ranks ever restore different steps.
     """
 
-    def __init__(self, store: ShardedCheckpointStore, collectives: Collectives, *, topic: str) -> None:
+    def __init__(
+        self,
+        store: ShardedCheckpointStore,
+        collectives: Collectives,
+        *,
+        topic: str,
+        chain: WindowChain | None = None,
+    ) -> None:
         self.store = store
         self.collectives = collectives
         self.topic = topic
+        # this rank's shards: each a delta on its shard of the last sealed checkpoint, or a base
+        self.chain = chain if chain is not None else WindowChain(by_partition=True)
+        if not self.chain.by_partition:
+            raise ValueError("a shard splits its window by partition: pass WindowChain(by_partition=True)")
 
     @property
     def rank(self) -> int:
@@ -74,7 +89,7 @@ class DistributedCheckpointer:
         *,
         step: int,
         partition_count: int,
-        window_state: Mapping[str, Any],
+        window_state: Mapping[str, Any] | WindowCapture,
         common_state: Mapping[str, Any] | None,
         rank_state: Mapping[str, Any] | None = None,
         partitioned_state: Mapping[str, Any] | None = None,
@@ -83,18 +98,27 @@ class DistributedCheckpointer:
     ) -> SaveResult:
         """Cut this rank's part of the checkpoint of ``step``; every rank calls it together.
 
-        ``veto`` (a reason) makes this rank refuse the checkpoint while still taking part
-        in its collectives, e.g. when its dead letters are not acknowledged: then no
-        manifest is written and every rank gets ``ok=False``. ``rank_state`` and
-        ``partitioned_state``: see :func:`~streamtrain.checkpoint.shards.write_shard`.
+        ``window_state``: this rank's window, whole (:meth:`RecencyWindow.state_dict`, written
+        as a base), or captured (:meth:`RecencyWindow.capture_state`): then the shard is a
+        delta on this rank's shard of the last checkpoint this checkpointer sealed, where
+        :attr:`chain` allows one. ``rank_state`` and ``partitioned_state`` (whole in a delta
+        shard too): see :func:`~streamtrain.checkpoint.shards.write_shard`. ``veto`` (a
+        reason) makes this rank refuse the checkpoint while still taking part in its
+        collectives, e.g. when its dead letters are not acknowledged: then no manifest is
+        written and every rank gets ``ok=False``.
         """
         started = time.perf_counter()
         c = self.collectives
         if c.rank == 0 and common_state is None:
             raise ValueError("rank 0 writes the shared state: pass common_state")
+        held = (
+            _partitions_held(window_state.partitions, window_state.next_offsets)
+            if isinstance(window_state, WindowCapture)
+            else _partitions_held(window_state.get("partitions", []), window_state.get("next_offsets"))
+        )
         # rank 0's clock names the directory; the partition count is the largest any rank saw,
         # and at least covers every partition a window holds state of
-        partition_count = max(int(partition_count), _partitions_held(window_state))
+        partition_count = max(int(partition_count), held)
         proposal = c.all_gather_rows(
             torch.tensor([int(clock() * 1000), int(step), int(partition_count)], dtype=torch.int64)
         )
@@ -110,9 +134,18 @@ class DistributedCheckpointer:
         error: str | None = None
         receipt = FileReceipt(file=shard_name(c.rank), size=0, sha256="0" * 64, index_sha256="0" * 64)
         common_receipt: FileReceipt | None = None
+        window: Mapping[str, Any] | PendingWindow = {}
         try:
             if veto is not None:
                 raise RuntimeError(veto)
+            if isinstance(window_state, WindowCapture):
+                window = self.chain.next_window(
+                    window_state,
+                    parent_present=lambda parent: shard_present(self.store.root, parent),
+                    scope=(c.rank, ownership),
+                )
+            else:
+                window = window_state
             self.store.create_directory(step, created_ms)
             receipt = write_shard(
                 directory,
@@ -120,7 +153,7 @@ class DistributedCheckpointer:
                 rank=c.rank,
                 ownership=ownership,
                 topic=self.topic,
-                window_state=window_state,
+                window_state=window,
                 rank_state=rank_state,
                 partitioned_state=partitioned_state,
                 created_at=created_at,
@@ -167,7 +200,11 @@ class DistributedCheckpointer:
                 log.warning("could not prune checkpoints in %s: %s", self.store.root, exc)
         if not sealed and error is None:
             error = f"checkpoint {directory.name} was not sealed (another rank failed; see its log)"
-        offsets = {int(p): int(o) for p, o in dict(window_state.get("next_offsets") or {}).items()}
+        state = window.state if isinstance(window, PendingWindow) else window
+        kind: Kind = window.kind if isinstance(window, PendingWindow) else "base"
+        if sealed and isinstance(window, PendingWindow):
+            self.chain.linked(window, receipt.parent_ref(directory.name), receipt.size)
+        offsets = {int(p): int(o) for p, o in dict(state.get("next_offsets") or {}).items()}
         return SaveResult(
             ok=sealed,
             step=step,
@@ -175,6 +212,8 @@ class DistributedCheckpointer:
             next_offsets=offsets if sealed else {},
             error=None if sealed else error,
             seconds=time.perf_counter() - started,
+            kind=kind,
+            shard_bytes=receipt.size if sealed else 0,
         )
 
     def restore(
@@ -275,9 +314,8 @@ class DistributedCheckpointer:
         return share
 
 
-def _partitions_held(window_state: Mapping[str, Any]) -> int:
-    """1 + the largest partition a window state holds items or an offset of (0 for none)."""
-    partitions = np.asarray(window_state.get("partitions", []), dtype=np.int64).reshape(-1)
-    offsets = [int(p) for p in dict(window_state.get("next_offsets") or {})]
-    held = partitions.tolist() + offsets
-    return max(held) + 1 if held else 0
+def _partitions_held(partitions: Any, next_offsets: Mapping[Any, int] | None) -> int:
+    """1 + the largest partition a window holds items or an offset of (0 for none)."""
+    items = np.asarray(partitions, dtype=np.int64).reshape(-1)
+    held = [int(items.max()) if items.size else -1, *(int(p) for p in dict(next_offsets or {}))]
+    return max(held) + 1

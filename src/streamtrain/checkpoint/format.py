@@ -14,26 +14,32 @@ and one for the shared state (``common.stck``)::
 
 The skeleton is the state with every bulky leaf replaced by a reference into the payload
 (:mod:`streamtrain.checkpoint.codec`); the digest covers it too, so no bit of a blob goes
-unchecked, and decoding verifies the digest before it parses anything. Only tensors
-(safetensors) and plain JSON are read: nothing is ever unpickled.
+unchecked, and decoding verifies the digest before it decodes anything (it reads the
+payload's tensor table first, to place each tensor). Only tensors (safetensors) and plain
+JSON are read: nothing is ever unpickled. Neither side copies the payload whole: it is
+written from each tensor's own memory and read into a buffer per tensor.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
-from safetensors import SafetensorError
+import numpy as np
+import torch
 
 from streamtrain.checkpoint.codec import flatten_state, unflatten_state
+from streamtrain.checkpoint.files import Chunk
 
 FORMAT_NAME = "streamtrain.checkpoint"
 FORMAT_VERSION = 1
@@ -62,8 +68,14 @@ class LoadedCheckpoint:
     created_at: float  # Unix seconds
 
 
-def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float) -> list[bytes]:
-    """The file's bytes as chunks (prefix, header, payload), so writing never joins them."""
+def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float) -> list[Chunk]:
+    """The file's bytes as chunks (prefix, header, payload), so writing never joins them.
+
+    The payload's chunks are its tensor table and each tensor's own memory, not a copy: a
+    window of gigabytes is hashed and written from where it lies, with the interpreter
+    free for ingest meanwhile (hashlib and file writes release it; a serializer that builds
+    the payload in one call would hold it for seconds).
+    """
     tensors, skeleton = flatten_state(state if isinstance(state, dict) else dict(state))
     header = json.dumps(
         {
@@ -77,35 +89,220 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
         allow_nan=False,
         separators=(",", ":"),
     ).encode("ascii")
-    payload = safetensors.torch.save(tensors)
+    payload = _payload_chunks(tensors)
+    digest = hashlib.sha256(header)
+    for chunk in payload:
+        digest.update(chunk)
+    payload_length = sum(len(chunk) for chunk in payload)
+    return [_PREFIX.pack(MAGIC, len(header), payload_length, digest.digest()), header, *payload]
+
+
+def _payload_chunks(tensors: Mapping[str, torch.Tensor]) -> list[Chunk]:
+    """A safetensors payload of ``tensors`` (CPU, contiguous): its table, then each tensor's bytes.
+
+    The layout ``safetensors.torch.save`` writes (tensors by alignment, then name; the
+    table padded to 8 bytes), so any safetensors reader reads it.
+    """
+    codes = {dtype: code for code, dtype in _TENSOR_DTYPES.items()}
+    order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
+    table: dict[str, dict[str, Any]] = {}
+    chunks: list[Chunk] = []
+    at = 0
+    for name in order:
+        tensor = tensors[name]
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+        table[name] = {"dtype": codes[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [at, at + len(data)]}
+        chunks.append(data)
+        at += len(data)
+    encoded = json.dumps(table, separators=(",", ":")).encode("ascii")
+    encoded += b" " * (-len(encoded) % 8)
+    return [struct.pack("<Q", len(encoded)), encoded, *chunks]
+
+
+def decode_checkpoint(data: bytes | bytearray, path: Path | str = "<bytes>") -> LoadedCheckpoint:
+    """Verify and decode one checkpoint's bytes; CorruptCheckpoint names the failed check.
+
+    The tensors are views of ``data`` when it is a bytearray (else of one copy of it).
+    """
+    path = Path(path)
+    header_length, payload_length, expected_digest = _check_prefix(bytes(data[: _PREFIX.size]), path, len(data))
+    header_end = _PREFIX.size + header_length
+    view = memoryview(data if isinstance(data, bytearray) else bytearray(data))
+    header, payload = view[_PREFIX.size : header_end], view[header_end:]
     digest = hashlib.sha256(header)
     digest.update(payload)
-    return [_PREFIX.pack(MAGIC, len(header), len(payload), digest.digest()), header, payload]
-
-
-def decode_checkpoint(data: bytes, path: Path | str = "<bytes>") -> LoadedCheckpoint:
-    """Verify and decode one checkpoint's bytes; CorruptCheckpoint names the failed check."""
-    path = Path(path)
-    header_length, payload_length, expected_digest = _check_prefix(data[: _PREFIX.size], path, len(data))
-    header_end = _PREFIX.size + header_length
-    return _decode_parts(data[_PREFIX.size : header_end], data[header_end:], expected_digest, path)
+    verified = _verified_header(bytes(header), digest.digest(), expected_digest, path)
+    table, data_start = _tensor_table(payload[:8], lambda size: payload[8 : 8 + size], payload_length, path)
+    tensors = {
+        name: _tensor(payload[data_start + start : data_start + end], entry) for name, (start, end, entry) in table
+    }
+    return _decode_state(verified, tensors, path)
 
 
 def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
-    """:func:`decode_checkpoint` of a file, reading its payload into one buffer that is never copied.
+    """:func:`decode_checkpoint` of a file, each tensor read straight into a buffer of its own.
 
-    A window of millions of items makes a payload of gigabytes: reading the file whole and
-    slicing the payload out of it would copy it once more.
+    A window of millions of items makes a payload of gigabytes: the bytes are read once,
+    hashed as they arrive (on a second thread, while the next piece is read), and become
+    the tensors as they are; each tensor's memory is freed when its last user lets go.
+    The payload's tensor table is read first, to know where each tensor goes; nothing is
+    decoded from the tensors or the header before the SHA-256 matches.
     """
     path = Path(path)
-    with open(path, "rb") as file:
+    with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         header_length, payload_length, expected_digest = _check_prefix(file.read(_PREFIX.size), path, size)
-        header = file.read(header_length)
-        payload = file.read(payload_length)
-    if len(header) + len(payload) != header_length + payload_length:
-        raise CorruptCheckpoint(path, "truncated while it was read")
-    return _decode_parts(header, payload, expected_digest, path)
+        with _PipelinedDigest() as digest:
+            header = _read_exactly(file, header_length, path)
+            digest.update(header)
+
+            def read_hashed(size: int) -> memoryview:
+                data = _read_exactly(file, size, path)
+                digest.update(data)
+                return data
+
+            table: _TensorTable = []
+            unreadable: CorruptCheckpoint | None = None  # reported after the digest and the header are
+            try:
+                table, _ = _tensor_table(read_hashed(8), read_hashed, payload_length, path)
+                sizes = [(name, end - start) for name, (start, end, _) in table]
+            except CorruptCheckpoint as err:  # the rest is read and hashed all the same
+                unreadable, sizes = err, [("", size - file.tell())]
+            buffers = {}
+            for name, length in sizes:
+                buffers[name] = buffer = _buffer(length)
+                for at in range(0, length, _PIECE_BYTES):  # pieces: the hasher works on one while the next is read
+                    piece = buffer[at : at + _PIECE_BYTES]
+                    _read_into(file, piece, path)
+                    digest.update(piece)
+        verified = _verified_header(bytes(header), digest.digest(), expected_digest, path)
+    if unreadable is not None:
+        raise unreadable
+    tensors = {name: _tensor(buffers.pop(name), entry) for name, (_, _, entry) in table}
+    return _decode_state(verified, tensors, path)
+
+
+_DIGEST_MISMATCH = "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
+_PIECE_BYTES = 64 << 20
+# safetensors' dtype names, for the dtypes flatten_state puts in a payload
+_TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+_MAX_TABLE_BYTES = 100 << 20  # as safetensors itself: a larger table is refused, not read
+
+# (name, (start, end, (dtype, shape))) of each tensor, in payload order; offsets from the data's start
+_TensorTable = list[tuple[str, tuple[int, int, tuple[torch.dtype, list[int]]]]]
+
+
+def _tensor_table(
+    length_bytes: bytes | memoryview, read: Callable[[int], bytes | memoryview], payload_length: int, path: Path
+) -> tuple[_TensorTable, int]:
+    """The safetensors payload's table of tensors, checked to tile its data exactly, and where the data starts.
+
+    ``length_bytes`` are the payload's first 8 bytes, ``read(n)`` gives the next ``n``.
+    """
+
+    def corrupt(reason: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(path, f"payload is not valid safetensors: {reason}")
+
+    if len(length_bytes) < 8:
+        raise corrupt("shorter than its header length")
+    (table_length,) = struct.unpack("<Q", length_bytes)
+    if table_length > min(_MAX_TABLE_BYTES, payload_length - 8):
+        raise corrupt(f"a {table_length}-byte tensor table in a {payload_length}-byte payload")
+    try:
+        record = json.loads(bytes(read(table_length)), parse_constant=reject_json_constant)
+        if not isinstance(record, dict):
+            raise ValueError("the tensor table is not a JSON object")
+        record.pop("__metadata__", None)
+        table: _TensorTable = []
+        for name, entry in record.items():
+            dtype = _TENSOR_DTYPES[entry["dtype"]]
+            shape = [int(size) for size in entry["shape"]]
+            start, end = (int(offset) for offset in entry["data_offsets"])
+            if any(size < 0 for size in shape) or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {name!r}: {end - start} bytes do not hold {dtype} of shape {shape}")
+            table.append((str(name), (start, end, (dtype, shape))))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise corrupt(str(exc)) from exc
+    table.sort(key=lambda item: item[1][:2])
+    data_start = 8 + table_length
+    at = 0
+    for name, (start, end, _) in table:
+        if start != at:
+            raise corrupt(f"tensor {name!r} starts at byte {start}, not where the one before ends ({at})")
+        at = end
+    if data_start + at != payload_length:
+        raise corrupt(f"the tensors end at byte {data_start + at} of a {payload_length}-byte payload")
+    return table, data_start
+
+
+def _tensor(buffer: memoryview, entry: tuple[torch.dtype, list[int]]) -> torch.Tensor:
+    """A tensor over ``buffer`` (writable, not copied)."""
+    dtype, shape = entry
+    if not len(buffer):
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # torch.frombuffer warns about every buffer it cannot prove writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _read_exactly(file: io.RawIOBase, size: int, path: Path) -> memoryview:
+    buffer = _buffer(size)
+    _read_into(file, buffer, path)
+    return buffer
+
+
+def _buffer(size: int) -> memoryview:
+    """``size`` writable bytes, not zeroed first (``bytearray(size)`` writes every byte once more)."""
+    return np.empty(size, dtype=np.uint8).data
+
+
+def _read_into(file: io.RawIOBase, buffer: memoryview, path: Path) -> None:
+    at = 0
+    while at < len(buffer):
+        got = file.readinto(buffer[at:])
+        if not got:
+            raise CorruptCheckpoint(path, "truncated while it was read")
+        at += got
+
+
+class _PipelinedDigest:
+    """SHA-256 of pieces handed over in order, computed on a thread of its own (hashlib releases
+    the GIL), so the next piece is read meanwhile; :meth:`digest` once the ``with`` is left."""
+
+    def __init__(self) -> None:
+        self._sha256 = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
+        self._pending: list[Future[None]] = []
+
+    def __enter__(self) -> _PipelinedDigest:
+        return self
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._pending = [future for future in self._pending if not future.done()]
+        self._pending.append(self._pool.submit(self._sha256.update, piece))
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)  # every piece hashed (or the read failed: the pieces are moot)
+        for future in self._pending:
+            future.result()
+
+    def digest(self) -> bytes:
+        return self._sha256.digest()
 
 
 def _check_prefix(prefix: bytes, path: Path, size: int) -> tuple[int, int, bytes]:
@@ -125,22 +322,21 @@ def _check_prefix(prefix: bytes, path: Path, size: int) -> tuple[int, int, bytes
     return header_length, payload_length, expected_digest
 
 
-def _decode_parts(header_bytes: bytes, payload: bytes, expected_digest: bytes, path: Path) -> LoadedCheckpoint:
-    digest = hashlib.sha256(header_bytes)
-    digest.update(payload)
-    if digest.digest() != expected_digest:
-        raise CorruptCheckpoint(
-            path, "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
-        )
+def _verified_header(header_bytes: bytes, digest: bytes, expected_digest: bytes, path: Path) -> dict[str, Any]:
+    """The header, once the digest over header and payload matches; CorruptCheckpoint otherwise."""
+    if digest != expected_digest:
+        raise CorruptCheckpoint(path, _DIGEST_MISMATCH)
     try:
         header = json.loads(header_bytes, parse_constant=reject_json_constant)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpoint(path, f"header is not valid JSON: {exc}") from exc
+    _check_header(header, path)
+    return header
+
+
+def _decode_state(header: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> LoadedCheckpoint:
+    """The state a verified header and payload hold; CorruptCheckpoint when they do not fit together."""
     step, created_at = _check_header(header, path)
-    try:
-        tensors = safetensors.torch.load(payload)
-    except (SafetensorError, ValueError, KeyError) as exc:
-        raise CorruptCheckpoint(path, f"payload is not valid safetensors: {exc}") from exc
     try:
         state = unflatten_state(tensors, header["skeleton"])
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError, UnicodeError) as exc:

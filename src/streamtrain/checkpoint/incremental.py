@@ -24,7 +24,7 @@ most ``2 B``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +34,7 @@ import numpy as np
 from streamtrain.checkpoint.format import read_digest
 from streamtrain.window.reservoir import WindowCapture
 from streamtrain.window.snapshot import WindowSnapshot
+from streamtrain.window.storage import ITEM_COLUMNS
 
 #: The key that marks a window state as a delta; its value is ``{"name", "sha256"}`` of the parent.
 DELTA_OF = "delta_of"
@@ -59,42 +60,78 @@ def replay(base: Mapping[str, Any], deltas: Sequence[Mapping[str, Any]]) -> dict
     """
     if not deltas:
         return dict(base)
-    sources = [base, *(delta["entered"] for delta in deltas)]
-    seq = np.concatenate([np.asarray(source["seq"], dtype=np.int64) for source in sources])
-    entered_at = np.concatenate([np.full(len(source["seq"]), j, dtype=np.int64) for j, source in enumerate(sources)])
-    rows = np.argsort(seq, kind="stable")  # by arrival number; an item that came back is here twice
-    left_seq = np.concatenate([np.asarray(d["left_seq"], dtype=np.int64) for d in deltas])
-    left_at = np.concatenate([np.full(len(d["left_seq"]), j + 1, dtype=np.int64) for j, d in enumerate(deltas)])
-    last_left = np.full(rows.size, -1, dtype=np.int64)
+    newest = deltas[-1]
+    state = {key: value for key, value in newest.items() if key not in (DELTA_OF, "entered", "left_seq")}
+    items = replay_items(
+        base,
+        [(delta["entered"], delta["left_seq"]) for delta in deltas],
+        channels=int(base["channels"]),
+        columns=ITEM_COLUMNS,
+    )
+    return {**state, **items}
+
+
+def replay_items(
+    base: Mapping[str, Any],
+    deltas: Sequence[tuple[Mapping[str, Any], Any]],
+    *,
+    channels: int,
+    columns: Sequence[tuple[str, Any]],
+) -> dict[str, np.ndarray]:
+    """The items (``columns`` and ``values``) of a base's items and deltas' ``(entered, left_seq)``.
+
+    What :func:`replay` does to a whole window, and a sharded checkpoint to one partition's
+    section chain; the columns must include ``lengths`` and ``seq``. Each source lists its
+    items in the window's storage order; the items come out in that order: the sources one
+    after another while every delta's items arrived after all earlier survivors (always,
+    without ``max_age_s``), else by arrival number (an item that came back).
+    """
+    sources = [base, *(entered for entered, _ in deltas)]
+    seq = np.concatenate([np.asarray(source["seq"], dtype=np.int64).reshape(-1) for source in sources])
+    sizes = [np.asarray(source["seq"]).size for source in sources]
+    entered_at = np.repeat(np.arange(len(sources), dtype=np.int64), sizes)
+    lefts = [np.asarray(left_seq, dtype=np.int64).reshape(-1) for _, left_seq in deltas]
+    left_seq = np.concatenate([np.zeros(0, dtype=np.int64), *lefts])
+    left_at = np.repeat(np.arange(1, len(lefts) + 1, dtype=np.int64), [left.size for left in lefts])
+    last_left = np.full(seq.size, -1, dtype=np.int64)
     if left_seq.size:
         by_seq = np.lexsort((left_at, left_seq))
         left_seq, left_at = left_seq[by_seq], left_at[by_seq]
         final = np.ones(left_seq.size, dtype=bool)
         final[:-1] = left_seq[1:] != left_seq[:-1]
         left_seq, left_at = left_seq[final], left_at[final]  # the latest leaving of each
-        at = np.minimum(np.searchsorted(left_seq, seq[rows]), left_seq.size - 1)
-        named = left_seq[at] == seq[rows]
+        at = np.minimum(np.searchsorted(left_seq, seq), left_seq.size - 1)
+        named = left_seq[at] == seq
         last_left[named] = left_at[at[named]]
-    rows = rows[entered_at[rows] > last_left]
+    # an item is in the window when its last change is an entry (one that came back is here twice)
+    rows = np.flatnonzero(entered_at > last_left)
+    if not _arrived_in_source_order(seq[rows], entered_at[rows]):
+        rows = rows[np.argsort(seq[rows], kind="stable")]
 
-    lengths = [np.asarray(source["lengths"], dtype=np.int64) for source in sources]
-    channels = int(base["channels"])
+    lengths = [np.asarray(source["lengths"], dtype=np.int64).reshape(-1) for source in sources]
     chunks = [np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources]
-    newest = deltas[-1]
-    state = {key: value for key, value in newest.items() if key not in (DELTA_OF, "entered", "left_seq")}
-    for name, dtype in (
-        ("ts", np.float64),
-        ("labels", np.int64),
-        ("keys", np.float64),
-        ("sensor_ids", object),
-        ("partitions", np.int32),
-        ("offsets", np.int64),
-    ):
-        state[name] = np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])[rows]
-    state["lengths"] = np.concatenate(lengths)[rows]
-    state["seq"] = seq[rows]
-    state["values"] = _gather_values(chunks, lengths, rows, entered_at)
-    return state
+    items: dict[str, np.ndarray] = {}
+    for name, dtype in columns:
+        if name not in ("lengths", "seq"):
+            column = np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])
+            items[name] = column[rows]
+    items["lengths"] = np.concatenate(lengths)[rows]
+    items["seq"] = seq[rows]
+    items["values"] = _gather_values(chunks, lengths, rows, entered_at)
+    return items
+
+
+def _arrived_in_source_order(seq: np.ndarray, source: np.ndarray) -> bool:
+    """Whether every source's items (``seq`` of the survivors, in source order) arrived after all
+    the items of the sources before it: then the sources one after another are the storage order."""
+    if seq.size < 2:
+        return True
+    boundaries = np.flatnonzero(source[1:] != source[:-1]) + 1
+    if not boundaries.size:
+        return True
+    earlier_max = np.maximum.accumulate(seq)[boundaries - 1]
+    later_min = np.minimum.reduceat(seq, boundaries)
+    return bool(np.all(later_min > earlier_max))
 
 
 def _gather_values(
@@ -102,24 +139,29 @@ def _gather_values(
 ) -> np.ndarray:
     """The readings of ``rows`` (indices into the sources' items, concatenated) back to back.
 
-    Usually the rows come source by source (the base's survivors, then each delta's), and
-    each source's rows in its own order: then a token mask per source compresses it (a
-    10M-item base in seconds, where a gather through a position per token takes a minute).
+    Usually the rows ascend (the base's survivors, then each delta's): then each run of
+    consecutive items is one slice copy (a 10M-item base with a few hundred thousand
+    leavers in about a second, where a gather through a position per token takes a
+    minute and gigabytes of positions).
     """
-    if rows.size < 2 or bool(np.all(source_of[rows][1:] >= source_of[rows][:-1])):
-        keep = np.zeros(source_of.size, dtype=bool)
-        keep[rows] = True
-        pieces, first = [], 0
-        for chunk, length in zip(chunks, lengths, strict=True):
-            mask = keep[first : first + length.size]
-            first += length.size
-            if mask.all():
-                pieces.append(chunk)
-            elif mask.any():
-                pieces.append(_rows_where(chunk, np.repeat(mask, length)))
-        return np.concatenate(pieces) if pieces else np.zeros((0, chunks[0].shape[1]), np.float32)
-    # an item that came back after a younger one entered (max_age_s): a gather in arrival order
+    if not rows.size:
+        return np.zeros((0, chunks[0].shape[1]), np.float32)
     all_lengths = np.concatenate(lengths)
+    if bool(np.all(rows[1:] > rows[:-1])):
+        token_end = np.cumsum(all_lengths)  # of each item, counting the sources' tokens one after another
+        source_start = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
+        # runs: maximal stretches of consecutive items of one source, each one slice of its chunk
+        breaks = np.flatnonzero((rows[1:] != rows[:-1] + 1) | (source_of[rows[1:]] != source_of[rows[:-1]])) + 1
+        run_first, run_last = rows[np.r_[0, breaks]], rows[np.r_[breaks - 1, rows.size - 1]]
+        run_source = source_of[run_first]
+        run_start = token_end[run_first] - all_lengths[run_first] - source_start[run_source]
+        run_end = token_end[run_last] - source_start[run_source]
+        pieces = [
+            chunks[j][start:end]
+            for j, start, end in zip(run_source.tolist(), run_start.tolist(), run_end.tolist(), strict=True)
+        ]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    # an item that came back after a younger one entered (max_age_s): a gather in arrival order
     token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
     starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])
     return (
@@ -139,16 +181,8 @@ def _gather_values(
     )
 
 
-def _rows_where(array: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """``array[mask]`` for a C-contiguous ``[T, C]`` array, each row taken as one item.
-
-    numpy's boolean index along the first axis of a 2-D array runs ~10x slower than over
-    1-D items (1.5 s against 0.14 s for 67M float32 rows), so each row is viewed as one
-    opaque item of ``4 C`` bytes.
-    """
-    array = np.ascontiguousarray(array)
-    rows = array.view(np.dtype((np.void, array.dtype.itemsize * array.shape[1]))).reshape(-1)
-    return rows[mask].view(array.dtype).reshape(-1, array.shape[1])
+ParentRef = Mapping[str, Any]
+"""What a delta names its parent by (JSON values): ``{"name", "sha256"}`` of a one-file checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -158,17 +192,19 @@ class PendingWindow:
     state: dict[str, Any]
     kind: Kind
     seq: np.ndarray  # sorted arrival numbers of its window's items
-    settings: tuple[int, float, int]  # capacity, half-life, channels: a delta keeps all three
+    scope: Hashable  # what a delta and its parent must share: the window's settings, where it is written
+    partitions: np.ndarray | None = None  # of the items ``seq`` numbers, when the chain keeps them
+    left_partitions: np.ndarray | None = None  # of a delta's ``left_seq``, when the chain keeps them
 
 
 @dataclass(frozen=True)
 class _Link:
     """The last checkpoint written, as the next delta builds on it."""
 
-    name: str
-    sha256: str
-    seq: np.ndarray
-    settings: tuple[int, float, int]
+    parent: ParentRef
+    seq: np.ndarray  # as PendingWindow's
+    partitions: np.ndarray | None
+    scope: Hashable
     base_bytes: int
     deltas_bytes: int  # of the deltas since that base
     deltas: int
@@ -189,57 +225,85 @@ class ChainReport:
 class WindowChain:
     """Builds each checkpoint's window as a base or a delta on the last one written (module docstring).
 
-    Used by one checkpointer at a time (the service serializes checkpoints).
+    Used by one checkpointer at a time (the service serializes checkpoints). One-file
+    checkpoints use :meth:`window_state` and :meth:`written`; a rank's shards of sharded
+    checkpoints :meth:`next_window` and :meth:`linked`, with ``by_partition`` (a shard
+    splits a delta by partition).
     """
 
-    def __init__(self, *, compaction_ratio: float = 1.0, max_chain: int = 64) -> None:
+    def __init__(self, *, compaction_ratio: float = 1.0, max_chain: int = 64, by_partition: bool = False) -> None:
         if not compaction_ratio > 0:
             raise ValueError(f"compaction_ratio must be > 0, got {compaction_ratio}")
         if max_chain < 0:
             raise ValueError(f"max_chain must be >= 0, got {max_chain}")
         self.compaction_ratio = float(compaction_ratio)
         self.max_chain = int(max_chain)
+        self.by_partition = by_partition
         self._link: _Link | None = None
         self._bytes: dict[Kind, int] = {"base": 0, "delta": 0}
         self._written: dict[Kind, int] = {"base": 0, "delta": 0}
         self._last_kind: Kind | None = None
 
     def window_state(self, capture: WindowCapture, directory: Path) -> PendingWindow:
-        """The window of the next checkpoint into ``directory``: a delta where the chain allows one."""
-        settings = capture.settings
-        link = self._link
-        if link is not None and self._extends(link, settings, directory):
-            state = capture.delta(link.seq)
-            state[DELTA_OF] = {"name": link.name, "sha256": link.sha256}
-            return PendingWindow(state, "delta", np.sort(capture.seq), settings)
-        return PendingWindow(capture(), "base", np.sort(capture.seq), settings)
+        """The window of the next one-file checkpoint into ``directory``: a delta where the chain allows one."""
 
-    def _extends(self, link: _Link, settings: tuple[int, float, int], directory: Path) -> bool:
-        if link.settings != settings or link.deltas >= self.max_chain:
+        def parent_present(parent: ParentRef) -> bool:
+            try:
+                return read_digest(directory / str(parent["name"])) == parent["sha256"]
+            except OSError:
+                return False  # pruned, or the directory was emptied: start a new base
+
+        return self.next_window(capture, parent_present=parent_present)
+
+    def written(self, pending: PendingWindow, path: Path) -> None:
+        """``pending`` is durable as the one-file checkpoint ``path``: the next delta builds on it."""
+        self.linked(pending, {"name": path.name, "sha256": read_digest(path)}, path.stat().st_size)
+
+    def next_window(
+        self, capture: WindowCapture, *, parent_present: Callable[[ParentRef], bool], scope: Hashable = ()
+    ) -> PendingWindow:
+        """The window of the next checkpoint: a delta on the last one :meth:`linked` where the chain allows.
+
+        ``parent_present(parent)``: whether the checkpoint the last link names is still
+        there, unchanged; ``scope``: what else a delta and its parent must share beyond the
+        window's settings (a shard's rank and ownership).
+        """
+        scope = (capture.settings, scope)
+        if self.by_partition:
+            order = np.argsort(capture.seq, kind="stable")
+            seq, partitions = capture.seq[order], capture.partitions[order]
+        else:
+            seq, partitions = np.sort(capture.seq), None
+        link = self._link
+        if link is not None and self._extends(link, scope, parent_present):
+            state = capture.delta(link.seq)
+            state[DELTA_OF] = dict(link.parent)
+            left = None
+            if link.partitions is not None:
+                left = link.partitions[np.searchsorted(link.seq, state["left_seq"])]
+            return PendingWindow(state, "delta", seq, scope, partitions, left)
+        return PendingWindow(capture(sensor_codes=True), "base", seq, scope, partitions)
+
+    def _extends(self, link: _Link, scope: Hashable, parent_present: Callable[[ParentRef], bool]) -> bool:
+        if link.scope != scope or link.deltas >= self.max_chain:
             return False
         if link.deltas_bytes >= self.compaction_ratio * link.base_bytes:
             return False
-        try:
-            return read_digest(directory / link.name) == link.sha256
-        except OSError:
-            return False  # pruned, or the directory was emptied: start a new base
+        return parent_present(link.parent)
 
-    def written(self, pending: PendingWindow, path: Path) -> None:
-        """``pending`` is durable as ``path``: the next delta builds on it."""
-        size = path.stat().st_size
-        digest = read_digest(path)
+    def linked(self, pending: PendingWindow, parent: ParentRef, size: int) -> None:
+        """``pending`` is durable, ``size`` bytes, named by ``parent``: the next delta builds on it."""
         link = self._link
+        window = (pending.seq, pending.partitions, pending.scope)
         if pending.kind == "base" or link is None:
-            self._link = _Link(path.name, digest, pending.seq, pending.settings, size, 0, 0)
+            self._link = _Link(parent, *window, base_bytes=size, deltas_bytes=0, deltas=0)
         else:
             self._link = _Link(
-                path.name,
-                digest,
-                pending.seq,
-                pending.settings,
-                link.base_bytes,
-                link.deltas_bytes + size,
-                link.deltas + 1,
+                parent,
+                *window,
+                base_bytes=link.base_bytes,
+                deltas_bytes=link.deltas_bytes + size,
+                deltas=link.deltas + 1,
             )
         self._bytes[pending.kind] += size
         self._written[pending.kind] += 1

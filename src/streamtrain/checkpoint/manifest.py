@@ -7,7 +7,11 @@ is not valid; restore falls back to the previous complete one. The manifest carr
 the SHA-256 of its own canonical JSON, so an edit that keeps it valid JSON is caught
 too. It lists, per shard, the partitions, item count and next offsets it holds (and
 whether it holds trainer state that follows partitions, the DP window), so a checkpoint
-can be inspected (and a rescaled restore planned) without opening a shard.
+can be inspected (and a rescaled restore planned) without opening a shard, and for a
+delta shard the shard it builds on (``delta_of``) and its ``chain``: the checkpoints it
+builds on back to its base, newest first (what pruning must keep). A delta shard's
+trainer state that follows partitions is whole, never a delta: its chain is for the
+window items alone.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamtrain.checkpoint.files import file_sha256, write_atomically
+from streamtrain.checkpoint.files import file_sha256, read_range, write_atomically
 from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint, decode_checkpoint, reject_json_constant
 from streamtrain.checkpoint.shards import (
     DIR_NAME,
@@ -84,6 +88,7 @@ def write_manifest(
                 "partitions": [int(entry["partition"]) for entry in sections],
                 "items": int(sum(int(entry["items"]) for entry in sections)),
                 **({"partitioned_state": True} if "partitioned_state" in index else {}),
+                **_chain_of(directory, index, topic, ownership),
             }
         )
     manifest = {
@@ -104,6 +109,25 @@ def write_manifest(
     return path
 
 
+def _chain_of(directory: Path, index: Mapping[str, Any], topic: str, ownership: Ownership) -> dict[str, Any]:
+    """A delta shard's manifest fields: ``delta_of`` (the shard it builds on) and ``chain`` (the
+    checkpoints its window builds on, newest first); nothing for a base.
+
+    The parent must be sealed, of the same topic and ownership, and list the shard with
+    the digests the delta names (ValueError otherwise: the checkpoint is not sealed).
+    """
+    parent = index.get("delta_of")
+    if parent is None:
+        return {}
+    listed = read_manifest(directory.parent / str(parent["checkpoint"]))
+    entry = next((shard for shard in listed.shards if shard["file"] == parent["file"]), None)
+    if entry is None or (entry["sha256"], entry["index_sha256"]) != (parent["sha256"], parent["index_sha256"]):
+        raise ValueError(f"the shard {parent['checkpoint']}/{parent['file']} a delta builds on was replaced")
+    if listed.topic != topic or listed.ownership != ownership:
+        raise ValueError(f"a delta builds on {parent['checkpoint']}, of another topic or ownership")
+    return {"delta_of": dict(parent), "chain": [listed.directory.name, *entry.get("chain", [])]}
+
+
 def _manifest_digest(record: Mapping[str, Any]) -> str:
     """SHA-256 of the manifest's canonical JSON without its own digest: no bit goes unchecked."""
     return hashlib.sha256(canonical_json({k: v for k, v in record.items() if k != "sha256"})).hexdigest()
@@ -122,6 +146,11 @@ class Manifest:
     common: dict[str, Any]
     shards: list[dict[str, Any]]
     next_offsets: dict[int, int]
+
+    @property
+    def builds_on(self) -> set[str]:
+        """The checkpoints (directory names) the windows of its delta shards build on."""
+        return {name for shard in self.shards for name in shard.get("chain", [])}
 
     @property
     def world_size(self) -> int:
@@ -171,6 +200,8 @@ def read_manifest(directory: Path | str) -> Manifest:
         for entry in [record["common"], *shards]:
             if not _is_plain_name(entry["file"]) or int(entry["size"]) < 0 or len(str(entry["sha256"])) != 64:
                 raise ValueError(f"file entry {entry!r} is malformed")
+        for shard in shards:
+            _check_chain(shard)
         holders: dict[int, int] = {}
         for shard in shards:
             for partition in shard["partitions"]:
@@ -206,6 +237,21 @@ def read_manifest(directory: Path | str) -> Manifest:
     return manifest
 
 
+def _check_chain(shard: Mapping[str, Any]) -> None:
+    """ValueError unless a shard entry's ``delta_of`` and ``chain`` name sealed checkpoints' shards plainly."""
+    parent, chain = shard.get("delta_of"), shard.get("chain")
+    if parent is None and chain is None:
+        return
+    if not isinstance(parent, dict) or not isinstance(chain, list) or not chain:
+        raise ValueError(f"shard {shard['file']!r} has a malformed delta_of {parent!r} or chain {chain!r}")
+    if not all(isinstance(name, str) and DIR_NAME.match(name) for name in chain) or len(set(chain)) != len(chain):
+        raise ValueError(f"shard {shard['file']!r} has a chain {chain!r} that is not distinct checkpoint names")
+    if parent.get("checkpoint") != chain[0] or not _is_plain_name(parent.get("file")):
+        raise ValueError(f"shard {shard['file']!r} builds on {parent!r}, which its chain {chain!r} does not start with")
+    if any(len(str(parent.get(key))) != 64 for key in ("sha256", "index_sha256")):
+        raise ValueError(f"shard {shard['file']!r} names its parent by malformed digests")
+
+
 def _is_plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
@@ -231,7 +277,7 @@ def read_common(manifest: Manifest) -> LoadedCheckpoint:
     path = manifest.directory / entry["file"]
     check_file_size(path, int(entry["size"]))
     try:
-        data = path.read_bytes()
+        data = read_range(path, 0, int(entry["size"]))
     except OSError as exc:
         raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:

@@ -6,7 +6,10 @@ reads, from every shard, the sections of the partitions it now owns
 keeps the top keys under its capacity share. The keys of sections from different old
 shards are re-based on one reference time (each key's random draw is kept), and their
 arrival order is renumbered by event time. A one-file checkpoint (a world of one rank)
-is a one-shard checkpoint here (:func:`share_from_single_file`).
+is a one-shard checkpoint here (:func:`share_from_single_file`). A delta shard is read
+with the chain it builds on, every link verified, each partition's sections replayed;
+the trainer state that follows partitions (DP: the DP window) is whole in every link,
+so only the newest link's is read.
 
 A restore whose topic differs is refused (:class:`CheckpointMismatch`); a topic that
 grew partitions is handled on purpose (the new ones have no state and are read from
@@ -23,8 +26,11 @@ from typing import Any
 import numpy as np
 
 from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint
-from streamtrain.checkpoint.manifest import Manifest, read_common
+from streamtrain.checkpoint.incremental import replay_items
+from streamtrain.checkpoint.manifest import Manifest, read_common, read_manifest
 from streamtrain.checkpoint.shards import (
+    SECTION_COLUMNS,
+    delta_section_items,
     half_life_from_json,
     read_shard_blob,
     read_shard_index,
@@ -32,7 +38,7 @@ from streamtrain.checkpoint.shards import (
     window_meta,
 )
 from streamtrain.distributed.ownership import Ownership
-from streamtrain.window.partitions import PartitionItems, join_partitions, split_by_partition
+from streamtrain.window.partitions import PartitionItems, empty_partition, join_partitions, split_by_partition
 from streamtrain.window.storage import decay_rate
 
 
@@ -80,8 +86,10 @@ def restore_share(
     """This rank's share of a checkpoint under the ownership ``(world_size, partition_count)``.
 
     Reads the sections of the partitions the rank now owns from every shard (and nothing
-    else), and the trainer state that follows partitions of every shard that holds one
-    (only its own under the same ownership); verifies each against the shard index and the
+    else), each replayed along its shard's chain, and the trainer state that follows
+    partitions of every shard that holds one, even a shard holding none of the rank's
+    partitions (only its own under the same ownership), from the shard's newest link
+    alone (:func:`_partitioned_state`); verifies each against the shard index and the
     index against the manifest.
     CheckpointMismatch (one line) for another topic or fewer partitions than the
     checkpoint holds state for; CorruptCheckpoint for anything that does not verify.
@@ -117,34 +125,34 @@ def restore_share(
         wanted = unchanged or bool(owned_set.intersection(int(p) for p in entry["partitions"]))
         if not wanted and not entry.get("partitioned_state"):
             continue
-        path = manifest.directory / str(entry["file"])
-        index = read_shard_index(path, entry)
-        if int(index["rank"]) != old_rank or int(index["step"]) != manifest.step or index["topic"] != manifest.topic:
-            raise CorruptCheckpoint(
-                path, f"shard says rank {index['rank']} step {index['step']}, the manifest disagrees"
-            )
-        if [int(e["partition"]) for e in index["sections"]] != [int(p) for p in entry["partitions"]]:
-            raise CorruptCheckpoint(path, "the shard's partitions are not the ones the manifest lists")
-        if "partitioned_state" in index:  # read from every shard: its records go wherever their partitions went
-            partitioned.append(dict(read_shard_blob(path, index["_data_start"], index["partitioned_state"]).state))
+        # the window's items need the shard's whole chain; the state that follows partitions
+        # is whole in its newest link (read from every shard: its records go wherever their
+        # partitions went)
+        chain = _shard_chain(manifest, entry) if wanted else [_open_shard(manifest, entry)]
+        newest = chain[0]
+        if "partitioned_state" in newest.index:
+            partitioned.append(_partitioned_state(newest))
         if not wanted:
             continue
-        window = index["window"]
+        window = newest.index["window"]
         shard_meta[old_rank] = window
-        for section_entry in index["sections"]:
+        for section_entry in newest.index["sections"]:
             partition = int(section_entry["partition"])
             if partition not in owned_set:
                 continue
-            loaded = read_shard_blob(path, index["_data_start"], section_entry)
             try:
-                items = section_items(loaded.state, int(window["channels"]), str(path))
-            except ValueError as exc:
-                raise CorruptCheckpoint(path, str(exc)) from exc
+                items = _partition_items(chain, partition, int(window["channels"]))
+            except CorruptCheckpoint as err:
+                if err.path.parent == manifest.directory:
+                    raise  # this checkpoint's own shard
+                raise _broken_link(manifest, entry, f"{err.path.parent.name}/{err.path.name}", err) from err
             if items.partition != partition or len(items) != int(section_entry["items"]):
-                raise CorruptCheckpoint(path, f"section of partition {partition} does not match its index entry")
+                raise CorruptCheckpoint(newest.path, f"section of partition {partition} does not match its index entry")
             sections.append(_Section(items, old_rank))
         if unchanged:
-            rank_state = dict(read_shard_blob(path, index["_data_start"], index["rank_state"]).state)
+            rank_state = dict(
+                read_shard_blob(newest.path, newest.index["_data_start"], newest.index["rank_state"]).state
+            )
     common = read_common(manifest).state if load_common else {}
     window_state = _merge_sections(
         sections, shard_meta or {-1: _empty_meta(manifest.window)}, unchanged=unchanged, rank_state=rank_state
@@ -164,6 +172,113 @@ def restore_share(
         source_ranks=sorted(shard_meta),
         partitioned_states=partitioned,
     )
+
+
+@dataclass(frozen=True)
+class _ShardLink:
+    """One shard of a chain, its index verified against its checkpoint's manifest."""
+
+    path: Path
+    index: dict[str, Any]
+
+
+def _open_shard(manifest: Manifest, entry: Mapping[str, Any]) -> _ShardLink:
+    """A shard's index, verified against ``entry`` of ``manifest``; CorruptCheckpoint when it disagrees."""
+    path = manifest.directory / str(entry["file"])
+    index = read_shard_index(path, entry)
+    if (
+        int(index["rank"]) != int(entry["rank"])
+        or int(index["step"]) != manifest.step
+        or index["topic"] != manifest.topic
+    ):
+        raise CorruptCheckpoint(path, f"shard says rank {index['rank']} step {index['step']}, the manifest disagrees")
+    if [int(e["partition"]) for e in index["sections"]] != [int(p) for p in entry["partitions"]]:
+        raise CorruptCheckpoint(path, "the shard's partitions are not the ones the manifest lists")
+    if index.get("delta_of") != entry.get("delta_of"):
+        raise CorruptCheckpoint(path, "the shard builds on another shard than the manifest lists")
+    return _ShardLink(path, index)
+
+
+def _shard_chain(manifest: Manifest, entry: Mapping[str, Any]) -> list[_ShardLink]:
+    """The shard ``entry`` and the shards its window builds on (a delta's ``delta_of``), newest first.
+
+    Every link is verified against its own checkpoint's manifest, and named by the digests
+    its child records; a damaged, missing or replaced link makes the whole chain (and so the
+    checkpoint) unusable: CorruptCheckpoint against ``manifest``'s checkpoint, naming the link.
+    """
+    chain = [_open_shard(manifest, entry)]
+    parent = entry.get("delta_of")
+    while parent is not None:
+        where = f"{parent['checkpoint']}/{parent['file']}"
+        try:
+            if parent["checkpoint"] in {link.path.parent.name for link in chain}:
+                raise CorruptCheckpoint(manifest.directory / where, "the chain builds on itself")
+            listed = read_manifest(manifest.directory.parent / str(parent["checkpoint"]))
+            found = next((shard for shard in listed.shards if shard["file"] == parent["file"]), None)
+            if found is None or (found["sha256"], found["index_sha256"]) != (parent["sha256"], parent["index_sha256"]):
+                raise CorruptCheckpoint(listed.directory, f"it no longer holds the shard {parent['file']} named")
+            if listed.topic != manifest.topic or listed.ownership != manifest.ownership:
+                raise CorruptCheckpoint(listed.directory, "another topic or ownership")
+            chain.append(_open_shard(listed, found))
+        except CorruptCheckpoint as err:
+            raise _broken_link(manifest, entry, where, err) from err
+        parent = found.get("delta_of")
+    return chain
+
+
+def _partitioned_state(newest: _ShardLink) -> dict[str, Any]:
+    """The trainer state that follows partitions (DP: the DP window) a shard holds at its cut.
+
+    Every shard, base or delta, carries its own whole section of it (it is small and
+    changes every step, so a delta of it would save little and cost a replay): the
+    newest link's is the state of this checkpoint's cut, and the links it builds on,
+    cut at earlier steps, are never read for it. Their window items are (the chain).
+    """
+    return dict(read_shard_blob(newest.path, newest.index["_data_start"], newest.index["partitioned_state"]).state)
+
+
+def _broken_link(manifest: Manifest, entry: Mapping[str, Any], link: str, err: CorruptCheckpoint) -> CorruptCheckpoint:
+    """The checkpoint of ``manifest`` is unusable: its shard ``entry`` builds on ``link``, which is not."""
+    return CorruptCheckpoint(
+        manifest.directory, f"shard {entry['file']} builds on {link}, which is unusable: {err.reason}"
+    )
+
+
+def _partition_items(chain: Sequence[_ShardLink], partition: int, channels: int) -> PartitionItems:
+    """One partition's items at the newest link's cut: its base section and every delta's changes."""
+    # oldest first: each link's section as (items, left) (a base's: its items and no left), None without one
+    loaded: list[tuple[PartitionItems, np.ndarray] | None] = []
+    for link in reversed(chain):
+        entry = next((e for e in link.index["sections"] if int(e["partition"]) == partition), None)
+        if entry is None:
+            loaded.append(None)  # the partition had neither items nor an offset at that cut
+            continue
+        state = read_shard_blob(link.path, link.index["_data_start"], entry).state
+        try:
+            if link.index.get("delta_of") is None:
+                loaded.append((section_items(state, channels, str(link.path)), np.zeros(0, dtype=np.int64)))
+            else:
+                loaded.append(delta_section_items(state, channels, str(link.path)))
+        except ValueError as exc:
+            raise CorruptCheckpoint(link.path, str(exc)) from exc
+    newest = loaded[-1]
+    assert newest is not None  # the caller asks for a partition the newest link lists
+    if len(loaded) == 1:
+        return newest[0]
+    empty = (empty_partition(partition, None, channels), np.zeros(0, dtype=np.int64))
+    base, *deltas = [empty if link is None else link for link in loaded]
+
+    def items_of(part: PartitionItems) -> dict[str, Any]:
+        return {**part.columns, "values": part.values}
+
+    replayed = replay_items(
+        items_of(base[0]),
+        [(items_of(entered), left) for entered, left in deltas],
+        channels=channels,
+        columns=SECTION_COLUMNS,
+    )
+    values = replayed.pop("values")
+    return PartitionItems(partition, newest[0].next_offset, values, replayed)
 
 
 def _merge_sections(

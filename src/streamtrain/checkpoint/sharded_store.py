@@ -3,8 +3,9 @@
 Pruning deletes a checkpoint's manifest first and fsyncs the directory before removing
 the rest, so a half-deleted checkpoint is never taken for a complete one. Only rank 0
 prunes, and only right after sealing a checkpoint, when no other checkpoint can be in
-flight. The same root may also hold one-file checkpoints (a world of one rank writes
-those); :func:`load_latest_common` reads the newest of either kind.
+flight; it keeps every checkpoint a kept one's delta shards build on. The same root may
+also hold one-file checkpoints (a world of one rank writes those); :func:`load_latest_common`
+reads the newest of either kind.
 """
 
 from __future__ import annotations
@@ -118,33 +119,46 @@ class ShardedCheckpointStore:
         shutil.rmtree(path)
 
     def prune(self, just_written: Path) -> list[Path]:
-        """Keep the ``keep`` newest complete checkpoints; delete older ones and older leftovers.
+        """Keep the ``keep`` newest complete checkpoints and what their delta shards build on;
+        delete older ones and older leftovers.
 
         Incomplete directories older than the one just written are failed attempts and go
-        too; anything newer than it is left alone (and logged), as is ``just_written``.
+        too; anything newer than it is left alone (and logged), as is ``just_written``. With
+        ``keep >= 2``, while every kept checkpoint builds on one checkpoint (a base of their
+        chains), the newest older checkpoint that does not is kept too: one damaged base
+        never costs every restore point.
         """
         infos = self.scan()
         written = next((info for info in infos if info.path == just_written), None)
         if written is None:
             return []
-        deleted = []
-        kept = 0
+        kept: list[CheckpointDirInfo] = []
+        older: list[CheckpointDirInfo] = []
         for info in infos:
-            if info.path == just_written:
-                kept += 1
-                continue
             if info.order > written.order:
                 if info.complete:
-                    kept += 1
+                    kept.append(info)
                 log.warning(
                     "checkpoint %s sorts after the one just written (%s); restore will prefer it. "
                     "Give each run its own checkpoint directory.",
                     info.path.name,
                     just_written.name,
                 )
-                continue
-            if info.complete and kept < self.keep:
-                kept += 1
+            elif info.path == just_written or (info.complete and len(kept) < self.keep):
+                kept.append(info)
+            else:
+                older.append(info)
+        needs = {info.path.name: self._needs(info) for info in kept}
+        needed = set().union(*needs.values())
+        shared = set.intersection(*needs.values()) if self.keep >= 2 else set()
+        for info in older if shared else []:  # one damaged checkpoint would cost every kept one
+            spare = self._needs(info) if info.complete else set()
+            if spare and not spare & shared:  # a restore point beside them
+                needed |= spare
+                break
+        deleted = []
+        for info in older:
+            if info.path.name in needed:
                 continue
             try:
                 self.delete(info.path)
@@ -152,6 +166,14 @@ class ShardedCheckpointStore:
             except OSError as exc:
                 log.warning("could not delete old checkpoint %s: %s", info.path, exc)
         return deleted
+
+    def _needs(self, info: CheckpointDirInfo) -> set[str]:
+        """The checkpoint itself and those its delta shards build on (directory names); empty
+        when its manifest does not parse (it restores nothing)."""
+        try:
+            return {info.path.name, *read_manifest(info.path).builds_on}
+        except CorruptCheckpoint:
+            return set()
 
 
 def load_latest_common(root: Path | str) -> LoadedCheckpoint | None:

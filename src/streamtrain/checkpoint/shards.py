@@ -37,6 +37,17 @@ partitions it owns (as Flink's key-group offsets let a subtask read only its key
 groups); the manifest records each shard's whole-file SHA-256 and the SHA-256 of its
 index, which commits to every section. Sections written by earlier releases also carry
 ``dead_letters`` and ``accepted_total``, which nothing filled in; readers ignore them.
+
+A shard may be a *delta* on the same rank's shard of an earlier sealed checkpoint (its
+index then names it: ``delta_of``, the checkpoint directory, file, and SHA-256 of the
+file and of its index): each section then holds what entered the partition since
+(``entered``: the same columns and readings) and the arrival numbers of the items that
+left it (``left_seq``); a section's ``items`` is still the partition's item count at the
+cut, and the counters, offsets, rank-local state and the trainer's state that follows
+partitions are whole (that last is small and changes every step: each shard carries its
+own cut's, and a restore reads the newest link's alone; the chain is for the window
+items). The manifest names each shard's chain; :mod:`streamtrain.checkpoint.rescale`
+reads it back.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.files import write_atomically
+from streamtrain.checkpoint.files import Chunk, read_range, write_atomically
 from streamtrain.checkpoint.format import (
     CorruptCheckpoint,
     LoadedCheckpoint,
@@ -63,8 +74,9 @@ from streamtrain.checkpoint.format import (
     encode_checkpoint,
     reject_json_constant,
 )
+from streamtrain.checkpoint.incremental import DELTA_OF, PendingWindow
 from streamtrain.distributed.ownership import Ownership
-from streamtrain.window.partitions import PartitionItems, split_by_partition
+from streamtrain.window.partitions import PartitionItems, empty_partition, split_by_partition
 from streamtrain.window.storage import ITEM_COLUMNS
 
 FORMAT_NAME: Final = "streamtrain.sharded-checkpoint"  # the manifest's format tag
@@ -77,7 +89,7 @@ DIR_NAME: Final = re.compile(r"^chk-(\d{12})-(\d+)$")
 _SHARD_PREFIX = struct.Struct("<8sQ32s")
 _MAX_INDEX_BYTES = 64 << 20
 # the item columns a section holds: its partition is the section's own
-_SECTION_COLUMNS: Final = tuple((name, dtype) for name, dtype in ITEM_COLUMNS if name != "partitions")
+SECTION_COLUMNS: Final = tuple((name, dtype) for name, dtype in ITEM_COLUMNS if name != "partitions")
 
 
 def shard_name(rank: int) -> str:
@@ -117,6 +129,15 @@ class FileReceipt:
             words += np.frombuffer(bytes.fromhex(digest), dtype="<i8").tolist()
         return torch.tensor(words, dtype=torch.int64)
 
+    def parent_ref(self, checkpoint: str) -> dict[str, str]:
+        """What a delta shard names this shard by, once sealed in the checkpoint directory ``checkpoint``."""
+        return {
+            "checkpoint": checkpoint,
+            "file": self.file,
+            "sha256": self.sha256,
+            "index_sha256": str(self.index_sha256),
+        }
+
     @classmethod
     def from_row(cls, row: Sequence[int], file: str) -> tuple[bool, FileReceipt]:
         words = np.asarray(list(row), dtype="<i8")
@@ -137,7 +158,7 @@ def section_state(part: PartitionItems) -> dict[str, Any]:
 def section_items(state: Mapping[str, Any], channels: int, where: str) -> PartitionItems:
     """One partition's items back from a section's state; ValueError when it does not hold them."""
     try:
-        columns = {name: np.asarray(state[name], dtype=dtype).reshape(-1) for name, dtype in _SECTION_COLUMNS}
+        columns = {name: np.asarray(state[name], dtype=dtype).reshape(-1) for name, dtype in SECTION_COLUMNS}
         values = np.asarray(state["values"], dtype=np.float32).reshape(-1, channels)
         partition = int(state["partition"])
         next_offset = None if state["next_offset"] is None else int(state["next_offset"])
@@ -149,6 +170,27 @@ def section_items(state: Mapping[str, Any], channels: int, where: str) -> Partit
     if int(columns["lengths"].sum()) != values.shape[0]:
         raise ValueError(f"{where}: section lengths do not add up to its readings")
     return PartitionItems(partition=partition, next_offset=next_offset, values=values, columns=columns)
+
+
+def delta_section_state(part: PartitionItems, left_seq: np.ndarray) -> dict[str, Any]:
+    """The state tree a delta shard's section holds for one partition: what entered it, what left."""
+    return {
+        "partition": part.partition,
+        "next_offset": part.next_offset,
+        "entered": {"values": part.values, **part.columns},
+        "left_seq": left_seq,
+    }
+
+
+def delta_section_items(state: Mapping[str, Any], channels: int, where: str) -> tuple[PartitionItems, np.ndarray]:
+    """A delta section's entered items and the arrival numbers of the items that left; ValueError
+    when it does not hold them."""
+    try:
+        entered = {**state["entered"], "partition": state["partition"], "next_offset": state["next_offset"]}
+        left_seq = np.asarray(state["left_seq"], dtype=np.int64).reshape(-1)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: section does not hold a window partition's changes: {exc}") from exc
+    return section_items(entered, channels, where), left_seq
 
 
 def window_meta(window_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -169,7 +211,7 @@ def window_meta(window_state: Mapping[str, Any]) -> dict[str, Any]:
 # writing
 
 
-def _blob_entry(chunks: list[bytes], start: int) -> dict[str, Any]:
+def _blob_entry(chunks: list[Chunk], start: int) -> dict[str, Any]:
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)
@@ -183,64 +225,74 @@ def write_shard(
     rank: int,
     ownership: Ownership,
     topic: str,
-    window_state: Mapping[str, Any],
+    window_state: Mapping[str, Any] | PendingWindow,
     rank_state: Mapping[str, Any] | None = None,
     partitioned_state: Mapping[str, Any] | None = None,
     created_at: float | None = None,
 ) -> FileReceipt:
     """Write this rank's shard into the checkpoint ``directory``; returns its receipt.
 
-    ``window_state`` is :meth:`RecencyWindow.state_dict`; its items and offsets must
-    belong to partitions this rank owns under ``ownership`` (ValueError otherwise: state
-    of someone else's partition would be restored twice). ``rank_state`` (the sampler's
-    progress, ...) is restored only under the same ownership. The window's own key RNG
-    state goes there too. ``partitioned_state`` (DP: the DP window) follows partitions: it
-    is read back from every shard after a rescale.
+    ``window_state`` is :meth:`RecencyWindow.state_dict`, or a window a
+    :class:`~streamtrain.checkpoint.incremental.WindowChain` (``by_partition``) built: a
+    base is written as that state, a delta as each partition's changes since the shard it
+    names (``delta_of`` in the index). Its items and offsets must belong to partitions
+    this rank owns under ``ownership`` (ValueError otherwise: state of someone else's
+    partition would be restored twice). ``rank_state`` (the sampler's progress, ...) is
+    restored only under the same ownership. The window's own key RNG state goes there too.
+    ``partitioned_state`` (DP: the DP window) follows partitions: it is read back from
+    every shard after a rescale. It is written whole in a delta shard too (never as a
+    change on the shard it builds on), so the newest link alone restores it.
     """
     directory = Path(directory)
     created_at = time.time() if created_at is None else float(created_at)
-    parts = split_by_partition(window_state)
-    foreign = sorted({part.partition for part in parts if ownership.owner(part.partition) != rank})
+    delta = isinstance(window_state, PendingWindow) and window_state.kind == "delta"
+    if isinstance(window_state, PendingWindow):
+        sections = _delta_sections(window_state) if delta else _base_sections(window_state.state)
+        window_state = window_state.state
+    else:
+        sections = _base_sections(window_state)
+    foreign = sorted({partition for partition, *_ in sections if ownership.owner(partition) != rank})
     if foreign:
         raise ValueError(
             f"rank {rank} of {ownership.world_size} holds state of partitions {foreign[:8]} that it does not own "
             f"(partition p belongs to rank p mod {ownership.world_size}); ingest must only consume owned partitions"
         )
-    blobs: list[list[bytes]] = []
+    blobs: list[list[Chunk]] = []
     table: list[dict[str, Any]] = []
     start = 0
-    for part in parts:
-        blob = encode_checkpoint(section_state(part), step=step, created_at=created_at)
+    for partition, next_offset, state, items in sections:
+        blob = encode_checkpoint(state, step=step, created_at=created_at)
         entry = _blob_entry(blob, start)
-        table.append({"partition": part.partition, **entry, "items": len(part), "next_offset": part.next_offset})
+        table.append({"partition": partition, **entry, "items": items, "next_offset": next_offset})
         blobs.append(blob)
         start += entry["length"]
     local = {"window_rng_state": window_state.get("rng_state"), **dict(rank_state or {})}
     local_chunks = encode_checkpoint(local, step=step, created_at=created_at)
-    partitioned_chunks: list[bytes] = []
+    partitioned_chunks: list[Chunk] = []
     partitioned_entry: dict[str, Any] = {}
-    if partitioned_state is not None:
+    if partitioned_state is not None:  # whole, in a delta shard too: small, and it changes every step
         partitioned_chunks = encode_checkpoint(dict(partitioned_state), step=step, created_at=created_at)
         local_length = _blob_entry(local_chunks, start)["length"]
         partitioned_entry = {"partitioned_state": _blob_entry(partitioned_chunks, start + local_length)}
-    index = canonical_json(
-        {
-            "format": SHARD_FORMAT,
-            "version": FORMAT_VERSION,
-            "step": int(step),
-            "created_at": created_at,
-            "rank": int(rank),
-            "topic": topic,
-            "ownership": ownership.as_dict(),
-            "window": window_meta(window_state),
-            "sections": table,
-            "rank_state": _blob_entry(local_chunks, start),
-            **partitioned_entry,
-        }
-    )
+    record = {
+        "format": SHARD_FORMAT,
+        "version": FORMAT_VERSION,
+        "step": int(step),
+        "created_at": created_at,
+        "rank": int(rank),
+        "topic": topic,
+        "ownership": ownership.as_dict(),
+        "window": window_meta(window_state),
+        "sections": table,
+        "rank_state": _blob_entry(local_chunks, start),
+        **partitioned_entry,
+    }
+    if delta:
+        record["delta_of"] = dict(window_state[DELTA_OF])
+    index = canonical_json(record)
     prefix = _SHARD_PREFIX.pack(SHARD_MAGIC, len(index), hashlib.sha256(index).digest())
 
-    def shard_bytes() -> Iterable[bytes]:
+    def shard_bytes() -> Iterable[Chunk]:
         yield prefix
         yield index
         for blob in blobs:
@@ -253,6 +305,61 @@ def write_shard(
     return FileReceipt(
         file=shard_name(rank), size=written.size, sha256=written.sha256, index_sha256=hashlib.sha256(index).hexdigest()
     )
+
+
+# (partition, its next offset, the section's state tree, the items the partition holds at the cut)
+_Section = tuple[int, int | None, dict[str, Any], int]
+
+
+def _base_sections(window_state: Mapping[str, Any]) -> list[_Section]:
+    return [
+        (part.partition, part.next_offset, section_state(part), len(part)) for part in split_by_partition(window_state)
+    ]
+
+
+def _delta_sections(window: PendingWindow) -> list[_Section]:
+    """A delta window's changes by partition: every partition it holds items or an offset of,
+    or that items left."""
+    state = window.state
+    if window.partitions is None or window.left_partitions is None:
+        raise ValueError(
+            "a shard's delta needs the partitions of its items: build it with WindowChain(by_partition=True)"
+        )
+    channels = int(state["channels"])
+    entered = {
+        part.partition: part
+        for part in split_by_partition(
+            {**state["entered"], "channels": channels, "next_offsets": state["next_offsets"]}
+        )
+    }
+    left_seq = np.asarray(state["left_seq"], dtype=np.int64)
+    held = np.bincount(window.partitions.astype(np.int64))
+    partitions = set(entered) | set(np.unique(window.left_partitions).tolist()) | set(np.flatnonzero(held).tolist())
+    offsets = {int(p): int(o) for p, o in dict(state["next_offsets"]).items()}
+    sections: list[_Section] = []
+    for partition in sorted(partitions):
+        part = entered.get(partition) or empty_partition(partition, offsets.get(partition), channels)
+        left = left_seq[window.left_partitions == partition]
+        items = int(held[partition]) if partition < held.size else 0
+        sections.append((partition, part.next_offset, delta_section_state(part, left), items))
+    return sections
+
+
+def shard_present(root: Path | str, parent: Mapping[str, Any]) -> bool:
+    """Whether the shard a delta would name (``{"checkpoint", "file", "sha256", "index_sha256"}``)
+    is still in a sealed checkpoint under ``root``, with the index it had (its prefix says)."""
+    directory = Path(root) / str(parent["checkpoint"])
+    try:
+        if not (directory / MANIFEST_NAME).exists():
+            return False
+        with open(directory / str(parent["file"]), "rb") as file:
+            prefix = file.read(_SHARD_PREFIX.size)
+    except OSError:
+        return False
+    if len(prefix) < _SHARD_PREFIX.size:
+        return False
+    magic, _, digest = _SHARD_PREFIX.unpack(prefix)
+    return bool(magic == SHARD_MAGIC and digest.hex() == parent["index_sha256"])
 
 
 def write_common(
@@ -333,9 +440,7 @@ def _optional_blobs(index: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def read_shard_blob(path: Path, data_start: int, entry: Mapping[str, Any]) -> LoadedCheckpoint:
     """One section (or the rank-local state) of a shard, verified against its index entry."""
     try:
-        with open(path, "rb") as file:
-            file.seek(data_start + int(entry["start"]))
-            data = file.read(int(entry["length"]))
+        data = read_range(path, data_start + int(entry["start"]), int(entry["length"]))
     except OSError as exc:
         raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:

@@ -94,12 +94,18 @@ class Service:
         self.store = CheckpointStore(
             settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
         )
-        self.window_chain = WindowChain()  # one process: each checkpoint's window a delta on the last, or a base
+        # each checkpoint's window a delta on the last, or a base (scaled out: this rank's shards)
+        self.window_chain = WindowChain(by_partition=self.scaled_out)
         self.collectives = self.topology.collectives()
         self.sharded_store = ShardedCheckpointStore(
             settings.checkpoint_dir, keep=settings.checkpoint_keep, on_corrupt=self._on_corrupt
         )
-        self.checkpointer = DistributedCheckpointer(self.sharded_store, self.collectives, topic=settings.topic)
+        self.checkpointer = DistributedCheckpointer(
+            self.sharded_store,
+            self.collectives,
+            topic=settings.topic,
+            chain=self.window_chain if self.scaled_out else None,
+        )
         self.trainer: ContinuousTrainer = self.topology.build_trainer()
         quality = self.trainer.quality  # None in DP mode: private events are not scored
         self.ingest = Ingestor(
@@ -285,13 +291,11 @@ class Service:
         if hook is not None:
             hook()
 
-    def checkpoint_written(self, path: Path, offsets: Mapping[int, int], kind: Kind = "base") -> None:
-        """A checkpoint is durable: count it and its bytes, and commit the offsets it covers."""
+    def checkpoint_written(self, path: Path, offsets: Mapping[int, int], kind: Kind, size: int) -> None:
+        """A checkpoint is durable: count it and the ``size`` bytes this process wrote of it (its
+        file, or its shard), and commit the offsets it covers."""
         self.metrics.checkpoints_written.inc()
-        try:
-            self.metrics.checkpoint_bytes.labels(kind).inc(path.stat().st_size)
-        except OSError:  # pruned or moved already: the count above stands
-            pass
+        self.metrics.checkpoint_bytes.labels(kind).inc(size)
         self.metrics.checkpoint_chain_length.set(self.window_chain.report().chain_length)
         self.checkpoint_error = None
         self.last_checkpoint, self.last_checkpoint_at = path, time.time()

@@ -175,7 +175,7 @@ class OneProcess:
                 s.checkpoint_failed(str(err))
                 return None
             s.window_chain.written(window, path)
-            s.checkpoint_written(path, offsets, window.kind)
+            s.checkpoint_written(path, offsets, window.kind, path.stat().st_size)
             log.info("checkpoint %s (step %d, window %d items, %s)", path.name, step, window.seq.size, window.kind)
             return path
 
@@ -327,9 +327,8 @@ class LockstepGroup:
                     if final:
                         s.final_checkpoint_error = s.checkpoint_error
                     return
-                build_window_state = s.window.capture_state()
+                window = s.window.capture_state()  # built by the checkpointer: a delta on the last shard, or a base
                 dead_letters = s.ingest.dead_letter_mark()
-            window_state = build_window_state()
             veto = None
             if not s.ingest.flush_dead_letters(upto=dead_letters):  # the others wait in the next collective
                 veto = f"dead letters not acknowledged: {s.ingest.dead_letters.describe()}"
@@ -337,10 +336,10 @@ class LockstepGroup:
             result = s.checkpointer.save(
                 step=int(trainer_state["step"]),
                 partition_count=s.ingest.partition_count,
-                window_state=window_state,
+                window_state=window,
                 common_state={"trainer": parts.shared} if s.ctx.is_primary else None,
                 rank_state=parts.rank_local,
-                partitioned_state=parts.by_partition,
+                partitioned_state=parts.by_partition,  # whole in every shard, a delta's too
                 veto=veto,
             )
             if not result.ok or result.path is None:
@@ -349,14 +348,16 @@ class LockstepGroup:
                     s.final_checkpoint_error = s.checkpoint_error
                 return
             path = result.path
-            s.checkpoint_written(path, result.next_offsets)  # offsets committed only now: the manifest is durable
+            # offsets committed only now: the manifest is durable
+            s.checkpoint_written(path, result.next_offsets, result.kind, result.shard_bytes)
             log.info(
-                "%scheckpoint %s (step %d, rank %d: window %d items, %.2f s)",
+                "%scheckpoint %s (step %d, rank %d: window %d items, %s, %.2f s)",
                 "final " if final else "",
                 path.name,
                 result.step,
                 s.ctx.rank,
-                len(window_state["lengths"]),
+                window.seq.size,
+                result.kind,
                 result.seconds,
             )
         finally:

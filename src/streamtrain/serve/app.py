@@ -105,7 +105,7 @@ def window_report(service: ServiceDep) -> WindowReport:
         },
         dead_letters_pending=service.ingest.dead_letters.pending,
         partitions=sorted(service.ingest.assigned),
-        checkpoints=None if service.scaled_out else CheckpointChainReport.model_validate(vars(chain)),
+        checkpoints=CheckpointChainReport.model_validate(vars(chain)),
     )
 
 

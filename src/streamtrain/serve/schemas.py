@@ -25,12 +25,15 @@ class Quantiles(BaseModel):
 
 
 class CheckpointChainReport(BaseModel):
-    """A one-process checkpoint holds the window whole (a base) or what changed since the last one (a delta)."""
+    """A checkpoint holds the window whole (a base) or what changed since the last one (a delta);
+    scaled out, this rank's shard of it."""
 
     last_kind: Literal["base", "delta"] | None = Field(description="The newest checkpoint's window; null before one")
     chain_length: int = Field(description="Deltas since the newest base (0: the newest checkpoint is a base)")
-    base_bytes: int = Field(description="Size of that base's file")
-    deltas_bytes: int = Field(description="Sizes of the delta files since it, summed (a new base at base_bytes)")
+    base_bytes: int = Field(description="Size of that base's file (scaled out: this rank's shard)")
+    deltas_bytes: int = Field(
+        description="Sizes of the delta files (shards) since it, summed (a new base at base_bytes)"
+    )
     bytes_written: dict[str, int] = Field(description="Checkpoint bytes this process wrote, by kind: base, delta")
     written: dict[str, int] = Field(description="Checkpoints this process wrote, by kind: base, delta")
 
@@ -72,7 +75,7 @@ class WindowReport(BaseModel):
         default_factory=list, description="Partitions this process consumes, ascending (scaled out: those it owns)"
     )
     checkpoints: CheckpointChainReport | None = Field(
-        None, description="What this process's checkpoints wrote of the window (one process; null scaled out)"
+        None, description="What this process's checkpoints wrote of the window (scaled out: this rank's shards)"
     )
 
 

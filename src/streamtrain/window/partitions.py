@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from streamtrain.window.storage import ITEM_COLUMNS, gather_tokens
+from streamtrain.window.storage import ITEM_COLUMNS, SensorCodes, gather_tokens
 
 
 @dataclass
@@ -29,6 +29,12 @@ class PartitionItems:
         return int(self.columns["lengths"].shape[0])
 
 
+def empty_partition(partition: int, next_offset: int | None, channels: int) -> PartitionItems:
+    """A partition's part that holds no items (its offset may still have moved)."""
+    columns = {name: np.zeros(0, dtype=dtype) for name, dtype in ITEM_COLUMNS if name != "partitions"}
+    return PartitionItems(partition, next_offset, np.zeros((0, channels), dtype=np.float32), columns)
+
+
 def split_by_partition(state: Mapping[str, Any]) -> list[PartitionItems]:
     """Cut a :meth:`RecencyWindow.state_dict` into its partitions' parts, ascending partition order.
 
@@ -38,7 +44,7 @@ def split_by_partition(state: Mapping[str, Any]) -> list[PartitionItems]:
     """
     channels = int(state["channels"])
     columns = {
-        name: np.asarray(state[name], dtype=dtype).reshape(-1)
+        name: state[name] if isinstance(state[name], SensorCodes) else np.asarray(state[name], dtype=dtype).reshape(-1)
         for name, dtype in ITEM_COLUMNS
         if name not in ("partitions", "seq")
     }

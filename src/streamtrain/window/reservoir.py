@@ -82,7 +82,7 @@ import numpy as np
 
 from streamtrain.events import EventBatch
 from streamtrain.window.snapshot import WindowSnapshot
-from streamtrain.window.storage import chunk_array, decay_rate, gather_tokens
+from streamtrain.window.storage import SensorCodes, chunk_array, decay_rate, gather_tokens, take_objects
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class _Published:
     chunks: list[np.ndarray]
     n_chunks: int
     vocabulary: np.ndarray  # object [>= codes used]: sensor id of each code
+    vocabulary_n: int  # codes used
     next_offsets: Mapping[int, int]
     accepted_total: int
     rejected: Mapping[str, int]
@@ -236,6 +237,7 @@ class RecencyWindow:
             chunks=self._chunk_arrays,
             n_chunks=len(self._chunk_arrays),
             vocabulary=self._vocabulary,
+            vocabulary_n=self._vocabulary_n,
             next_offsets=dict(self._next_offsets),
             accepted_total=self._accepted,
             rejected=dict(self._rejected),
@@ -555,7 +557,9 @@ class RecencyWindow:
         """
         return self._snapshot_of(self._current(), self._clock())
 
-    def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
+    def _snapshot_of(self, state: _Published, now: float, *, sensor_codes: bool = False) -> WindowSnapshot:
+        """The snapshot of ``state`` at ``now``; ``sensor_codes``: its sensor ids as :class:`SensorCodes`
+        (a checkpoint's capture), not one Python object per item."""
         rows = self._window_rows(state, now)
         chunks = tuple(state.chunks[: state.n_chunks]) or (np.zeros((0, self.channels), np.float32),)
         sizes = np.fromiter((c.shape[0] for c in chunks), np.int64, count=len(chunks))
@@ -572,7 +576,9 @@ class RecencyWindow:
             ts=column("ts"),
             labels=column("labels"),
             keys=column("keys"),
-            sensor_ids=state.vocabulary[column("sensors")],
+            sensor_ids=SensorCodes(column("sensors"), state.vocabulary[: state.vocabulary_n])
+            if sensor_codes
+            else take_objects(state.vocabulary, column("sensors")),
             partitions=column("partitions"),
             offsets=column("offsets"),
             next_offsets=dict(state.next_offsets),
@@ -708,6 +714,8 @@ class WindowCapture:
     only what changed since a window whose items had the arrival numbers
     ``previous_seq``: the items that entered since (readings and columns), the numbers of
     those that left, and every counter whole (:mod:`streamtrain.checkpoint.incremental`).
+    A checkpoint asks for its sensor ids as :class:`SensorCodes` (``sensor_codes=True``;
+    a delta's always are): the codes the window keeps, not an object per item.
     """
 
     def __init__(self, window: RecencyWindow, state: _Published, now: float) -> None:
@@ -717,7 +725,7 @@ class WindowCapture:
 
     @cached_property
     def _snapshot(self) -> WindowSnapshot:
-        return self._window._snapshot_of(self._state, self._now)
+        return self._window._snapshot_of(self._state, self._now, sensor_codes=True)
 
     @property
     def settings(self) -> tuple[int, float, int]:
@@ -730,6 +738,16 @@ class WindowCapture:
         seq = self._snapshot.seq
         assert seq is not None  # a window's snapshots always carry them
         return seq
+
+    @property
+    def partitions(self) -> np.ndarray:
+        """The Kafka partition of each of the window's items, in item order."""
+        return self._snapshot.partitions
+
+    @property
+    def next_offsets(self) -> dict[int, int]:
+        """The next offset of every partition the window has read, at the capture."""
+        return dict(self._state.next_offsets)
 
     def _scalars(self) -> dict[str, Any]:
         window, state = self._window, self._state
@@ -760,9 +778,12 @@ class WindowCapture:
             "seq": snap.seq,
         }
 
-    def __call__(self) -> dict[str, Any]:
+    def __call__(self, *, sensor_codes: bool = False) -> dict[str, Any]:
         """The whole state, as :meth:`RecencyWindow.load_state_dict` reads it."""
-        return {**self._scalars(), **self._items(self._snapshot)}
+        items = self._items(self._snapshot)
+        if not sensor_codes:
+            items["sensor_ids"] = np.asarray(items["sensor_ids"], dtype=object)
+        return {**self._scalars(), **items}
 
     def delta(self, previous_seq: np.ndarray) -> dict[str, Any]:
         """What changed since a window of the items ``previous_seq`` (sorted ascending).

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from streamtrain.window.storage import gather_tokens, token_positions
+from streamtrain.window.storage import SensorCodes, gather_tokens, token_positions
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class WindowSnapshot:
     ts: np.ndarray
     labels: np.ndarray
     keys: np.ndarray
-    sensor_ids: np.ndarray
+    sensor_ids: np.ndarray | SensorCodes  # SensorCodes only in a checkpoint's capture
     partitions: np.ndarray
     offsets: np.ndarray
     next_offsets: dict[int, int] = field(default_factory=dict)
@@ -84,7 +84,12 @@ class WindowSnapshot:
         )
 
     def _gather_from_chunks(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Readings of items ``(starts, lengths)`` back to back, one gather per chunk."""
+        """Readings of items ``(starts, lengths)`` back to back, one gather per chunk.
+
+        The items are grouped by chunk with one sort (none when they already come chunk by
+        chunk, as a window's do), not one scan of every item per chunk; a run of items of
+        one chunk is gathered straight into its place.
+        """
         chunks = self.flat_values
         assert isinstance(chunks, tuple)
         sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
@@ -95,10 +100,19 @@ class WindowSnapshot:
         out = np.empty((int(lengths.sum()), channels), dtype=np.float32)
         out_starts = np.zeros(lengths.shape[0], dtype=np.int64)
         np.cumsum(lengths[:-1], out=out_starts[1:])
-        for chunk in np.unique(chunk_of).tolist():
-            rows = np.flatnonzero(chunk_of == chunk)
-            local = gather_tokens(chunks[chunk], starts[rows] - bases[chunk], lengths[rows])
-            out[token_positions(out_starts[rows], lengths[rows])] = local
+        in_order = bool(np.all(chunk_of[1:] >= chunk_of[:-1]))
+        order = np.arange(chunk_of.size) if in_order else np.argsort(chunk_of, kind="stable")
+        bounds = np.searchsorted(chunk_of[order], np.arange(len(chunks) + 1))
+        for chunk in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+            lo, hi = int(bounds[chunk]), int(bounds[chunk + 1])
+            rows = order[lo:hi]
+            source_starts, run_lengths = starts[rows] - bases[chunk], lengths[rows]
+            if in_order:  # these items are one stretch of the output too
+                at = int(out_starts[lo])
+                gather_tokens(chunks[chunk], source_starts, run_lengths, out=out[at : at + int(run_lengths.sum())])
+            else:
+                local = gather_tokens(chunks[chunk], source_starts, run_lengths)
+                out[token_positions(out_starts[rows], run_lengths)] = local
         return out, lengths
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,46 @@ ITEM_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("seq", np.int64),
     ("sensor_ids", object),
 )
+
+
+# Items an object-array gather copies at a time: each piece holds the interpreter about a
+# millisecond (a gather of millions in one call holds it for a tenth of a second and more)
+OBJECT_PIECE_ITEMS = 1 << 16
+
+
+def take_objects(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``table[index]`` for an object ``table``, in pieces, so other threads run in between."""
+    out = np.empty(index.shape[0], dtype=object)
+    for start in range(0, index.shape[0], OBJECT_PIECE_ITEMS):
+        out[start : start + OBJECT_PIECE_ITEMS] = table[index[start : start + OBJECT_PIECE_ITEMS]]
+    return out
+
+
+@dataclass(frozen=True)
+class SensorCodes:
+    """A sensor-id column as codes into a table of distinct ids: what a checkpoint's capture holds.
+
+    Millions of items as Python objects cost an object array whose allocation alone holds
+    the interpreter for a tenth of a second; the codes are numbers, and a checkpoint stores
+    ids this way anyway (each distinct id once). ``np.asarray(column, dtype=object)`` gives
+    the ids, built in pieces.
+    """
+
+    codes: np.ndarray  # int32 [n], indices into ``strings``
+    strings: np.ndarray  # object [k]: distinct sensor ids
+
+    def __len__(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+    def __getitem__(self, index: Any) -> SensorCodes:
+        return SensorCodes(self.codes[index], self.strings)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        return take_objects(self.strings, self.codes.reshape(-1)).reshape(self.codes.shape)
 
 
 def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ tests/unit/distributed/test_distributed_processes.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,11 @@ import numpy as np
 import torch
 
 from streamtrain.checkpoint.collective import DistributedCheckpointer, SaveResult
+from streamtrain.checkpoint.incremental import PendingWindow, WindowChain
 from streamtrain.checkpoint.manifest import read_manifest, write_manifest
 from streamtrain.checkpoint.rescale import RestoredShare, restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import write_common, write_shard
+from streamtrain.checkpoint.shards import shard_present, write_common, write_shard
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext, capacity_share
@@ -64,7 +66,7 @@ class Topic:
 class Cluster:
     """``world_size`` ranks, each with its own window over the partitions it owns."""
 
-    def __init__(self, world_size: int, capacity: int, half_life_s: float, seed: int = 0) -> None:
+    def __init__(self, world_size: int, capacity: int, half_life_s: float, seed: int = 0, **chain: Any) -> None:
         self.world_size = world_size
         self.capacity = capacity
         self.windows = [
@@ -73,18 +75,24 @@ class Cluster:
             )
             for rank in range(world_size)
         ]
+        # each rank's shards, as its DistributedCheckpointer chains them (save(incremental=True))
+        self.chains = [WindowChain(by_partition=True, **chain) for _ in range(world_size)]
 
     def consume(self, topic: Topic) -> None:
         """Every rank reads its partitions from its next offsets to the end (as ingest will)."""
-        ownership = Ownership(self.world_size, topic.partition_count)
         for rank, window in enumerate(self.windows):
-            offsets = window.next_offsets
-            for p in ownership.partitions_of(rank):
-                start = offsets.get(p, 0)
-                events = topic.events[p][start:]
-                if events:
-                    batch = EventBatch.from_events(events, [p] * len(events), range(start, start + len(events)))
-                    window.insert_batch(batch, {p: start + len(events)})
+            self.consume_into(window, topic, rank=rank, world_size=self.world_size)
+
+    @staticmethod
+    def consume_into(window: RecencyWindow, topic: Topic, *, rank: int, world_size: int) -> None:
+        """Rank ``rank``'s window reads its partitions from its next offsets to the end."""
+        offsets = window.next_offsets
+        for p in Ownership(world_size, topic.partition_count).partitions_of(rank):
+            start = offsets.get(p, 0)
+            events = topic.events[p][start:]
+            if events:
+                batch = EventBatch.from_events(events, [p] * len(events), range(start, start + len(events)))
+                window.insert_batch(batch, {p: start + len(events)})
 
     def save(
         self,
@@ -92,13 +100,29 @@ class Cluster:
         step: int,
         partition_count: int,
         topic: str = TOPIC,
+        *,
         partitioned: list[dict[str, Any] | None] | None = None,
+        incremental: bool = False,
         **shard_extra: Any,
     ) -> Path:
-        """The collective save, one rank after another; the manifest last. ``partitioned``: each
-        rank's trainer state that follows partitions (the DP window), if any."""
+        """The collective save, one rank after another; the manifest last.
+
+        ``partitioned``: each rank's trainer state that follows partitions (the DP window), if
+        any. ``incremental``: each rank's shard a delta on its shard of the last checkpoint
+        this cluster saved so, where its chain allows (else the window whole).
+        """
         ownership = Ownership(self.world_size, partition_count)
         directory = ShardedCheckpointStore(root).create_directory(step, 1000 + step)
+        states: list[Mapping[str, Any] | PendingWindow] = [
+            chain.next_window(
+                window.capture_state(),
+                parent_present=lambda parent: shard_present(root, parent),
+                scope=(rank, ownership),
+            )
+            if incremental
+            else window.state_dict()
+            for rank, (window, chain) in enumerate(zip(self.windows, self.chains, strict=True))
+        ]
         receipts = [
             write_shard(
                 directory,
@@ -106,21 +130,24 @@ class Cluster:
                 rank=rank,
                 ownership=ownership,
                 topic=topic,
-                window_state=window.state_dict(),
+                window_state=state,
                 partitioned_state=None if partitioned is None else partitioned[rank],
                 **shard_extra,
             )
-            for rank, window in enumerate(self.windows)
+            for rank, state in enumerate(states)
         ]
         common = write_common(directory, {"trainer": {"step": step, "weights": torch.arange(4.0)}}, step=step)
         write_manifest(directory, step=step, topic=topic, ownership=ownership, common=common, shards=receipts)
+        for chain, state, receipt in zip(self.chains, states, receipts, strict=True):
+            if isinstance(state, PendingWindow):
+                chain.linked(state, receipt.parent_ref(directory.name), receipt.size)
         return directory
 
     @classmethod
     def restore(
-        cls, directory: Path, world_size: int, capacity: int, half_life_s: float, partition_count: int
+        cls, directory: Path, world_size: int, capacity: int, half_life_s: float, partition_count: int, **chain: Any
     ) -> tuple[Cluster, list[RestoredShare]]:
-        cluster = cls(world_size, capacity, half_life_s, seed=99)
+        cluster = cls(world_size, capacity, half_life_s, seed=99, **chain)
         manifest = read_manifest(directory)
         shares = []
         for rank, window in enumerate(cluster.windows):

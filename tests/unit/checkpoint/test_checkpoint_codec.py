@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from state_trees import assert_tree_equal, small_model_and_optimizer
 
+from streamtrain.checkpoint import codec
 from streamtrain.checkpoint.codec import flatten_state, unflatten_state
 from streamtrain.checkpoint.format import decode_checkpoint, encode_checkpoint
+from streamtrain.window.storage import SensorCodes
 
 torch.set_num_threads(1)
 
@@ -41,6 +43,45 @@ def test_string_arrays_keep_every_code_point_and_their_shape() -> None:
     tensors, skeleton = flatten_state({"ids": array, "none": np.empty((0, 3), dtype=object)})
     assert "$strarray" in json.dumps(skeleton)
     assert_tree_equal(unflatten_state(tensors, skeleton), {"ids": array, "none": np.empty((0, 3), dtype=object)})
+
+
+def test_repeated_strings_are_stored_once_with_a_code_per_item() -> None:
+    """A window's sensor ids: a fleet's few ids over millions of items."""
+    fleet = ["sensor-a", "sensor-é", "", "sensor-a2"]
+    ids = np.array([fleet[i % 4] for i in range(1000)], dtype=object).reshape(10, 100)
+    tensors, skeleton = flatten_state({"ids": ids})
+    node = skeleton["$dict"][0][1]
+    assert tensors[node["$strarray"]].numel() == len("".join(fleet).encode())  # each id once
+    assert tensors[node["codes"]].dtype == torch.int32 and tensors[node["codes"]].shape == (1000,)
+    assert_tree_equal(unflatten_state(tensors, skeleton), {"ids": ids})
+    tensors[node["codes"]][7] = 4  # past the four ids
+    with pytest.raises(ValueError, match="indices into its 4 strings"):
+        unflatten_state(tensors, skeleton)
+
+
+def test_sensor_codes_are_stored_as_the_ids_they_name_each_used_id_once() -> None:
+    """A checkpoint capture's sensor ids: codes into the window's vocabulary, some of it unused."""
+    vocabulary = np.array(["unused-a", "s1", "unused-b", "s3", "s4"], dtype=object)
+    column = SensorCodes(np.array([3, 1, 3, 4, 1], dtype=np.int32), vocabulary)
+    tensors, skeleton = flatten_state({"ids": column, "none": SensorCodes(np.zeros(0, np.int32), vocabulary)})
+    node = skeleton["$dict"][0][1]
+    assert bytes(tensors[node["$strarray"]].numpy()) == b"s1s3s4"  # only the ids used, each once
+    restored = unflatten_state(tensors, skeleton)
+    assert restored["ids"].tolist() == ["s3", "s1", "s3", "s4", "s1"] and restored["ids"].dtype == object
+    assert restored["none"].shape == (0,)
+    assert np.asarray(column, dtype=object).tolist() == restored["ids"].tolist()
+
+
+def test_object_arrays_worked_on_in_pieces_come_back_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "_PIECE_ITEMS", 3)
+    repeated = np.array([f"s{i % 3}" for i in range(10)], dtype=object)
+    distinct = np.array([f"s{i}" for i in range(10)], dtype=object)
+    late_int = np.array(["a", "b", "a", "b", 7, "a"], dtype=object)  # a non-str item in the second piece
+    tree = {"repeated": repeated, "distinct": distinct, "late_int": late_int}
+    tensors, skeleton = flatten_state(tree)
+    assert "codes" in skeleton["$dict"][0][1] and "codes" not in skeleton["$dict"][1][1]
+    assert "$objarray" in skeleton["$dict"][2][1]
+    assert_tree_equal(unflatten_state(tensors, skeleton), tree)
 
 
 def test_ordered_state_dict_keeps_its_module_metadata() -> None:

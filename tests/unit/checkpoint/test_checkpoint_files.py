@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from streamtrain.checkpoint import files
@@ -22,6 +23,23 @@ def test_a_write_is_whole_private_and_hashed_as_written(tmp_path: Path) -> None:
     assert written.stat.st_ino == path.stat().st_ino and path.stat().st_mode & 0o777 == 0o600
     assert write_atomically(path, [b"x"]).sha256 is None  # hashing only when asked
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blob"]
+
+
+def test_large_chunks_are_written_in_pieces_byte_for_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor's own memory (a memoryview of any format) goes out in pieces, whole and in order."""
+    monkeypatch.setattr(files, "_WRITE_PIECE_BYTES", 3)
+    floats = np.arange(5, dtype=np.float32)
+    written = write_atomically(tmp_path / "blob", [b"abcdefgh", floats.data, b"z"], sha256=True)
+    expected = b"abcdefgh" + floats.tobytes() + b"z"
+    assert (tmp_path / "blob").read_bytes() == expected and written.size == len(expected)
+    assert written.sha256 == hashlib.sha256(expected).hexdigest()
+
+
+def test_a_range_is_read_whole_or_refused(tmp_path: Path) -> None:
+    (tmp_path / "blob").write_bytes(b"0123456789")
+    assert files.read_range(tmp_path / "blob", 2, 5) == bytearray(b"23456")
+    with pytest.raises(OSError, match="ends at byte 10, before 12"):
+        files.read_range(tmp_path / "blob", 4, 8)
 
 
 def test_a_failed_write_leaves_the_old_contents_and_no_temp_file(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from streamtrain.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, MAGIC, CorruptCheckpoint
+from streamtrain.checkpoint import format as format_module
+from streamtrain.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, MAGIC, CorruptCheckpoint, encode_checkpoint
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
 
 torch.set_num_threads(1)
@@ -118,3 +119,93 @@ def test_a_crafted_valid_file_still_loads_without_pickle(tmp_path: Path, forbid_
     path.write_bytes(frame(_valid_header(skeleton={"$dict": [["w", {"$tensor": "0"}]]}), GOOD_PAYLOAD))
     loaded = read_checkpoint(path)
     assert loaded.step == 4 and torch.equal(loaded.state["w"], torch.ones(2))
+
+
+EVERY_DTYPE = {
+    "bool": torch.tensor([True, False, True]),
+    "u8": torch.arange(5, dtype=torch.uint8),
+    "i16": torch.tensor([-3, 7], dtype=torch.int16),
+    "u32": torch.tensor([1, 2**32 - 1], dtype=torch.uint32),
+    "i64": torch.arange(-4, 4).reshape(2, 4),
+    "f16": torch.tensor([0.5, -1.0], dtype=torch.float16),
+    "bf16": torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16),
+    "f32": torch.tensor(3.25),  # 0-d
+    "f64": torch.tensor([[1e300]], dtype=torch.float64),
+    "c64": torch.tensor([1 + 2j], dtype=torch.complex64),
+    "empty": torch.zeros(0, 3),
+}
+
+
+def test_the_payload_is_what_any_safetensors_reader_reads(tmp_path: Path) -> None:
+    """Written from each tensor's own memory, read into a buffer per tensor: still plain safetensors."""
+    chunks = encode_checkpoint({"t": dict(EVERY_DTYPE)}, step=1, created_at=0.0)
+    data = b"".join(chunks)
+    header_length, payload_length = PREFIX.unpack_from(data)[1:3]
+    payload = data[PREFIX.size + header_length :]
+    assert len(payload) == payload_length
+    assert struct.unpack_from("<Q", payload)[0] % 8 == 0  # the table padded: every tensor's bytes aligned
+    by_safetensors = safetensors.torch.load(payload)
+    for i, tensor in enumerate(EVERY_DTYPE.values()):  # named in the order flatten_state met them
+        assert by_safetensors[str(i)].dtype == tensor.dtype and torch.equal(by_safetensors[str(i)], tensor)
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(data)
+    loaded = read_checkpoint(path).state["t"]
+    for name, tensor in EVERY_DTYPE.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    # and a file whose payload safetensors itself wrote (every checkpoint before this reader) reads the same
+    header = _valid_header(
+        step=1, skeleton={"$dict": [[name, {"$tensor": str(i)}] for i, name in enumerate(EVERY_DTYPE)]}
+    )
+    payload = safetensors.torch.save({str(i): tensor for i, tensor in enumerate(EVERY_DTYPE.values())})
+    path.write_bytes(frame(header, payload))
+    loaded = read_checkpoint(path).state
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in EVERY_DTYPE.items())
+
+
+def test_a_file_read_in_many_pieces_is_hashed_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(format_module, "_PIECE_BYTES", 64)  # the readings in ~100 pieces, hashed on a second thread
+    values = torch.arange(1600, dtype=torch.float32)
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(b"".join(encode_checkpoint({"values": values}, step=1, created_at=0.0)))
+    loaded = read_checkpoint(path).state["values"]
+    assert torch.equal(loaded, values)
+    loaded[0] = -1.0  # writable, and its own memory
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x01  # inside the last piece
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="SHA-256 mismatch"):
+        read_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("table", "reason"),
+    [
+        (
+            {
+                "0": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "1": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+            },
+            "not where the one before ends",
+        ),
+        (
+            {
+                "0": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "1": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            "not where the one before ends",
+        ),
+        ({"0": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "do not hold"),
+        ({"0": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "end at byte"),
+        ({"0": {"dtype": "PICKLE", "shape": [2], "data_offsets": [0, 8]}}, "PICKLE"),
+    ],
+    ids=["gap", "overlap", "shape and size disagree", "trailing bytes", "unknown dtype"],
+)
+def test_a_tensor_table_that_does_not_tile_its_data_is_refused(
+    tmp_path: Path, table: dict[str, Any], reason: str
+) -> None:
+    encoded = json.dumps(table).encode()
+    payload = struct.pack("<Q", len(encoded)) + encoded + bytes(16)
+    path = tmp_path / "ckpt-000000000004-1000.stck"
+    path.write_bytes(frame(_valid_header(skeleton={"$dict": []}), payload))  # a valid digest over it all
+    with pytest.raises(CorruptCheckpoint, match=f"not valid safetensors.*{reason}"):
+        read_checkpoint(path)

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,11 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_checkpoint_link
 from streamtrain.events import EventBatch
+from streamtrain.window.partitions import join_partitions, split_by_partition
 from streamtrain.window.reservoir import RecencyWindow
 
 ITEM_FIELDS = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets", "seq")
@@ -141,6 +139,26 @@ def test_an_item_back_before_one_that_stayed_comes_back_in_arrival_order(tmp_pat
     loaded = CheckpointStore(tmp_path / str(seed)).read(path)
     assert loaded is not None
     assert_same_window(loaded.state["window"], window.state_dict())
+
+
+def test_a_window_restored_out_of_arrival_order_replays_in_its_own_order(tmp_path: Path) -> None:
+    """A sharded restore lists items by partition, not by arrival: base + deltas written after it
+    still give every item its own readings, in the live window's order."""
+    window = new_window()
+    window.insert_batch(batch(0, 40))
+    state = window.state_dict()
+    by_partition = join_partitions(split_by_partition(state), channels=1)
+    assert not np.all(np.diff(by_partition["seq"]) > 0)  # not in arrival order
+    restored = new_window()
+    restored.load_state_dict({**state, **by_partition})
+    chain, store = WindowChain(compaction_ratio=100.0), CheckpointStore(tmp_path, keep=10)
+    for step in range(4):
+        restored.insert_batch(batch(100 * (step + 1), 6, clock=100.0 * (step + 1)))
+        path, kind = checkpoint(restored, chain, store, step)
+        loaded = CheckpointStore(tmp_path).read(path)
+        assert loaded is not None
+        assert_same_window(loaded.state["window"], restored.state_dict())
+    assert kind == "delta"
 
 
 def test_a_new_base_comes_once_the_deltas_outweigh_the_last_one_and_old_chains_are_pruned(tmp_path: Path) -> None:
@@ -285,28 +303,23 @@ def test_replay_of_any_chain_equals_the_live_window(
 # checkpoint of the kind asked for, so the test can SIGKILL it there.
 _CHILD = textwrap.dedent(
     """
-    import sys, time
+    import sys
     from pathlib import Path
     import streamtrain.checkpoint.store as store_module
     from streamtrain.checkpoint.incremental import WindowChain
     from streamtrain.checkpoint.store import CheckpointStore
     sys.path.insert(0, sys.argv[3])
+    from stalled_child import stall_writes
     from test_checkpoint_incremental import batch, checkpoint, new_window
 
     directory, kill_at = Path(sys.argv[1]), sys.argv[2]
     current = {}
-    write = store_module.write_atomically
-
-    def stalling_write(path, chunks, **kwargs):
-        def stalled():
-            for i, chunk in enumerate(chunks):
-                yield chunk
-                if i == 0 and current["kind"] == kill_at and current["step"] >= 4:
-                    print("stalled", current["kind"], current["step"], flush=True)
-                    time.sleep(60)
-        return write(path, stalled(), **kwargs)
-
-    store_module.write_atomically = stalling_write
+    stall_writes(
+        store_module,
+        lambda path, i: f"{current['kind']} {current['step']}"
+        if i == 0 and current["kind"] == kill_at and current["step"] >= 4
+        else None,
+    )
     window, chain = new_window(), WindowChain(compaction_ratio=0.9)
     store = CheckpointStore(directory, keep=1)
     for step in range(100):
@@ -323,22 +336,7 @@ def test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_not
     tmp_path: Path, kill_at: str
 ) -> None:
     """``base`` is a compaction: the new base written while the old chain is still the newest."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path), kill_at, str(Path(__file__).parent)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
-    )
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline().split()
-        assert line[:2] == ["stalled", kill_at], line
-        assert list(tmp_path.glob(".ckpt-*.tmp")), "the child stalls inside the write"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    killed_step = int(line[2])
+    killed_step = kill_when_stalled(_CHILD, tmp_path, kill_at, ".ckpt-*.tmp")
     loaded = CheckpointStore(tmp_path).load_latest()
     assert loaded is not None and loaded.step == killed_step - 1  # the cut before the write in flight
     # the same stream, replayed here up to that cut: the restored window is exactly its window

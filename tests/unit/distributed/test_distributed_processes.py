@@ -167,6 +167,7 @@ def test_two_ranks_train_one_model(worlds: dict[str, tuple[Path, list[subprocess
     for rank, s in enumerate(seen):
         ckpt = s["checkpoints"]
         assert ckpt["saved"]["10"]["ok"] and ckpt["saved"]["20"]["ok"]
+        assert (ckpt["saved"]["10"]["kind"], ckpt["saved"]["20"]["kind"]) == ("base", "delta")
         assert ckpt["restored_step"] == 10 and ckpt["topology_changed"] is False
         assert ckpt["restored_items"] == ckpt["saved"]["10"]["items"]
         assert ckpt["restored_offsets"] == ckpt["saved"]["10"]["next_offsets"]

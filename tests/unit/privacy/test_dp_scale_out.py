@@ -16,15 +16,18 @@ import numpy as np
 import torch
 from test_dp_operator_plane import DP, arrivals, make_service, run_until_decided
 
-from streamtrain.checkpoint.manifest import write_manifest
+from streamtrain.checkpoint.incremental import WindowChain
+from streamtrain.checkpoint.manifest import read_manifest, write_manifest
+from streamtrain.checkpoint.rescale import RestoredShare, restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import write_common, write_shard
+from streamtrain.checkpoint.shards import shard_present, write_common, write_shard
 from streamtrain.config import load_settings
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
 from streamtrain.distributed.ownership import Ownership
 from streamtrain.metrics import Metrics
 from streamtrain.privacy.trainer import DPLockstepLoop, DPTrainer
+from streamtrain.runtime.service import Service
 from streamtrain.training.protocol import RestoredParts
 from streamtrain.window.reservoir import RecencyWindow
 
@@ -97,7 +100,9 @@ def test_the_dp_loop_publishes_on_the_public_clock_cuts_checkpoints_and_stops_wh
 
 
 def test_a_dp_state_cut_in_parts_comes_back_whole_or_shared_by_partition(tmp_path: Path) -> None:
-    service = make_service(tmp_path)
+    # R = 24 admits all 4 x 6 arrivals of the step: with R = 8 drawn by random keys, some partition had
+    # none admitted in about one run of five (C(18,8)/C(24,8) = 6% for each), and the shares below need all
+    service = make_service(tmp_path, dp_admit_per_step=24)
     service.restore()
     trainer = service.trainer
     for partition in range(4):
@@ -142,31 +147,73 @@ def test_a_dp_state_cut_in_parts_comes_back_whole_or_shared_by_partition(tmp_pat
     assert set(from_one_file["dp"]["window"]["eligible"]["partitions"].tolist()) == {1, 3}
 
 
-def test_one_process_restores_a_sharded_dp_checkpoint_of_two_ranks(tmp_path: Path) -> None:
-    """2 -> 1: the DP windows of both ranks' shards, the group's clock and record step (rank 0's common state)."""
+def dp_ranks(tmp_path: Path, count: int) -> list[Service]:
+    """``count`` one-process DP services standing in for the ranks of a group (rank r: partition r)."""
     ranks = []
-    for rank in range(2):
+    for rank in range(count):
         service = make_service(tmp_path / f"rank{rank}")
         service.restore()
-        service.trainer.admit(arrivals(rank, range(0, 8)), {rank: 8})
-        run_until_decided(service, rank, 8)
         ranks.append(service)
+    return ranks
+
+
+def admit_and_align(ranks: list[Service], offsets: range) -> int:
+    """Each rank admits ``offsets`` of its partition into its DP window and its recency window (as
+    ingest does), until decided; then all run to one clock step (one cut). Returns that step."""
+    for rank, service in enumerate(ranks):
+        service.window.insert_batch(arrivals(rank, offsets), {rank: offsets.stop})
+        service.trainer.admit(arrivals(rank, offsets), {rank: offsets.stop})
+        run_until_decided(service, rank, offsets.stop)
     step = max(service.trainer.step for service in ranks)
-    for service in ranks:  # both at one clock step: one cut
+    for service in ranks:
         while service.trainer.step < step:
             service.trainer._work()
-    root = tmp_path / "rank0" / "ckpt"  # the group's directory: rank 0's record and clock log are there
-    ownership = Ownership(world_size=2, partition_count=2)
-    directory = ShardedCheckpointStore(root).create_directory(step, 1000)
-    receipts, shared = [], None
+    return step
+
+
+def cut_group_checkpoint(
+    ranks: list[Service], root: Path, step: int, chains: list[WindowChain]
+) -> tuple[Path, list[dict[str, Any]]]:
+    """The group's sharded checkpoint of ``step``, as the ranks cut it together: each rank's shard
+    a delta on its last one where its chain allows; returns it and each rank's DP window as cut."""
+    ownership = Ownership(world_size=len(ranks), partition_count=len(ranks))
+    directory = ShardedCheckpointStore(root).create_directory(step, 1000 + step)
+    pending, receipts, windows, shared = [], [], [], None
     for rank, service in enumerate(ranks):
         parts = service.trainer.checkpoint_parts(service.trainer.state_dict())
+        assert parts.by_partition is not None
         shared = shared or parts.shared
+        windows.append(parts.by_partition["dp_window"])
+        window = chains[rank].next_window(service.window.capture_state(),
+                                          parent_present=lambda parent: shard_present(root, parent),
+                                          scope=(rank, ownership))  # fmt: skip
+        pending.append(window)
         receipts.append(write_shard(directory, step=step, rank=rank, ownership=ownership, topic="sensor-events",
-                                    window_state=service.window.state_dict(), rank_state=parts.rank_local,
+                                    window_state=window, rank_state=parts.rank_local,
                                     partitioned_state=parts.by_partition))  # fmt: skip
     common = write_common(directory, {"trainer": shared}, step=step)
     write_manifest(directory, step=step, topic="sensor-events", ownership=ownership, common=common, shards=receipts)
+    for chain, window, receipt in zip(chains, pending, receipts, strict=True):
+        chain.linked(window, receipt.parent_ref(directory.name), receipt.size)
+    return directory, windows
+
+
+def dp_records(windows: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """The eligible records of DP window states: (admission step, partition, offset), sorted."""
+    records: list[tuple[int, int, int]] = []
+    for window in windows:
+        eligible = window["eligible"]
+        columns = (eligible[name].tolist() for name in ("steps", "partitions", "offsets"))
+        records += zip(*columns, strict=True)
+    return sorted(records)
+
+
+def test_one_process_restores_a_sharded_dp_checkpoint_of_two_ranks(tmp_path: Path) -> None:
+    """2 -> 1: the DP windows of both ranks' shards, the group's clock and record step (rank 0's common state)."""
+    ranks = dp_ranks(tmp_path, 2)
+    step = admit_and_align(ranks, range(0, 8))
+    root = tmp_path / "rank0" / "ckpt"  # the group's directory: rank 0's record and clock log are there
+    directory, _ = cut_group_checkpoint(ranks, root, step, [WindowChain(by_partition=True) for _ in ranks])
 
     one = make_service(tmp_path / "one", checkpoint_dir=root)
     one.restore()
@@ -179,6 +226,42 @@ def test_one_process_restores_a_sharded_dp_checkpoint_of_two_ranks(tmp_path: Pat
     assert restored == expected
     assert engine.steps == step and one.restored_from == directory
     assert one.trainer.published is not None and one.trainer.published.step == step
+
+
+def test_a_sharded_dp_checkpoint_of_base_and_delta_shards_restores_the_newest_cuts_dp_records(tmp_path: Path) -> None:
+    """Every shard, a delta too, carries its own cut's DP window whole: a restore (and a rescale 2 -> 1,
+    and a rank owning none of the shards' partitions) takes each shard's newest one; the recency
+    window's items come from the chain. Fails when the DP window is taken from the base a delta builds on."""
+    ranks = dp_ranks(tmp_path, 2)
+    root = tmp_path / "rank0" / "ckpt"
+    chains = [WindowChain(by_partition=True) for _ in ranks]
+    base, base_windows = cut_group_checkpoint(ranks, root, admit_and_align(ranks, range(0, 8)), chains)
+    step = admit_and_align(ranks, range(8, 16))
+    newest, windows = cut_group_checkpoint(ranks, root, step, chains)
+    manifest = read_manifest(newest)
+    assert [shard["chain"] for shard in manifest.shards] == [[base.name]] * 2
+    assert all(shard["partitioned_state"] for shard in manifest.shards)
+    assert dp_records(windows) != dp_records(base_windows)  # the cuts' DP windows differ: the test can tell
+
+    def share(rank: int, world_size: int) -> RestoredShare:
+        return restore_share(manifest, rank=rank, world_size=world_size, partition_count=2, topic="sensor-events")
+
+    for rank in range(2):  # unchanged ownership: its own shard's, newest
+        assert dp_records([part["dp_window"] for part in share(rank, 2).partitioned_states]) == dp_records(
+            [windows[rank]]
+        )
+    nothing_owned = share(2, 3)  # owns no partition: still every shard's, newest
+    assert nothing_owned.window_state["lengths"].size == 0
+    assert dp_records([part["dp_window"] for part in nothing_owned.partitioned_states]) == dp_records(windows)
+
+    one = make_service(tmp_path / "one", checkpoint_dir=root)
+    one.restore()  # 2 -> 1
+    assert one.restored_from == newest and one.trainer.engine.steps == step
+    assert dp_records([one.trainer.engine.window.state_dict()]) == dp_records(windows)
+    snapshot = one.window.snapshot()  # the recency window's items, through the chain
+    assert sorted(zip(snapshot.partitions.tolist(), snapshot.offsets.tolist(), strict=True)) == [
+        (rank, offset) for rank in range(2) for offset in range(16)
+    ]
 
 
 def test_a_revocation_in_a_group_stops_admitting_and_leaves_the_sync_to_the_agreed_ticks(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ import pytest
 from scipy import stats
 
 from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.window import storage
 from streamtrain.window.reservoir import RecencyWindow
-from streamtrain.window.storage import token_positions
+from streamtrain.window.storage import SensorCodes, token_positions
 
 
 def make_batch(start: int, n: int, *, ts: np.ndarray | None = None, rng=None, channels: int = 1) -> EventBatch:
@@ -397,6 +398,37 @@ def test_a_pass_subset_gathers_only_its_own_readings() -> None:
     assert sub.subset(np.arange(10)).flat_values is sub.flat_values  # a subset of a subset shares them
     flat, lengths = snap.gather_values(pick)
     assert np.array_equal(flat, sub.flat_values) and np.array_equal(lengths, sub.lengths)
+
+
+def test_a_subset_in_any_order_over_chunks_gathers_each_items_own_readings() -> None:
+    """Chunk by chunk (a window's order) or not (a pass in another order): every item its readings."""
+    window = RecencyWindow(2000, 30.0, rng=np.random.default_rng(3), slack=500)
+    for start in range(0, 3000, 250):
+        window.insert_batch(make_batch(start, 250), {0: start + 250})
+    snap = window.snapshot()
+    assert isinstance(snap.flat_values, tuple) and len(snap.flat_values) > 1
+    for pick in (np.arange(len(snap)), np.random.default_rng(1).permutation(len(snap))[:300]):
+        sub = snap.subset(pick)
+        assert [int(values[0, 0]) for values in sub.values] == sub.offsets.tolist()
+        assert all(np.all(values == offset) for values, offset in zip(sub.values, sub.offsets))
+
+
+def test_a_checkpoint_capture_keeps_sensor_ids_as_the_windows_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No Python object per item for a checkpoint; the ids they name are the state_dict's."""
+    monkeypatch.setattr(storage, "OBJECT_PIECE_ITEMS", 7)  # ids built in pieces where asked for
+    window = RecencyWindow(300, 30.0, rng=np.random.default_rng(4), slack=50)
+    for start in range(0, 600, 100):
+        window.insert_batch(make_batch(start, 100), {0: start + 100})
+    capture = window.capture_state()
+    coded = capture(sensor_codes=True)["sensor_ids"]
+    assert isinstance(coded, SensorCodes) and coded.codes.dtype == np.int32
+    ids = window.state_dict()["sensor_ids"]
+    assert ids.dtype == object and np.asarray(coded, dtype=object).tolist() == ids.tolist()
+    assert capture()["sensor_ids"].tolist() == ids.tolist()
+    window.insert_batch(make_batch(1000, 40, ts=np.full(40, 1e6)), {0: 1040})  # newer: they all enter
+    entered = window.capture_state().delta(np.sort(capture.seq))["entered"]
+    assert isinstance(entered["sensor_ids"], SensorCodes)
+    assert np.asarray(entered["sensor_ids"], dtype=object).tolist() == [f"s{(1000 + i) % 7}" for i in range(40)]
 
 
 def test_large_chunks_live_off_the_heap_and_hold_only_admitted_readings() -> None:
