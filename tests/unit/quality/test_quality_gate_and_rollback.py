@@ -52,15 +52,16 @@ def test_a_broken_candidate_is_held_back_and_the_serving_version_keeps_answering
 
     trainer.candidate_hook = corrupt
     broken = trainer.publish()
-    assert trainer.published is good  # still serving
+    serving = trainer.published  # the good network serves on, its choice beside it made afresh
+    assert serving is not None and serving.model is good.model and serving.version == broken.version + 1
     assert not trainer.last_gate.publish and trainer.last_gate.candidate_mse > trainer.last_gate.serving_mse
     assert broken.version in trainer.registry.versions()  # kept, not served
     assert service.metrics.publish_held._value.get() == 1
     with TestClient(create_app(service)) as client:
         answer = client.post("/v1/predict", json={"instances": [{"values": [0.1, 0.5, 0.4, 0.2]}]})
-        assert answer.status_code == 200 and answer.json()["model_version"] == good.version
+        assert answer.status_code == 200 and answer.json()["model_version"] == serving.version
         report = client.get("/v1/model").json()
-        assert report["version"] == good.version and report["training"]["publish_held"] == 1
+        assert report["version"] == serving.version and report["training"]["publish_held"] == 1
         assert broken.version in report["versions"]
     trainer.candidate_hook = None
     assert trainer.publish() is trainer.published  # a sound candidate passes again
