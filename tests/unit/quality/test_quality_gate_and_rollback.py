@@ -52,8 +52,9 @@ def test_a_broken_candidate_is_held_back_and_the_serving_version_keeps_answering
 
     trainer.candidate_hook = corrupt
     broken = trainer.publish()
-    serving = trainer.published  # the good network serves on, its choice beside it made afresh
-    assert serving is not None and serving.model is good.model and serving.version == broken.version + 1
+    serving = trainer.published  # the reference network (the best that passed) serves, its choice made afresh
+    assert trainer.reference is not None
+    assert serving is not None and serving.model is trainer.reference.model and serving.version == broken.version + 1
     assert not trainer.last_gate.publish and trainer.last_gate.candidate_mse > trainer.last_gate.serving_mse
     assert broken.version in trainer.registry.versions()  # kept, not served
     assert service.metrics.publish_held._value.get() == 1
