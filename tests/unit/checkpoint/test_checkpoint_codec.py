@@ -292,6 +292,13 @@ def test_a_quantized_tensor_is_refused_not_saved_without_its_scale() -> None:
     )
 
 
+def test_an_object_array_item_a_checkpoint_cannot_hold_is_named_by_its_index() -> None:
+    with pytest.raises(TypeError, match=r"^state\['ids'\]\[1\] is a object, which a checkpoint cannot hold"):
+        flatten_state({"ids": np.array(["a", object()], dtype=object)})
+    with pytest.raises(TypeError, match=r"^state\['ids'\]\[0\]\['x'\] is a object"):
+        flatten_state({"ids": np.array([{"x": object()}, 1], dtype=object)})
+
+
 def test_module_metadata_is_checked_under_its_own_path() -> None:
     state = collections.OrderedDict(w=torch.ones(1))
     state._metadata = {"": {"version": object()}}  # type: ignore[attr-defined]
