@@ -606,12 +606,16 @@ def test_the_version_counts_every_published_change_and_held_out_events_add_up() 
     snap = window.snapshot()
     assert (snap.version, snap.taken_at, snap.next_offsets) == (3, 9.0, {0: 7})
     assert window.state_dict()["version"] == 3
+    window.insert_batch(events([1], first_offset=2), {0: 8}, held_out=2)
+    assert (window.version, window.held_out_total, window.seen_total) == (4, 6, 11)
 
 
 def test_the_default_slack_and_randomness() -> None:
     """Slack: W / 8, at least 4,096 and at most W (class docstring); a given slack is at least 1."""
-    assert [RecencyWindow(w).slack for w in (100, 10_000, 80_000)] == [100, 4096, 10_000]
+    slacks = [RecencyWindow(w).slack for w in (100, 10_000, 80_004)]
+    assert slacks == [100, 4096, 10_000] and all(type(slack) is int for slack in slacks)
     assert RecencyWindow(10, slack=0).slack == 1
+    assert RecencyWindow(10, 0.5).half_life_s == 0.5  # any positive half-life, sub-second too
     window = RecencyWindow(10)  # OS entropy
     window.insert_batch(events([1] * 30))
     assert len(window) == 10 and np.unique(window.snapshot().keys).size == 10
@@ -735,11 +739,21 @@ def test_a_changing_fleet_keeps_every_id_and_a_bounded_vocabulary(capacity, slac
     churning_fleet(capacity, slack, half_life, events_)
 
 
-def test_a_vocabulary_of_up_to_1024_ids_is_never_pruned() -> None:
-    for ids, after_cut in ((1024, 1024), (1025, 100)):  # W = 100, so unused ids are most of it either way
-        window = RecencyWindow(100, slack=923, rng=np.random.default_rng(0))
-        window.insert_batch(events([1] * ids))  # one cut: ids > W + S = 1023 stored
-        assert len(window) == 100 and window._vocabulary_n == after_cut
+def test_the_vocabulary_is_pruned_past_1024_ids_once_unused_ones_are_most_of_it() -> None:
+    """After a cut the ids no item uses are forgotten once they are most of the vocabulary, and it holds more
+    than 1,024 ids; each case is one batch of distinct sensors and one cut (ids > W + S stored)."""
+    for capacity, ids, after_cut in ((100, 1024, 1024), (100, 1025, 100), (600, 1200, 1200), (500, 1200, 500)):
+        window = RecencyWindow(capacity, slack=ids - capacity - 1, rng=np.random.default_rng(0))
+        window.insert_batch(events([1] * ids))
+        assert len(window) == capacity and window._vocabulary_n == after_cut, (capacity, ids)
+
+
+def test_a_cut_that_expires_every_item_forgets_every_id() -> None:
+    window = RecencyWindow(100, max_age_s=10.0, slack=1000, rng=np.random.default_rng(0), clock=lambda: 100.0)
+    window.insert_batch(events([1] * 1101, ts=[0.0] * 1101))  # all expired already: the cut keeps none
+    assert len(window) == 0 and window._vocabulary_n == 0
+    window.insert_batch(events([1], ts=[99.0], first_offset=5000))
+    assert window.snapshot().sensor_ids.tolist() == ["s5000"]
 
 
 # ---------------------------------------------------------------- restoring
