@@ -23,7 +23,8 @@ cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
 MUTMUT_VERSION="3.8.1"
 
-# module | source file | its unit tests (space separated; a missing file is skipped)
+# module | source file | its unit tests (space separated; a missing file is skipped; a word
+# starting with "--" is a pytest option, e.g. --deselect=<test id> for a test too slow to rerun per mutant)
 MODULES=(
   "collate|src/streamtrain/data/collate.py|tests/unit/data/test_collate.py"
   "per_sample|src/streamtrain/privacy/per_sample.py|tests/unit/privacy/test_dp_per_sample.py"
@@ -32,11 +33,12 @@ MODULES=(
   "events|src/streamtrain/events.py|tests/unit/test_events.py"
   "policies|src/streamtrain/data/policies.py|tests/unit/data/test_policies.py"
   "bucketing|src/streamtrain/data/bucketing.py|tests/unit/data/test_bucketing.py tests/unit/data/test_policies.py"
-  "admissions|src/streamtrain/privacy/admissions.py|tests/unit/privacy/test_dp_admissions.py"
-  "window|src/streamtrain/window/reservoir.py|tests/unit/window/test_window_reservoir.py"
+  "admissions|src/streamtrain/privacy/admissions.py|tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
+  "window|src/streamtrain/window/reservoir.py|tests/unit/window/test_window_reservoir.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
   "checkpoint_codec|src/streamtrain/checkpoint/codec.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
-  "checkpoint_format|src/streamtrain/checkpoint/format.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
-  "checkpoint_store|src/streamtrain/checkpoint/store.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
+  "checkpoint_format|src/streamtrain/checkpoint/format.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
+  "checkpoint_store|src/streamtrain/checkpoint/store.py|tests/unit/checkpoint/test_checkpoint_store.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
+  "checkpoint_incremental|src/streamtrain/checkpoint/incremental.py|tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -64,8 +66,11 @@ run_module() {
   local name="$1" src="$2" tests="$3"
   shift 3  # the rest: mutant names to rerun
   local work="$ROOT/mutants/$name" selected=() t
-  for t in $tests; do [[ -f "$t" ]] && selected+=("$t"); done
-  if [[ ${#selected[@]} -eq 0 ]]; then echo "mutation.sh: $name has no unit tests ($tests)" >&2; return 1; fi
+  local files=0
+  for t in $tests; do
+    if [[ "$t" == --* ]]; then selected+=("$t"); elif [[ -f "$t" ]]; then selected+=("$t"); files=$((files + 1)); fi
+  done
+  if [[ $files -eq 0 ]]; then echo "mutation.sh: $name has no unit tests ($tests)" >&2; return 1; fi
 
   if [[ "${MUTATION_RESUME:-0}" != "1" && $# -eq 0 ]]; then rm -rf "$work"; fi
   mkdir -p "$work"

@@ -69,8 +69,8 @@ _NUMPY_TYPED = frozenset(
 def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Skeleton]:
     """Split a state tree into safetensors-ready tensors and a JSON-able skeleton.
 
-    Leaves: torch tensors (any dense dtype, any device; they come back on the CPU,
-    detached, as plain tensors), numpy arrays and scalars (dtype kept; object arrays of
+    Leaves: torch tensors (any dense dtype, any device, not quantized; they come back on
+    the CPU, detached, as plain tensors), numpy arrays and scalars (dtype kept; object arrays of
     str or of other leaves; str arrays whose items repeat keep each string once, with a
     code per item), :class:`~streamtrain.window.storage.SensorCodes` (they come back as
     the object array of the ids they name), None, bool, int (any size), float (inf and nan
@@ -169,6 +169,11 @@ class _Flattener:
     def _encode_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> Skeleton:
         if tensor.layout != torch.strided:
             raise TypeError(f"{_format_path(path)} is a {tensor.layout} tensor; call .to_dense() before saving it")
+        if tensor.is_quantized:  # its bytes alone would come back as a tensor without scale or zero point
+            raise TypeError(
+                f"{_format_path(path)} is a quantized tensor ({tensor.dtype}); save its dequantize(), or its "
+                "int_repr() with its q_scale() and q_zero_point()"
+            )
         plain = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
         if plain.numel():
             # safetensors refuses tensors that share memory (tied weights, views of one array)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -203,3 +204,202 @@ def test_flatten_unflatten_round_trips_random_trees(tree: Any) -> None:
     assert_tree_equal(unflatten_state(tensors, json.loads(text)), tree)
     data = b"".join(encode_checkpoint({"tree": tree}, step=3, created_at=1.5))
     assert_tree_equal(decode_checkpoint(data).state, {"tree": tree})
+
+
+# deterministic cases (the mutation run: the random trees above reach some paths only by chance) --------
+
+
+def round_trip(tree: Any) -> Any:
+    tensors, skeleton = flatten_state(tree)
+    return unflatten_state(tensors, json.loads(json.dumps(skeleton, allow_nan=False)))
+
+
+def test_tensors_safetensors_cannot_hold_travel_as_raw_bytes_with_their_dtype_and_shape() -> None:
+    tree = {
+        "c128": torch.tensor([[1 + 2j, -3.5j], [0.25, 7]], dtype=torch.complex128),
+        "f8": torch.tensor([0.5, 1.5, -2.0]).to(torch.float8_e4m3fn),
+        "one_byte": torch.tensor([-448.0]).to(torch.float8_e4m3fn),
+        "empty": torch.empty((0, 3), dtype=torch.complex128),
+        "plain": torch.arange(4, dtype=torch.int16),
+    }
+    tensors, skeleton = flatten_state(tree)
+    nodes = dict(skeleton["$dict"])
+    assert nodes["c128"] == {"$tensor": "0", "dtype": "complex128", "shape": [2, 2]}
+    assert nodes["f8"] == {"$tensor": "1", "dtype": "float8_e4m3fn", "shape": [3]}
+    assert nodes["empty"] == {"$tensor": "3", "dtype": "complex128", "shape": [0, 3]}
+    assert nodes["plain"] == {"$tensor": "4"}  # a safetensors dtype is stored as itself
+    assert [tensors[name].dtype for name in "0123"] == [torch.uint8] * 4 and tensors["3"].numel() == 0
+    assert_tree_equal(round_trip(tree), tree)
+
+
+def test_numpy_arrays_of_other_dtypes_travel_as_raw_bytes() -> None:
+    tree = {"one": np.array([b"x"], dtype="|S1"), "big_endian": np.array([1.5, -2], dtype=">f4")}
+    assert_tree_equal(round_trip(tree), tree)
+
+
+def test_arrays_are_wrapped_without_a_copy_unless_read_only() -> None:
+    writeable, read_only = np.arange(3), np.arange(4)
+    read_only.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it wraps read-only memory
+        tensors, _ = flatten_state({"w": writeable, "r": read_only, "t1": torch.ones(2), "t2": torch.zeros(2)})
+    assert np.shares_memory(tensors["0"].numpy(), writeable)
+    assert not np.shares_memory(tensors["1"].numpy(), read_only)
+    assert tensors["3"].data_ptr() != tensors["2"].data_ptr()
+
+
+def test_tensors_are_copied_only_when_they_share_memory() -> None:
+    first, second = torch.ones(3), torch.zeros(3)
+    tensors, _ = flatten_state({"a": first, "b": second, "again": first})
+    assert tensors["0"].data_ptr() == first.data_ptr() and tensors["1"].data_ptr() == second.data_ptr()
+    assert tensors["2"].data_ptr() != first.data_ptr()
+
+
+def test_json_safe_integers_stay_plain_and_larger_ones_are_tagged() -> None:
+    edge = 2**53
+    _, skeleton = flatten_state([edge, -edge, edge + 1, -edge - 1, 0, -5])
+    assert skeleton == [edge, -edge, {"$int": str(edge + 1)}, {"$int": str(-edge - 1)}, 0, -5]
+
+
+def test_subclasses_of_the_plain_types_come_back_as_the_base_type() -> None:
+    class Name(str):
+        pass
+
+    class Count(int):
+        pass
+
+    restored = round_trip({"name": Name("abc"), "count": Count(3), "big": Count(2**60), "tuple_key": {(1, "a"): 2}})
+    assert restored == {"name": "abc", "count": 3, "big": 2**60, "tuple_key": {(1, "a"): 2}}
+    assert type(restored["name"]) is str and type(restored["count"]) is int
+
+
+def test_string_arrays_use_the_blob_encoding_and_mixed_ones_do_not() -> None:
+    _, skeleton = flatten_state({"ids": np.array(["a", "bc"], dtype=object), "mixed": np.array(["a", 1], dtype=object)})
+    nodes = dict(skeleton["$dict"])
+    assert set(nodes["ids"]) == {"$strarray", "lengths", "shape"} and set(nodes["mixed"]) == {"$objarray", "shape"}
+
+
+def test_an_ordered_dict_without_metadata_is_a_plain_dict() -> None:
+    _, skeleton = flatten_state(collections.OrderedDict(a=1))
+    assert skeleton == {"$dict": [["a", 1]]}
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        (
+            {"when": object()},
+            "state['when'] is a object, which a checkpoint cannot hold: states are dicts/lists/tuples of tensors, "
+            "numpy arrays, numbers, str, bytes and None. Convert it first (e.g. its state_dict(), or a dict of its "
+            "fields).",
+        ),
+        (
+            {"d": {object: 1}},
+            "state['d'] has a key of type type; checkpoint dict keys must be None, bool, int, float, str, bytes or "
+            "tuples of those",
+        ),
+        (
+            {"d": {(1, (2, frozenset())): 1}},
+            "state['d'] has a key of type tuple; checkpoint dict keys must be None, bool, int, float, str, bytes or "
+            "tuples of those",
+        ),
+        (
+            {"rec": np.zeros(2, dtype=[("a", "i4")])},
+            "state['rec'] is a structured numpy array ([('a', '<i4')]); save its fields as separate arrays",
+        ),
+        (
+            {"rec": np.zeros(2, dtype=[("a", "i4")])[0]},
+            "state['rec'] is a structured numpy array ([('a', '<i4')]); save its fields as separate arrays",
+        ),
+    ],
+    ids=["leaf", "key", "tuple-key", "structured", "structured-scalar"],
+)
+def test_what_a_checkpoint_cannot_hold_is_refused_naming_its_path(tree: Any, message: str) -> None:
+    with pytest.raises(TypeError) as refused:
+        flatten_state(tree)
+    assert str(refused.value) == message
+
+
+def test_a_quantized_tensor_is_refused_not_saved_without_its_scale() -> None:
+    """Its raw bytes came back as a qint8 tensor with no quantizer, which no operation accepts."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch marks quantize_per_tensor deprecated
+        quantized = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.5, 3, torch.qint8)
+    with pytest.raises(TypeError) as refused:
+        flatten_state({"q": quantized})
+    assert str(refused.value) == (
+        "state['q'] is a quantized tensor (torch.qint8); save its dequantize(), or its int_repr() with its "
+        "q_scale() and q_zero_point()"
+    )
+
+
+def test_an_object_array_item_a_checkpoint_cannot_hold_is_named_by_its_index() -> None:
+    with pytest.raises(TypeError, match=r"^state\['ids'\]\[1\] is a object, which a checkpoint cannot hold"):
+        flatten_state({"ids": np.array(["a", object()], dtype=object)})
+    with pytest.raises(TypeError, match=r"^state\['ids'\]\[0\]\['x'\] is a object"):
+        flatten_state({"ids": np.array([{"x": object()}, 1], dtype=object)})
+
+
+def test_module_metadata_is_checked_under_its_own_path() -> None:
+    state = collections.OrderedDict(w=torch.ones(1))
+    state._metadata = {"": {"version": object()}}  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"^state\['sd'\]\['_metadata'\]\[''\]\['version'\] is a object"):
+        flatten_state({"sd": state})
+
+
+U8, I64, F32 = (torch.zeros(3, dtype=dtype) for dtype in (torch.uint8, torch.int64, torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("tensors", "skeleton", "message"),
+    [
+        (
+            {"0": F32},
+            {"$tensor": "0", "dtype": "complex128", "shape": [1]},
+            "payload tensor '0' is torch.float32, expected torch.uint8",
+        ),
+        (
+            {"0": F32},
+            {"$ndarray": "0", "dtype": ">f4", "shape": [3]},
+            "payload tensor '0' is torch.float32, expected torch.uint8",
+        ),
+        ({"0": F32}, {"$bytes": "0"}, "payload tensor '0' is torch.float32, expected torch.uint8"),
+        (
+            {"0": F32, "1": I64},
+            {"$strarray": "0", "lengths": "1", "shape": [3]},
+            "payload tensor '0' is torch.float32, expected torch.uint8",
+        ),
+        (
+            {"0": U8, "1": F32},
+            {"$strarray": "0", "lengths": "1", "shape": [3]},
+            "payload tensor '1' is torch.float32, expected torch.int64",
+        ),
+        ({"0": U8}, {"$tensor": "0", "dtype": "nn", "shape": [3]}, "unknown torch dtype 'nn'"),
+        ({"0": U8}, {"$tensor": "0", "dtype": "float128", "shape": [3]}, "unknown torch dtype 'float128'"),
+        ({"0": U8}, [{"$tensor": "0"}, {"$tensor": "0"}], "skeleton names tensor '0' twice"),
+        ({"0": I64}, {"$npscalar": {"$ndarray": "0"}}, "$npscalar must wrap a 0-d array"),
+        ({}, {"$npscalar": 3}, "$npscalar must wrap a 0-d array"),
+        ({}, {"$float": "1.5"}, "$float holds '1.5'; only inf, -inf and nan travel tagged"),
+        ({}, ("a",), "skeleton node of type tuple is not part of the format"),
+        (
+            {"0": torch.tensor(list(b"abc"), dtype=torch.uint8), "1": torch.tensor([1, 1])},
+            {"$strarray": "0", "lengths": "1", "shape": [2]},
+            "string array lengths do not add up to its text",
+        ),
+        (
+            {"0": torch.tensor(list(b"abc"), dtype=torch.uint8), "1": torch.tensor([-1, 4])},
+            {"$strarray": "0", "lengths": "1", "shape": [2]},
+            "string array lengths do not add up to its text",
+        ),
+        (
+            {str(i): U8.clone() for i in range(5)},
+            None,
+            "the payload holds 5 tensors the skeleton never names (e.g. ['0', '1', '2']); the header and payload "
+            "come from different saves",
+        ),
+    ],
+)
+def test_a_skeleton_that_does_not_fit_its_payload_is_refused(tensors: dict, skeleton: Any, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        unflatten_state(tensors, skeleton)
+    assert str(refused.value) == message

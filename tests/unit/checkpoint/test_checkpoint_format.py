@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
+import math
+import os
 import pickle
 import struct
+import types
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,16 @@ import safetensors.torch
 import torch
 
 from streamtrain.checkpoint import format as format_module
-from streamtrain.checkpoint.format import FORMAT_NAME, FORMAT_VERSION, MAGIC, CorruptCheckpoint, encode_checkpoint
+from streamtrain.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAGIC,
+    CorruptCheckpoint,
+    decode_checkpoint,
+    encode_checkpoint,
+    read_checkpoint_file,
+    read_digest,
+)
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint
 
 torch.set_num_threads(1)
@@ -209,3 +222,112 @@ def test_a_tensor_table_that_does_not_tile_its_data_is_refused(
     path.write_bytes(frame(_valid_header(skeleton={"$dict": []}), payload))  # a valid digest over it all
     with pytest.raises(CorruptCheckpoint, match=f"not valid safetensors.*{reason}"):
         read_checkpoint(path)
+
+
+# every refusal, by its whole reason and the path it names (the mutation run) ---------------------
+
+
+def raw_frame(header_bytes: bytes, payload: bytes = b"") -> bytes:
+    digest = hashlib.sha256(header_bytes + payload).digest()
+    return PREFIX.pack(MAGIC, len(header_bytes), len(payload), digest) + header_bytes + payload
+
+
+EMPTY_STATE_PAYLOAD = safetensors.torch.save({})
+VALID = frame(_valid_header(), EMPTY_STATE_PAYLOAD)
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", "empty file"),
+        (VALID + b"xy", f"2 trailing bytes after the announced {len(VALID)}"),
+        (
+            VALID[:-1] + bytes([VALID[-1] ^ 1]),
+            "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)",
+        ),
+        (raw_frame(b"[1]"), "header is not a JSON object"),
+        (raw_frame(b'{"format": NaN}'), "header is not valid JSON: bare NaN is not part of the format"),
+        (
+            frame(_valid_header(format="torch.save", version=7), EMPTY_STATE_PAYLOAD),
+            "unsupported format 'torch.save' version 7; this streamtrain reads 'streamtrain.checkpoint' version 1",
+        ),
+        (frame(_valid_header(step=-1), EMPTY_STATE_PAYLOAD), "header step -1 is not a non-negative integer"),
+        (frame(_valid_header(step=True), EMPTY_STATE_PAYLOAD), "header step True is not a non-negative integer"),
+        (frame(_valid_header(step=1.0), EMPTY_STATE_PAYLOAD), "header step 1.0 is not a non-negative integer"),
+        (frame(_valid_header(created_at="1"), EMPTY_STATE_PAYLOAD), "header created_at '1' is not a finite number"),
+        (frame(_valid_header(created_at=True), EMPTY_STATE_PAYLOAD), "header created_at True is not a finite number"),
+        (
+            raw_frame(json.dumps(_valid_header(created_at=0.5)).replace("0.5", "1e999").encode(), EMPTY_STATE_PAYLOAD),
+            "header created_at inf is not a finite number",
+        ),
+        (
+            frame({key: value for key, value in _valid_header().items() if key != "skeleton"}, EMPTY_STATE_PAYLOAD),
+            "header has no skeleton",
+        ),
+        (frame(_valid_header(skeleton=[]), EMPTY_STATE_PAYLOAD), "state is a list, expected a dict"),
+    ],
+    ids=[
+        "empty",
+        "trailing",
+        "digest",
+        "header-array",
+        "bare-nan",
+        "format",
+        "negative-step",
+        "bool-step",
+        "float-step",
+        "text-time",
+        "bool-time",
+        "infinite-time",
+        "no-skeleton",
+        "list-state",
+    ],  # fmt: skip
+)
+def test_each_refusal_names_the_file_and_its_reason(data: bytes, reason: str) -> None:
+    with pytest.raises(CorruptCheckpoint) as refused:
+        decode_checkpoint(data, "some/ckpt.stck")
+    assert (refused.value.path, refused.value.reason) == (Path("some/ckpt.stck"), reason)
+    assert str(refused.value) == f"checkpoint some/ckpt.stck is unusable: {reason}"
+
+
+def test_bytes_without_a_path_are_named_as_bytes() -> None:
+    with pytest.raises(CorruptCheckpoint) as refused:
+        decode_checkpoint(b"")
+    assert refused.value.path == Path("<bytes>") and str(refused.value) == "checkpoint <bytes> is unusable: empty file"
+
+
+def test_a_file_that_shrinks_while_it_is_read_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size checked first (fstat) said the whole file was there; the reads then came back short."""
+    path = tmp_path / "ckpt.stck"
+    path.write_bytes(VALID[:-3])
+    fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*fstat(fd)[:6], len(VALID), *fstat(fd)[7:])))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_checkpoint_file(path)
+    assert (refused.value.path, refused.value.reason) == (path, "truncated while it was read")
+
+
+def test_the_header_refuses_values_json_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        encode_checkpoint({}, step=1, created_at=math.nan)
+
+
+def test_any_mapping_is_a_state_and_a_top_level_state_dict_keeps_its_metadata() -> None:
+    module_state = collections.OrderedDict(w=torch.ones(2))
+    module_state._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    loaded = decode_checkpoint(b"".join(encode_checkpoint(module_state, step=2, created_at=5.0)))
+    assert isinstance(loaded.state, collections.OrderedDict) and loaded.state._metadata == {"": {"version": 1}}
+    proxy = decode_checkpoint(b"".join(encode_checkpoint(types.MappingProxyType({"a": 1}), step=2, created_at=5.0)))
+    assert proxy.state == {"a": 1} and (proxy.step, proxy.created_at) == (2, 5.0)
+
+
+def test_read_digest_reads_the_prefix_of_checkpoints_only(tmp_path: Path) -> None:
+    good, foreign, short = tmp_path / "good", tmp_path / "foreign", tmp_path / "short"
+    good.write_bytes(VALID)
+    foreign.write_bytes(b"\x00" * len(VALID))
+    short.write_bytes(VALID[:40])
+    assert read_digest(good) == PREFIX.unpack(VALID[: PREFIX.size])[3].hex()
+    for path in (foreign, short):
+        with pytest.raises(OSError) as refused:
+            read_digest(path)
+        assert str(refused.value) == f"{path} does not start with a checkpoint prefix"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.incremental import DELTA_OF, WindowChain, replay
+from streamtrain.checkpoint.incremental import DELTA_OF, ChainReport, WindowChain, replay
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_checkpoint_link
 from streamtrain.events import EventBatch
 from streamtrain.window.partitions import join_partitions, split_by_partition
@@ -349,3 +350,113 @@ def test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_not
     assert_same_window(restored.state_dict(), window.state_dict())
     seq = restored.state_dict()["seq"]
     assert np.unique(seq).size == seq.size  # nothing twice
+
+
+# ------------------------------------------------------------------------------ what the mutation run asked
+
+
+def items(seqs: list[int]) -> dict:
+    """Window items with arrival numbers ``seqs``: item s has s % 3 + 1 readings, each equal to s."""
+    seq = np.asarray(seqs, dtype=np.int64)
+    lengths = seq % 3 + 1
+    return {
+        "seq": seq,
+        "lengths": lengths,
+        "values": np.repeat(seq.astype(np.float32), lengths)[:, None],
+        "ts": seq.astype(np.float64),
+        "labels": seq % 2,
+        "keys": seq / 10.0,
+        "sensor_ids": np.array([f"s{s}" for s in seqs], dtype=object),
+        "partitions": np.zeros(seq.size, np.int32),
+        "offsets": seq * 10,
+    }
+
+
+def delta(entered: list[int], left: list[int], version: int) -> dict:
+    return {"entered": items(entered), "left_seq": np.asarray(left, dtype=np.int64), "version": version,
+            DELTA_OF: {"name": "parent", "sha256": "0"}}  # fmt: skip
+
+
+def replayed(base_seqs: list[int], deltas: list[dict]) -> dict:
+    state = replay({**items(base_seqs), "channels": 1, "version": 0}, deltas)
+    for s, length, start in zip(state["seq"], state["lengths"], np.cumsum(state["lengths"]) - state["lengths"]):
+        assert np.all(state["values"][start : start + length] == s), s  # every item keeps its own readings
+    return state
+
+
+def test_replay_of_an_item_that_left_came_back_and_left_again_follows_its_last_leaving() -> None:
+    state = replayed([1, 3, 5], [delta([], [3, 5], 1), delta([5], [], 2), delta([], [5], 3)])
+    assert state["seq"].tolist() == [1]
+
+
+def test_replay_puts_an_item_back_from_a_delta_between_two_that_stayed() -> None:
+    state = replayed([1, 3, 5], [delta([], [3], 1), delta([3], [], 2)])
+    assert state["seq"].tolist() == [1, 3, 5] and state["offsets"].tolist() == [10, 30, 50]
+
+
+def test_replay_of_a_window_every_item_left_is_empty_and_whole() -> None:
+    state = replayed([1, 3], [delta([], [1, 3], 4)])
+    assert state["seq"].tolist() == [] and state["values"].shape == (0, 1) and state["values"].dtype == np.float32
+    assert DELTA_OF not in state and "entered" not in state and "left_seq" not in state
+    assert state["version"] == 4 and "sensor_ids" in state
+
+
+def test_a_new_chain_reports_nothing_written_and_each_write_is_counted(tmp_path: Path) -> None:
+    assert (WindowChain().compaction_ratio, WindowChain().max_chain) == (1.0, 64)
+    chain = WindowChain(compaction_ratio=100.0)
+    nothing = {"base": 0, "delta": 0}
+    assert chain.report() == ChainReport(None, 0, 0, 0, nothing, nothing)
+    window, store = new_window(), CheckpointStore(tmp_path, keep=10)
+    paths = []
+    for step in range(3):
+        window.insert_batch(batch(100 * step, 5, clock=100.0 * step))
+        path, kind = checkpoint(window, chain, store, step)
+        paths.append(path)
+    base, *deltas = (path.stat().st_size for path in paths)
+    assert chain.report() == ChainReport(
+        "delta", 2, base, sum(deltas), {"base": base, "delta": sum(deltas)}, {"base": 1, "delta": 2}
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"compaction_ratio": 0.0}, "compaction_ratio must be > 0, got 0.0"),
+        ({"max_chain": -1}, "max_chain must be >= 0, got -1"),
+    ],
+)
+def test_chain_settings_are_checked(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        WindowChain(**kwargs)
+    assert str(refused.value) == message
+
+
+def test_a_chain_of_no_deltas_writes_only_bases(tmp_path: Path) -> None:
+    window, chain, store = new_window(), WindowChain(max_chain=0), CheckpointStore(tmp_path, keep=10)
+    kinds = []
+    for step in range(3):
+        window.insert_batch(batch(100 * step, 5))
+        kinds.append(checkpoint(window, chain, store, step)[1])
+    assert kinds == ["base", "base", "base"]
+
+
+def test_a_new_base_when_the_settings_change_the_deltas_reach_the_ratio_or_the_parent_is_gone(
+    tmp_path: Path,
+) -> None:
+    window, chain, store = new_window(), WindowChain(), CheckpointStore(tmp_path, keep=10)
+    window.insert_batch(batch(0, 5))
+    first, _ = checkpoint(window, chain, store, 0)
+    pending = chain.window_state(window.capture_state(), tmp_path)
+    assert pending.kind == "delta" and pending.scope == ((60, 20.0, 1), ())  # the settings, one process
+    other = RecencyWindow(61, 20.0, rng=np.random.default_rng(0))  # another capacity
+    other.insert_batch(batch(0, 5))
+    assert chain.window_state(other.capture_state(), tmp_path).kind == "base"
+    link = chain._link
+    assert link is not None
+    chain._link = dataclasses.replace(link, deltas_bytes=link.base_bytes - 1)  # just below the ratio: a delta
+    assert chain.window_state(window.capture_state(), tmp_path).kind == "delta"
+    chain._link = dataclasses.replace(link, deltas_bytes=link.base_bytes)  # at the ratio: a new base
+    assert chain.window_state(window.capture_state(), tmp_path).kind == "base"
+    chain._link = link
+    first.unlink()  # the parent is gone
+    assert chain.window_state(window.capture_state(), tmp_path).kind == "base"

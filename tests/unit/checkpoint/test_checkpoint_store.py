@@ -19,8 +19,12 @@ import pytest
 import torch
 from state_trees import assert_tree_equal, small_model_and_optimizer
 
+from streamtrain.checkpoint import store as store_module
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.store import CheckpointStore, CheckpointWriteError, read_checkpoint
+from streamtrain.checkpoint.incremental import WindowChain
+from streamtrain.checkpoint.store import CheckpointStore, CheckpointWriteError, read_checkpoint, read_checkpoint_link
+from streamtrain.events import EventBatch
+from streamtrain.window.reservoir import RecencyWindow
 
 torch.set_num_threads(1)
 
@@ -367,3 +371,250 @@ def test_bad_arguments_to_save_are_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="dict"):
         store.save([1, 2], step=1)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------
+# what the mutation run asked: messages, names, the verdict cache, chains, stale temp files
+
+
+def small_window_chain(tmp_path: Path, store: CheckpointStore, saves: int) -> list[Path]:
+    """``saves`` checkpoints of a small window: a base, then deltas on it."""
+    window = RecencyWindow(20, rng=np.random.default_rng(0))
+    chain, paths = WindowChain(), []
+    for step in range(saves):
+        batch = EventBatch(
+            sensor_ids=np.array([f"s{step}-{i}" for i in range(5)], dtype=object),
+            ts=np.full(5, float(step)),
+            labels=np.zeros(5, np.int64),
+            lengths=np.ones(5, np.int64),
+            values=np.full((5, 1), step, np.float32),
+            partitions=np.zeros(5, np.int32),
+            offsets=np.arange(5 * step, 5 * step + 5),
+        )
+        window.insert_batch(batch, {0: 5 * step + 5})
+        pending = chain.window_state(window.capture_state(), tmp_path)
+        paths.append(store.save({"window": pending.state, "step": step}, step=step))
+        chain.written(pending, paths[-1])
+    return paths
+
+
+def test_the_store_logs_what_it_writes_and_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    store = CheckpointStore(tmp_path, clock=make_clock(1234.5678))
+    base, delta = small_window_chain(tmp_path, store, 2)
+    assert base.name == "ckpt-000000000000-1234567.stck"  # the creation time in milliseconds
+    loaded = store.load_latest()
+    assert loaded is not None and (loaded.path, loaded.created_at) == (delta, 1235.5678)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"wrote checkpoint {base} (step 0, {base.stat().st_size} bytes)",
+        f"wrote checkpoint {delta} (step 1, {delta.stat().st_size} bytes)",
+        f"read checkpoint {delta.name} as a base and 1 window deltas",
+        f"loaded checkpoint {delta} (step 1)",
+    ]
+    infos = store.list()
+    assert [(i.path, i.step, i.created_at, i.size_bytes) for i in infos] == [
+        (delta, 1, 1235.567, delta.stat().st_size),
+        (base, 0, 1234.567, base.stat().st_size),
+    ]
+
+
+def test_each_file_is_read_once_and_only_when_its_verdict_or_contents_are_needed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[str] = []
+    read_link = store_module.read_checkpoint_link
+    monkeypatch.setattr(
+        store_module, "read_checkpoint_link", lambda path: reads.append(Path(path).name) or read_link(path)
+    )
+    store = CheckpointStore(tmp_path, keep=3, clock=make_clock())
+    paths = small_window_chain(tmp_path, store, 4)  # each save prunes: it verifies the files it keeps
+    assert store.latest_step == 3 and reads == []  # what it wrote is known good
+    assert store.load_latest() is not None
+    assert paths[-1].name in reads and len(reads) == len(set(reads))  # each link of its chain once
+    reads.clear()
+    assert store.latest_step == 3 and reads == []
+    reader = CheckpointStore(tmp_path)  # knows nothing yet: it reads what it verifies, once
+    assert reader.latest_step == 3 and reader.latest_step == 3
+    assert paths[-1].name in reads and len(reads) == len(set(reads))
+    reads.clear()
+    assert CheckpointStore(tmp_path).load_latest() is not None
+    assert paths[-1].name in reads and len(reads) == len(set(reads))  # verifying it read the contents too
+
+
+def test_removing_a_file_another_process_already_deleted_is_silent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    CheckpointStore(tmp_path)._remove(tmp_path / "ckpt-000000000001-1.stck")
+    assert caplog.records == []
+
+
+def test_a_file_damaged_without_changing_its_size_or_time_is_caught_when_read(tmp_path: Path) -> None:
+    """The verdict cache keys on (size, mtime, inode); a bit flipped in place with the mtime put back
+    is found by the digest when the contents are read, and remembered from then on."""
+    reports: list[tuple[Path, str]] = []
+    store = CheckpointStore(tmp_path, on_corrupt=lambda path, why: reports.append((path, why)), clock=make_clock())
+    path = store.save({"x": 1}, step=1)
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1
+    with open(path, "r+b") as file:
+        file.write(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert store.load_latest() is None and store.load_latest() is None and store.load_latest() is None
+    digest = "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
+    assert reports == [(path, digest), (path, digest)]  # when read, and when first inspected again
+
+
+def test_a_broken_chain_is_reported_once_with_its_links_reason(tmp_path: Path) -> None:
+    reports: list[tuple[str, str]] = []
+    store = CheckpointStore(tmp_path, keep=5, clock=make_clock())
+    base, delta = small_window_chain(tmp_path, store, 2)
+    _flip_byte(base, offset=-3)
+    reader = CheckpointStore(tmp_path, on_corrupt=lambda path, why: reports.append((path.name, why)))
+    assert reader.load_latest() is None and reader.load_latest() is None
+    digest = "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
+    assert reports == [(base.name, digest), (delta.name, f"its window builds on {base.name}: {digest}")]
+
+
+def test_a_skipped_file_is_logged_with_its_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    bad = CheckpointStore(tmp_path).save({"x": 1}, step=1)
+    _corrupt(bad, "empty")
+    assert CheckpointStore(tmp_path).load_latest() is None
+    assert [record.getMessage() for record in caplog.records] == [
+        f"skipping corrupt checkpoint {bad}: empty file; falling back to an older one"
+    ]
+
+
+def test_a_file_that_cannot_be_read_is_reported_as_unreadable(tmp_path: Path) -> None:
+    reports: list[tuple[Path, str]] = []
+    store = CheckpointStore(tmp_path, on_corrupt=lambda path, why: reports.append((path, why)))
+    missing = tmp_path / "ckpt-000000000001-1.stck"
+    assert store.read(missing) is None
+    assert reports == [(missing, f"unreadable: [Errno 2] No such file or directory: '{missing}'")]
+    (tmp_path / "ckpt-000000000002-1.stck").mkdir()
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_checkpoint_link(tmp_path / "ckpt-000000000002-1.stck")
+    assert refused.value.path == tmp_path / "ckpt-000000000002-1.stck"
+    assert refused.value.reason.startswith("unreadable: [Errno 21] Is a directory")
+
+
+def test_the_default_keeps_three_and_the_directory_may_be_nested(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "a" / "b", clock=make_clock())
+    for step in range(5):
+        store.save({"x": step}, step=step)
+    assert [info.step for info in store.list()] == [4, 3, 2]
+
+
+@pytest.mark.parametrize(
+    ("step", "state", "error", "message"),
+    [
+        (True, {}, ValueError, "step=True: a checkpoint step must be a non-negative int"),
+        (1.5, {}, ValueError, "step=1.5: a checkpoint step must be a non-negative int"),
+        (1, [1], TypeError, "state is a list; a checkpoint state must be a dict"),
+    ],
+)
+def test_save_refuses_a_bad_step_or_state_by_name(
+    tmp_path: Path, step: Any, state: Any, error: type, message: str
+) -> None:
+    with pytest.raises(error) as refused:
+        CheckpointStore(tmp_path).save(state, step=step)
+    assert str(refused.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_errors_say_what_to_do(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointWriteError) as caught:
+        CheckpointStore(blocker / "checkpoints").save({"x": 1}, step=3)
+    assert str(caught.value) == (
+        f"could not write the step-3 checkpoint to {blocker / 'checkpoints'}: {caught.value.cause}. Free space on "
+        "that volume or make the directory writable by the service user (STREAMTRAIN_CHECKPOINT_DIR)."
+    )
+
+
+def test_what_goes_wrong_around_a_save_is_logged_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    store = CheckpointStore(tmp_path, keep=1, clock=make_clock())
+    high = store.save({"run": 1}, step=100)
+    low = store.save({"run": 2}, step=5)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"saved {low.name}, but {high.name} sorts after it (higher step); load_latest will prefer that one. "
+        "Give each run its own checkpoint directory."
+    ]
+    caplog.clear()
+    directory = tmp_path / "ckpt-000000000001-1.stck"
+    directory.mkdir()  # not a file: cannot be deleted as one
+    store.save({"run": 3}, step=101)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"could not delete old checkpoint file {directory}: [Errno 21] Is a directory: '{directory}'"
+    ]
+    caplog.clear()
+
+    def unlistable(path: Any) -> Any:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(os, "scandir", unlistable)
+    saved = store.save({"run": 4}, step=102)
+    assert saved.exists()  # written; only the pruning failed
+    assert store.load_latest() is None
+    assert [record.getMessage() for record in caplog.records] == [
+        f"could not prune checkpoint directory {tmp_path}: [Errno 13] Permission denied",
+        f"cannot list checkpoint directory {tmp_path} ([Errno 13] Permission denied); starting without a checkpoint",
+    ]
+
+
+def test_a_failing_callback_is_logged_with_the_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(path: Path, reason: str) -> None:
+        raise RuntimeError("metrics backend down")
+
+    caplog.set_level(logging.ERROR, logger=LOGGER)
+    store = CheckpointStore(tmp_path, on_corrupt=broken, clock=make_clock())
+    bad = store.save({"x": 2}, step=2)
+    _corrupt(bad, "empty")
+    assert CheckpointStore(tmp_path, on_corrupt=broken).load_latest() is None
+    assert [record.getMessage() for record in caplog.records] == [f"on_corrupt callback failed for {bad}"]
+
+
+def test_a_vanished_entry_does_not_hide_the_others(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(tmp_path, keep=5, clock=make_clock())
+    saved = [store.save({"x": step}, step=step) for step in (1, 2)]
+    (tmp_path / "ckpt-000000000009-1.stck").symlink_to(tmp_path / "gone")  # listed, then cannot be stat'ed
+    scandir = os.scandir  # the dangling entry listed first
+    monkeypatch.setattr(os, "scandir", lambda path: sorted(scandir(path), key=lambda entry: not entry.is_symlink()))
+    assert [info.path for info in store.list()] == saved[::-1]
+
+
+def test_temp_files_of_live_writers_stay_and_their_writers_are_not_signalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    child = (
+        "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_DFL); print('ready', flush=True); time.sleep(60)"
+    )
+    sleeper = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)  # SIGHUP would end it
+    try:
+        assert sleeper.stdout is not None and sleeper.stdout.readline() == "ready\n"
+        live = tmp_path / f".ckpt-000000000000-1.stck.{sleeper.pid}.tmp"
+        live.write_bytes(b"partial")
+        CheckpointStore(tmp_path).save({"x": 1}, step=1)
+        assert live.exists()  # kept: a live process may still be writing it
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(timeout=1.0)  # and the writer untouched: asked with signal 0 only
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    for error, kept in ((PermissionError(errno.EPERM, "not ours"), True), (OSError(errno.EINVAL, "bad pid"), False)):
+        temp = tmp_path / ".ckpt-000000000000-2.stck.999999.tmp"
+        temp.write_bytes(b"partial")
+
+        def kill(pid: int, signal: int, error: OSError = error) -> None:
+            raise error
+
+        monkeypatch.setattr(os, "kill", kill)
+        CheckpointStore(tmp_path).save({"x": 2}, step=2)
+        monkeypatch.undo()
+        assert temp.exists() == kept  # another user's live process may be writing it; a bad pid is gone

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from scipy import stats
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window import storage
-from streamtrain.window.reservoir import RecencyWindow
+from streamtrain.window.reservoir import QuantileSummary, RecencyWindow, rekey, sorted_member
 from streamtrain.window.storage import SensorCodes, token_positions
 
 
@@ -561,3 +563,350 @@ def test_reading_chunks_hold_little_more_than_the_live_readings() -> None:
         snap = window.snapshot()
         held = sum(chunk.shape[0] for chunk in snap.flat_values)
         assert held <= 1.25 * snap.tokens + 65536 + 2 * 2000 * 60  # plus what arrived since the last cut
+
+
+# --------------------------------------------------------------------------------------- what the mutation run asked
+
+
+def events(lengths: list[int], *, ts: list[float] | None = None, first_offset: int = 0, sensors=None) -> EventBatch:
+    """A batch whose event i (offset first_offset + i) has ``lengths[i]`` readings, each equal to its offset."""
+    n = len(lengths)
+    offsets = np.arange(first_offset, first_offset + n)
+    return EventBatch(
+        sensor_ids=np.array(sensors if sensors is not None else [f"s{o}" for o in offsets], dtype=object),
+        ts=np.asarray(ts if ts is not None else offsets, dtype=np.float64),
+        labels=offsets % 3,
+        lengths=np.asarray(lengths, dtype=np.int64),
+        values=np.repeat(offsets.astype(np.float32), lengths).reshape(-1, 1),
+        partitions=np.zeros(n, np.int32),
+        offsets=offsets,
+    )
+
+
+KEEP, DROP = 1e-3, 10.0  # exponential draws E: key −ln E = 6.9 (wins) or −2.3 (loses) with an infinite half-life
+
+
+def overshooting_window(clock: Callable[[], float] = lambda: 70.0) -> RecencyWindow:
+    """W = 4 and six events stored (no cut yet): the window is four of them, the store holds all six.
+
+    Kept: ts 10, 30, 69.5 and 80 (ages at t = 70: 60, 40, 0.5 and −10, read as 0), lengths 1, 3, 5, 6.
+    """
+    draws = [KEEP, DROP, KEEP, DROP, KEEP, KEEP]
+    window = RecencyWindow(4, math.inf, slack=10, rng=ScriptedDraws(draws), clock=clock)  # type: ignore[arg-type]
+    window.insert_batch(events([1, 2, 3, 4, 5, 6], ts=[10.0, 20.0, 30.0, 40.0, 69.5, 80.0]), {0: 6}, held_out=2)
+    return window
+
+
+def test_statistics_and_age_quantiles_describe_the_window_not_the_store() -> None:
+    window = overshooting_window()
+    assert sorted(window.snapshot().offsets.tolist()) == [0, 2, 4, 5]
+    assert window.age_quantiles([0.0, 0.5, 1.0]) == [0.0, 20.25, 60.0]  # now from the clock
+    assert window.age_quantiles([0.9], now=71.0) == [pytest.approx(55.0)]  # ages 61, 41, 1.5, 0
+    assert window.tokens == 15
+    stats = window.stats()
+    assert (stats.size, stats.tokens, stats.sensors, stats.half_life_s) == (4, 15, 4, math.inf)
+    assert (stats.accepted_total, stats.held_out_total, stats.seen_total, stats.evicted_total) == (6, 2, 8, 2)
+    assert stats.age_s == QuantileSummary(min=0.0, p50=20.25, p90=pytest.approx(54.0), max=60.0, mean=25.125)
+    assert stats.length == QuantileSummary(min=1.0, p50=4.0, p90=pytest.approx(5.7), max=6.0, mean=3.75)
+
+
+def test_an_empty_window_and_a_window_of_one_item() -> None:
+    window = RecencyWindow(3, rng=np.random.default_rng(0), clock=lambda: 100.0)
+    assert window.age_quantiles([0.1, 0.9]) == [0.0, 0.0]
+    stats = window.stats()
+    assert (stats.size, stats.tokens, stats.sensors, stats.age_s, stats.length) == (0, 0, 0, None, None)
+    snap = window.snapshot()
+    assert snap.all_values().shape == (0, 1) and snap.all_values().dtype == np.float32
+    assert [(chunk.shape, chunk.dtype) for chunk in snap.flat_values] == [((0, 1), np.float32)]  # no readings
+    assert snap.starts.dtype == np.int64
+    restored = RecencyWindow(3, rng=np.random.default_rng(1))
+    restored.load_state_dict(window.state_dict())  # an empty window's state holds no readings either
+    assert len(restored) == 0
+    window.insert_batch(events([2], ts=[60.0]))
+    assert window.age_quantiles([0.5]) == [40.0]
+
+
+def test_the_version_counts_every_published_change_and_held_out_events_add_up() -> None:
+    now = [5.0]
+    window = RecencyWindow(10, rng=np.random.default_rng(0), clock=lambda: now[0])
+    assert window.version == 0 and window.snapshot().version == 0
+    window.insert_batch(events([1, 1]), {0: 2})
+    window.advance_offsets({0: 5}, held_out=3)
+    window.advance_offsets({0: 7}, rejected={"schema": 2}, held_out=1)
+    assert window.version == 3 and window.held_out_total == 4 and window.seen_total == 8
+    now[0] = 9.0
+    snap = window.snapshot()
+    assert (snap.version, snap.taken_at, snap.next_offsets) == (3, 9.0, {0: 7})
+    assert window.state_dict()["version"] == 3
+    window.insert_batch(events([1], first_offset=2), {0: 8}, held_out=2)
+    assert (window.version, window.held_out_total, window.seen_total) == (4, 6, 11)
+
+
+def test_the_default_slack_and_randomness() -> None:
+    """Slack: W / 8, at least 4,096 and at most W (class docstring); a given slack is at least 1."""
+    slacks = [RecencyWindow(w).slack for w in (100, 10_000, 80_004)]
+    assert slacks == [100, 4096, 10_000] and all(type(slack) is int for slack in slacks)
+    assert RecencyWindow(10, slack=0).slack == 1
+    assert RecencyWindow(10, 0.5).half_life_s == 0.5  # any positive half-life, sub-second too
+    window = RecencyWindow(10)  # OS entropy
+    window.insert_batch(events([1] * 30))
+    assert len(window) == 10 and np.unique(window.snapshot().keys).size == 10
+
+
+def test_keys_are_the_decayed_event_time_minus_the_log_of_the_draw() -> None:
+    """The module docstring's key λ·(ts − L) − ln E, L the first event time the window saw (here 0)."""
+    window = RecencyWindow(10, 10.0, rng=ScriptedDraws([1.0, 2.0, 0.5, 3.0]))  # type: ignore[arg-type]
+    window.insert_batch(events([1, 1], ts=[0.0, 5.0]))
+    window.insert_batch(events([1, 1], ts=[20.0, 1.0], first_offset=2))
+    snap = window.snapshot()
+    lam = math.log(2) / 10.0
+    expected = lam * np.array([0.0, 5.0, 20.0, 1.0]) - np.log([1.0, 2.0, 0.5, 3.0])
+    np.testing.assert_allclose(snap.keys[np.argsort(snap.offsets)], expected, rtol=0, atol=1e-12)
+
+
+def test_an_event_exactly_max_age_old_is_still_in_the_window() -> None:
+    window = RecencyWindow(5, max_age_s=50.0, slack=1, rng=np.random.default_rng(0), clock=lambda: 1000.0)
+    window.insert_batch(events([1, 1], ts=[950.0, 949.0]))
+    assert len(window) == 1 and window.snapshot().offsets.tolist() == [0]
+    window.insert_batch(events([1] * 5, ts=[990.0] * 5, first_offset=2))  # a cut: 7 stored > W + S
+    assert len(window) == 5 and 1 not in window.snapshot().offsets.tolist()
+
+
+def test_with_max_age_the_age_quantiles_are_those_of_the_young_items() -> None:
+    now = [1000.0]
+    window = RecencyWindow(5, max_age_s=50.0, rng=np.random.default_rng(0), clock=lambda: now[0])
+    window.insert_batch(events([1, 1, 1], ts=[940.0, 960.0, 990.0]))
+    assert window.age_quantiles([0.0, 1.0]) == [10.0, 40.0]
+    now[0] = 1020.0
+    assert window.age_quantiles([0.0, 1.0]) == [30.0, 30.0]
+
+
+def test_reads_of_one_state_select_its_rows_once() -> None:
+    """Statistics, snapshots and sizes of one published state share one selection (``_window_rows``)."""
+    ticks = itertools.count(100)
+    window = RecencyWindow(3, slack=10, rng=np.random.default_rng(0), clock=lambda: float(next(ticks)))
+    window.insert_batch(events([1] * 5))
+    calls = []
+    select = window._select_rows
+
+    def counted(*args: object) -> object:
+        calls.append(args)
+        return select(*args)  # type: ignore[arg-type]
+
+    window._select_rows = counted  # type: ignore[method-assign]
+    window.stats(), window.snapshot(), window.tokens, window.age_quantiles([0.5]), window.capture_state()()
+    assert len(calls) == 1  # the clock moved on every read: without MAX_AGE_S the rows do not depend on it
+    window.insert_batch(events([1], first_offset=5))
+    window.stats(), window.snapshot()
+    assert len(calls) == 2
+
+
+# ---------------------------------------------------------------- readings compaction (the 1.25x / 1.1x rule)
+
+
+def window_of_chunks(batches: list[list[tuple[int, bool]]]) -> RecencyWindow:
+    """Each batch (one reading chunk) is a list of events (length, kept); the one cut comes with the last batch."""
+    flat = [event for batch in batches for event in batch]
+    capacity = sum(kept for _, kept in flat)
+    draws = [KEEP if kept else DROP for _, kept in flat]
+    window = RecencyWindow(capacity, slack=len(flat) - capacity - 1, rng=ScriptedDraws(draws))  # type: ignore[arg-type]
+    offset = 0
+    for batch in batches:
+        window.insert_batch(events([length for length, _ in batch], first_offset=offset))
+        offset += len(batch)
+    kept = [i for i, (_, keep) in enumerate(flat) if keep]
+    snap = window.snapshot()
+    assert sorted(snap.offsets.tolist()) == kept
+    for values, offset_ in zip(snap.values, snap.offsets):  # every item still reads its own readings
+        assert values.shape[0] == flat[offset_][0] and np.all(values == offset_)
+    return window
+
+
+def chunk_sizes(window: RecencyWindow) -> list[int]:
+    return [chunk.shape[0] for chunk in window.snapshot().flat_values]
+
+
+def test_compaction_merges_the_emptiest_chunks_until_they_hold_at_most_1_1x_the_live_readings() -> None:
+    """Chunks of 50k, 100k, 200k and 10k readings (1,000 per event) keep 60%, 90%, 25% and 10% of them and
+    a fifth chunk none: 171k live in 360k held (> 1.25x + 64k). Merging the emptiest first (10%, then 25%,
+    then 60%) until at most 1.1x is held leaves the 90% chunk and one merged chunk of 81k readings."""
+
+    def chunk(events_: int, kept: int) -> list[tuple[int, bool]]:
+        return [(1000, i < kept) for i in range(events_)]
+
+    window = window_of_chunks([chunk(50, 30), chunk(100, 90), chunk(200, 50), chunk(10, 1), chunk(50, 0)])
+    assert chunk_sizes(window) == [100_000, 81_000]
+
+
+@pytest.mark.parametrize(("dropped", "expected"), [(66_537, [4000, 66_541]), (66_538, [4000, 4])])
+def test_compaction_starts_only_past_1_25x_the_live_readings_plus_64k(dropped: int, expected: list[int]) -> None:
+    """4,004 live readings: held 1.25 · 4004 + 65536 = 70,541 is not compacted, one reading more is
+    (the sparse chunk is merged down to its one live event); the chunk of a dropped event is freed either way."""
+    full = [(4, True)] * 1000
+    sparse = [(4, True), (dropped, False)]
+    window = window_of_chunks([full, sparse, [(1, False)]])
+    assert chunk_sizes(window) == expected
+
+
+# ---------------------------------------------------------------- the sensor vocabulary
+
+
+def churning_fleet(capacity: int, slack: int, half_life: float, events_: int, batch: int = 100) -> RecencyWindow:
+    """Every event from a sensor never seen before; each item must still read back its own id."""
+    window = RecencyWindow(capacity, half_life, slack=slack, rng=np.random.default_rng(capacity))
+    for start in range(0, events_, batch):
+        window.insert_batch(events([1] * batch, first_offset=start))
+        snap = window.snapshot()
+        assert snap.sensor_ids.tolist() == [f"s{o}" for o in snap.offsets.tolist()], start
+        # ids no item uses are forgotten: at most 2 W (or 1024) after a cut, plus what was stored since
+        assert window._vocabulary_n <= max(1024, 2 * capacity) + capacity + slack + batch
+    return window
+
+
+@pytest.mark.parametrize(
+    ("capacity", "slack", "half_life", "events_"),
+    [(301, 800, math.inf, 6000), (301, 800, 50.0, 6000), (1100, 2000, math.inf, 3200)],
+)
+def test_a_changing_fleet_keeps_every_id_and_a_bounded_vocabulary(capacity, slack, half_life, events_) -> None:
+    churning_fleet(capacity, slack, half_life, events_)
+
+
+def test_the_vocabulary_is_pruned_past_1024_ids_once_unused_ones_are_most_of_it() -> None:
+    """After a cut the ids no item uses are forgotten once they are most of the vocabulary, and it holds more
+    than 1,024 ids; each case is one batch of distinct sensors and one cut (ids > W + S stored)."""
+    for capacity, ids, after_cut in ((100, 1024, 1024), (100, 1025, 100), (600, 1200, 1200), (500, 1200, 500)):
+        window = RecencyWindow(capacity, slack=ids - capacity - 1, rng=np.random.default_rng(0))
+        window.insert_batch(events([1] * ids))
+        assert len(window) == capacity and window._vocabulary_n == after_cut, (capacity, ids)
+
+
+def test_a_cut_that_expires_every_item_forgets_every_id() -> None:
+    window = RecencyWindow(100, max_age_s=10.0, slack=1000, rng=np.random.default_rng(0), clock=lambda: 100.0)
+    window.insert_batch(events([1] * 1101, ts=[0.0] * 1101))  # all expired already: the cut keeps none
+    assert len(window) == 0 and window._vocabulary_n == 0
+    window.insert_batch(events([1], ts=[99.0], first_offset=5000))
+    assert window.snapshot().sensor_ids.tolist() == ["s5000"]
+
+
+# ---------------------------------------------------------------- restoring
+
+
+def test_a_state_without_its_optional_fields_restores_with_their_defaults() -> None:
+    """A state of only the item arrays (what older checkpoints hold): the window's own settings, the counters
+    of its items, arrival numbers 0..n−1 that new events continue without a collision."""
+    old = RecencyWindow(10, 30.0, rng=np.random.default_rng(0))
+    old.insert_batch(events([1, 2, 3, 1, 2, 3]), {0: 6}, rejected={"schema": 1}, held_out=2)
+    items = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets")
+    bare = {name: old.state_dict()[name] for name in items}
+    window = RecencyWindow(10, 30.0, rng=np.random.default_rng(1))
+    window.load_state_dict(bare)
+    assert (len(window), window.accepted_total, window.rejected_total) == (6, 6, {})
+    assert (window.held_out_total, window.version, window.next_offsets) == (0, 0, {})
+    assert sorted(window.snapshot().seq.tolist()) == list(range(6))
+    window.insert_batch(events([1, 1, 1], first_offset=6))
+    seq = window.snapshot().seq
+    assert sorted(seq.tolist()) == list(range(9))
+    # and the optional fields, when present, are what they say
+    full = RecencyWindow(10, 30.0, rng=np.random.default_rng(2))
+    full.load_state_dict(old.state_dict())
+    assert (full.accepted_total, full.rejected_total, full.held_out_total, full.version) == (6, {"schema": 1}, 2, 1)
+    state = old.state_dict()
+    assert (state["capacity"], state["half_life_s"], state["channels"]) == (10, 30.0, 1)
+
+
+def test_a_state_whose_lengths_do_not_match_its_readings_is_refused() -> None:
+    window = RecencyWindow(10, rng=np.random.default_rng(0))
+    window.insert_batch(events([2, 3]))
+    state = dict(window.state_dict(), lengths=np.array([2, 4]))
+    with pytest.raises(ValueError) as refused:
+        RecencyWindow(10).load_state_dict(state)
+    assert str(refused.value) == "window state is inconsistent: lengths do not sum to the stored values"
+
+
+def test_a_restored_window_adopts_contiguous_float32_readings_and_converts_others() -> None:
+    window = RecencyWindow(10, rng=np.random.default_rng(0))
+    window.insert_batch(events([2, 3]))
+    state = window.state_dict()
+    adopted = RecencyWindow(10, rng=np.random.default_rng(1))
+    adopted.load_state_dict(state)
+    assert np.shares_memory(adopted.snapshot().flat_values[0], state["values"])  # no copy
+    converted = RecencyWindow(10, rng=np.random.default_rng(1))
+    converted.load_state_dict(dict(state, values=state["values"].astype(np.float64)))
+    assert converted.snapshot().all_values().dtype == np.float32
+    assert [chunk.dtype for chunk in converted.snapshot().flat_values] == [np.float32]
+    assert converted.snapshot().all_values().tolist() == state["values"].tolist()
+
+
+def test_after_a_restore_only_a_full_window_drops_events_below_its_lowest_key() -> None:
+    """A restored full window knows its threshold (keys below its lowest can never enter); a window with
+    room, or one with MAX_AGE_S (whose winners expire), must take every event."""
+
+    def restored(capacity: int, kept: int, max_age_s: float | None = None) -> RecencyWindow:
+        old = RecencyWindow(capacity, rng=ScriptedDraws([0.01, 0.02, 0.03][:kept]), clock=lambda: 10.0)  # type: ignore[arg-type]
+        old.insert_batch(events([1] * kept, ts=[5.0] * kept))
+        window = RecencyWindow(
+            capacity,
+            max_age_s=max_age_s,
+            slack=5,
+            rng=ScriptedDraws([5.0]),
+            clock=lambda: 10.0,  # type: ignore[arg-type]
+        )
+        window.load_state_dict(old.state_dict())
+        return window
+
+    full, room, aging = restored(2, 2), restored(3, 2), restored(2, 2, max_age_s=100.0)
+    low = events([1], ts=[6.0], first_offset=9)  # key −ln 5 = −1.6, below every restored key
+    assert full.insert_batch(low).dropped == 1
+    assert room.insert_batch(low).stored == 1 and len(room) == 3
+    assert aging.insert_batch(low).stored == 1
+
+
+def test_windows_with_and_without_a_generator_state_restore_each_other() -> None:
+    """A window drawing from a source without a bit generator saves no RNG state; restoring it, or into it, works."""
+    scripted = RecencyWindow(5, rng=ScriptedDraws([1.0, 2.0]))  # type: ignore[arg-type]
+    scripted.insert_batch(events([1, 1]))
+    assert scripted.state_dict()["rng_state"] is None
+    seeded = RecencyWindow(5, rng=np.random.default_rng(3))
+    before = np.random.default_rng(3).bit_generator.state
+    seeded.load_state_dict(scripted.state_dict())
+    assert len(seeded) == 2 and seeded.state_dict()["rng_state"] == before  # its own stream, untouched
+    into_scripted = RecencyWindow(5, rng=ScriptedDraws([]))  # type: ignore[arg-type]
+    into_scripted.load_state_dict(seeded.state_dict())
+    assert len(into_scripted) == 2
+
+
+def test_restoring_under_the_same_half_life_keeps_every_key_bit_for_bit(caplog: pytest.LogCaptureFixture) -> None:
+    window = RecencyWindow(50, 7.0, rng=np.random.default_rng(0))
+    window.insert_batch(events([1] * 80, ts=list(1.7e9 + np.arange(80) * 0.3)))
+    restored = RecencyWindow(50, 7.0, rng=np.random.default_rng(1))
+    with caplog.at_level("WARNING", logger="streamtrain.window"):
+        restored.load_state_dict(window.state_dict())
+    assert caplog.text == ""
+    assert restored.snapshot().keys.tobytes() == window.snapshot().keys.tobytes()
+
+
+def test_the_rekey_warning_says_what_happened(caplog: pytest.LogCaptureFixture) -> None:
+    old = RecencyWindow(5, 60.0, rng=np.random.default_rng(0))
+    old.insert_batch(events([1, 1, 1]))
+    with caplog.at_level("WARNING", logger="streamtrain.window"):
+        RecencyWindow(5, math.inf).load_state_dict(old.state_dict())
+    assert [record.getMessage() for record in caplog.records] == [
+        "the checkpoint's window was keyed with HALF_LIFE_S=60; re-keyed its 3 items for HALF_LIFE_S=inf "
+        "(each keeps its own random draw; the items kept are the ones the old half-life chose, new "
+        "events compete under the new one)"
+    ]
+
+
+def test_rekey_measures_ages_from_the_saved_reference_or_else_the_first_item() -> None:
+    keys, ts = np.array([1.0, 2.0, 3.0]), np.array([10.0, 30.0, 70.0])
+    old, new = math.log(2) / 10.0, math.log(2) / 40.0
+    for reference, age in ((None, ts - 10.0), (0.0, ts), (5.0, ts - 5.0)):
+        np.testing.assert_allclose(rekey(keys, ts, reference, 10.0, 40.0), keys - old * age + new * age, atol=1e-12)
+
+
+def test_sorted_member() -> None:
+    values = np.array([4, 1, 9, 7])
+    assert sorted_member(values, np.array([1, 7, 8])).tolist() == [False, True, False, True]
+    assert sorted_member(values, np.array([9])).tolist() == [False, False, True, False]
+    empty = sorted_member(values, np.array([], dtype=np.int64))
+    assert empty.dtype == np.bool_ and empty.tolist() == [False] * 4
