@@ -264,6 +264,13 @@ class Settings(BaseSettings):
             "in the GPU profile; refused with DP=on"
         ),
     )
+    compile: Literal["on", "off"] = Field(
+        "on",
+        description=(
+            "torch.compile the training forward and the predict forward (compiled on a background thread at start-up, "
+            "eager until ready; eager with one log line when compiling is unavailable or fails) or off"
+        ),
+    )
     prefetch_depth: int = Field(
         1, ge=1, le=64, description="Batches planned ahead of the trainer; each adds a step to event-to-trained latency"
     )

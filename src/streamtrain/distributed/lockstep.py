@@ -449,6 +449,7 @@ class LockstepLoop(LockstepControl[Trainer]):
             grad_clip_norm=trainer.settings.grad_clip_norm,
             scheduler=trainer.scheduler,
             amp=trainer.settings.amp,
+            forward=trainer.forward,
         )
         self.last_report: ParallelStepReport | None = None
         self.stager: DeviceStager | None = None
