@@ -150,7 +150,7 @@ class Trainer(ModelTrainer):
         self.optimizer = build_optimizer(self.model, settings)
         # The step's forward, compiled on a background thread (eager until then): COMPILE.
         self.forward = ModelForward(
-            self.model, settings.amp, enabled=settings.compile == "on", niceness=settings.train_nice
+            self.model, settings.precision, enabled=settings.compile == "on", niceness=settings.train_nice
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -163,7 +163,7 @@ class Trainer(ModelTrainer):
             self.optimizer,
             grad_clip_norm=settings.grad_clip_norm,
             scheduler=self.scheduler,
-            amp=settings.amp,
+            amp=settings.precision,
             forward=self.forward,
         )
         self._prefetcher: Prefetcher[Batch] | None = None
@@ -286,7 +286,7 @@ class Trainer(ModelTrainer):
         _, on_device = self._placed(batch)
         with self.lock, torch.no_grad():
             x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
-            with autocast(self.device, self.settings.amp):
+            with autocast(self.device, self.settings.precision):
                 output = self.model(x_norm, on_device.mask)
             return float(forecast_loss(_float32(output), x_norm, on_device.mask))
 
