@@ -10,6 +10,8 @@ Stages are ``torch.profiler.record_function`` scopes wrapped around the service'
 functions for the duration of the profile (nothing in the service changes): a stage's time
 is the time inside its scope that no inner stage claims, Python included. The backward is
 split by the autograd node that ran (``AddmmBackward0`` counts as linears, and so on).
+With ``COMPILE=on`` (the default) the step is profiled once compiled: the compiled forward
+and backward are one stage each (their largest ops say what they run).
 Planning and collating run on the prefetch thread, overlapped with the step: their rows are
 that thread's time per step, not part of the step's wall time.
 
@@ -70,6 +72,7 @@ BACKWARD_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layer norms", ("NativeLayerNormBackward",)),
     ("GELU", ("GeluBackward",)),
     ("accumulate grads", ("torch::autograd::AccumulateGrad",)),
+    ("compiled graph", ("CompiledFunctionBackward",)),
 )
 
 
@@ -117,11 +120,6 @@ def stage_scopes(trainer: Trainer) -> Iterator[None]:
         (RunningNorm, "normalize", "input normalization"),
         (Collectives, "agree", "collectives (one rank: local)"),
         (Collectives, "allreduce_gradients", "collectives (one rank: local)"),
-        (network.SensorModel, "forward", "forward: embedding, residuals, heads"),
-        (network, "level_free_features", "level-free features"),
-        (network.CausalSelfAttention, "forward", "attention"),
-        (nn.Linear, "forward", "linears"),
-        (nn.LayerNorm, "forward", "layer norms"),
         (data_parallel, "globally_normalized_loss", "loss"),
         (data_parallel, "forecast_loss", "loss"),
         (data_parallel, "naive_last_value_loss", "loss"),
@@ -133,6 +131,17 @@ def stage_scopes(trainer: Trainer) -> Iterator[None]:
         (publishing.ModelTrainer, "publish", "publish: registry, swap"),
         (Trainer, "_select", "publish: gate and forecaster choice"),
     ]
+    compiled = trainer.forward.compiled.compiled
+    if compiled:  # the compiled graph calls none of the model's Python functions: one stage
+        targets.append((trainer._one_rank, "forward", "forward: compiled graph"))
+    else:
+        targets += [
+            (network.SensorModel, "forward", "forward: embedding, residuals, heads"),
+            (network, "level_free_features", "level-free features"),
+            (network.CausalSelfAttention, "forward", "attention"),
+            (nn.Linear, "forward", "linears"),
+            (nn.LayerNorm, "forward", "layer norms"),
+        ]
     if hasattr(network, "attention_allowed"):
         targets.append((network, "attention_allowed", "attention mask"))
     saved: list[tuple[Any, str, Any]] = []
@@ -141,8 +150,9 @@ def stage_scopes(trainer: Trainer) -> Iterator[None]:
             own = owner.__dict__ if isinstance(owner, type) else vars(owner) if hasattr(owner, "__dict__") else {}
             saved.append((owner, attribute, own.get(attribute, _MISSING)))
             setattr(owner, attribute, _scoped(stage, getattr(owner, attribute)))
-        saved.append((network, "F", network.F))
-        network.F = functional  # type: ignore[assignment]
+        if not compiled:
+            saved.append((network, "F", network.F))
+            network.F = functional  # type: ignore[assignment]
         saved.append((publishing, "copy", publishing.copy))
         publishing.copy = copying  # type: ignore[assignment]
         yield
@@ -232,6 +242,7 @@ def main() -> None:
     settings = load_settings(window_capacity=args.items, seed=args.seed, device="cpu", **parse_sets(args.set))
     window = filled_window(args.items, args.seed)
     trainer = Trainer(settings, window, Metrics())
+    trainer.forward.compiled.wait()  # COMPILE=on: profile the compiled step, not the eager one before it
     reference = matmul_flop_rate()
     wall, wait, tokens, lengths = timed_steps(trainer, args.steps)
     producer_seconds.clear()
@@ -243,7 +254,7 @@ def main() -> None:
     unprofiled_ms = 1e3 * wall / steps
     parameters = sum(p.numel() for p in trainer.model.parameters())
     flops = sum(training_flops(parameters, settings.d_model, settings.n_layers, n) for n in lengths)
-    tag = f"{BENCH}[compile={getattr(settings, 'compile', 'off')}, amp={settings.amp}]"
+    tag = f"{BENCH}[compile={settings.compile}, amp={settings.amp}]"
     rows = [
         Row(tag, "ms/step, unprofiled (wall, data wait included)", unprofiled_ms),
         Row(tag, "ms/step under the profiler", 1e3 * profiled_wall / steps),
