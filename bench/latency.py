@@ -52,13 +52,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compile import wait_for_compiled  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 BENCH = "latency"
@@ -241,6 +242,7 @@ class RunResult:
     steps_per_s: float
     tokens_per_s: float
     padding_share: float
+    compile_s: float = 0.0  # waited for the forwards to compile before the first event (COMPILE=on)
 
 
 def free_port() -> int:
@@ -283,8 +285,10 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
         seen = Observations()
         instrument(service, seen)
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+        app = create_app(service)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        compile_s = wait_for_compiled(service, app)  # the steady state: compiled before the first event
         service.start()
         server_thread.start()
         wait_until(lambda: service.ingest.connected, 60, "the ingest consumer to connect", service)
@@ -338,7 +342,7 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))  # ordered, no repeats
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown)
     begin = start_at + args.warmup_s
-    return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+    return replace(analyse(seen, begin, begin + args.measure_s, label, produced_rate), compile_s=compile_s)
 
 
 def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings: Any) -> RunResult:
@@ -352,8 +356,10 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     seen = Observations()
     instrument(service, seen)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(service)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     server_thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    compile_s = wait_for_compiled(service, app)  # the steady state: compiled before the first event
     service.trainer.start()
     server_thread.start()
     start_at = time.time() + 1.0
@@ -382,7 +388,7 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown) + ", in-process"
     begin = start_at + args.warmup_s
-    return analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+    return replace(analyse(seen, begin, begin + args.measure_s, label, produced_rate), compile_s=compile_s)
 
 
 def analyse(seen: Observations, begin: float, end: float, label: str, produced_rate: float) -> RunResult:
@@ -463,6 +469,7 @@ def rows_for(result: RunResult, target_rate: float) -> list[Row]:
         Row(tag, "training steps/s", result.steps_per_s),
         Row(tag, "real tokens trained/s", result.tokens_per_s),
         Row(tag, "padding share of trained batches", result.padding_share),
+        Row(tag, "compile warm-up s, before the first event (COMPILE)", result.compile_s),
     ]
 
 

@@ -16,8 +16,11 @@ bodies pre-encoded so client work stays small, and times each request.
 
 Baselines, on the same request batches, in this process, with the same model size and
 thread count and no training going on: the bare forward
-(:func:`streamtrain.model.inference.predict`) one call at a time, and the same forward called
-from ``--concurrency`` threads at once (what the cores can do for that many callers).
+(:func:`streamtrain.model.inference.predict_arrays` with the service's predict forward,
+compiled when ``COMPILE=on``) one call at a time, and the same forward called from
+``--concurrency`` threads at once (what the cores can do for that many callers). The
+service is measured once its forwards have compiled (its log says so); a row compares the
+compiled bare forward with the eager one.
 The server-side mean (the predict middleware's histogram, per phase) splits client and
 network time from server time.
 
@@ -69,16 +72,19 @@ import orjson
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compile import wait_for_compiled  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.device import describe  # noqa: E402
-from streamtrain.model.inference import plan_predict_batches, predict  # noqa: E402
+from streamtrain.model.inference import CompiledInference, plan_predict_batches, predict_arrays  # noqa: E402
 from streamtrain.model.network import build_model  # noqa: E402
 from streamtrain.model.normalization import RunningNorm  # noqa: E402
 
 BENCH = "predict_latency"
 INSTANCES = 32
+#: The service's log line for each forward that compiled (or failed to): bench/_compile.py's wait, read from the log.
+COMPILED = re.compile(r"forward compiled in|torch\.compile of the .* failed")
 ROUTES = {"v1": "/v1/predict", "oip-json": "/v2/models/streamtrain/infer", "oip-binary": "/v2/models/streamtrain/infer"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -160,10 +166,11 @@ class Stack:
             "STREAMTRAIN_KAFKA_BOOTSTRAP": bootstrap, "STREAMTRAIN_TOPIC": topic,
             "STREAMTRAIN_GROUP_ID": f"g-{topic}", "STREAMTRAIN_HTTP_HOST": "127.0.0.1",
             "STREAMTRAIN_HTTP_PORT": str(self.port), "STREAMTRAIN_CHECKPOINT_DIR": str(workdir / "ckpt"),
-            "STREAMTRAIN_LOG_LEVEL": "WARNING",
+            "STREAMTRAIN_LOG_LEVEL": "INFO",  # the log says when each forward has compiled
             **{f"STREAMTRAIN_{name.upper()}": value for name, value in overrides.items()},
         })  # fmt: skip
         self.env = env
+        self.compiling = overrides.get("compile", "on") == "on"
         self.serve_args = [sys.executable, "-m", "streamtrain.cli", "serve"]
         self.simulate_args = [
             sys.executable, "-m", "streamtrain.cli", "simulate", "--bootstrap", bootstrap, "--topic", topic,
@@ -179,6 +186,8 @@ class Stack:
         self.processes.append(subprocess.Popen(self.simulate_args, env=self.env, stdout=subprocess.DEVNULL, stderr=log))
         self._wait(lambda: self.client.get("/readyz").status_code == 200, timeout_s, "readiness")
         self._wait(lambda: self.model()["training"]["live_step"] >= 5, timeout_s, "5 training steps")
+        if self.compiling:  # measured in the steady state: both forwards compiled (or failed: the log says)
+            self._wait(lambda: len(COMPILED.findall(self.log.read_text())) >= 2, 900, "the forwards to compile")
 
     def _exited(self) -> str | None:
         """Why the service is gone, or None while it runs."""
@@ -247,9 +256,8 @@ class InProcessStack(Stack):
         )
         self.service = Service(self.settings)
         self.stream_rate = stream_rate
-        self.server = uvicorn.Server(
-            uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.port, log_level="warning")
-        )
+        self.app = create_app(self.service)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._threads = [
             threading.Thread(target=self.server.run, name="uvicorn", daemon=True),
             threading.Thread(target=self._feed, name="feeder", daemon=True),
@@ -298,6 +306,7 @@ class InProcessStack(Stack):
         self._wait(lambda: self._get("/healthz") is not None, timeout_s, "health")
         self._wait(lambda: self.service.published is not None, timeout_s, "a published model")
         self._wait(lambda: self.model()["training"]["live_step"] >= 5, timeout_s, "5 training steps")
+        wait_for_compiled(self.service, self.app)
 
     def stop(self) -> None:
         self.client.close()
@@ -339,18 +348,20 @@ def http_latencies(
 
 # ---------------------------------------------------------------------- the bare forward
 def bare_latencies(
-    batches: list[list[np.ndarray]], total: int, concurrency: int, settings: Settings
+    batches: list[list[np.ndarray]], total: int, concurrency: int, settings: Settings, compiled: bool
 ) -> tuple[list[float], float]:
     """Latencies of ``total`` bare forwards from ``concurrency`` callers, and the wall time of all
-    (the service's model size, token budget and device)."""
+    (the service's model size, token budget and device; compiled as COMPILE=on compiles it)."""
     token_budget = settings.token_budget
     torch.manual_seed(0)
-    model = build_model(settings).to(settings.device).eval()
+    model = build_model(settings).to(settings.device).eval().requires_grad_(False)
     norm = RunningNorm(settings.channels)
+    forward = CompiledInference(model, enabled=compiled)  # the service's predict forward
+    forward.compiled.wait()
 
     def one(i: int) -> float:
         started = time.perf_counter()
-        predict(model, norm, batches[i % len(batches)], token_budget)
+        predict_arrays(model, norm, batches[i % len(batches)], token_budget, forward=forward)
         return time.perf_counter() - started
 
     for i in range(4):
@@ -426,8 +437,10 @@ def main() -> None:
         "oip-binary": [encode_oip(b, binary=True) for b in batches],
     }
 
-    bare_single, _ = bare_latencies(batches, args.bare_calls, 1, settings)
-    bare_concurrent, bare_wall = bare_latencies(batches, args.bare_calls * 2, args.concurrency, settings)
+    compiled = settings.compile == "on"
+    bare_single, _ = bare_latencies(batches, args.bare_calls, 1, settings, compiled)
+    bare_concurrent, bare_wall = bare_latencies(batches, args.bare_calls * 2, args.concurrency, settings, compiled)
+    bare_eager = bare_latencies(batches, args.bare_calls, 1, settings, False)[0] if compiled else bare_single
 
     runs = {route: RouteRun() for route in routes}
     versions: set[int] = set()
@@ -494,7 +507,13 @@ def main() -> None:
                 []
                 if settings.device != "cpu"
                 else [
-                    Row(tag, f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)", p50, floor_p50),
+                    Row(
+                        tag,
+                        f"p50 s (HTTP vs floor: {args.concurrency} x bare / {cores} cores)",
+                        p50,
+                        floor_p50,
+                        "<= 1.5x floor" if route == "v1" else "",
+                    ),
                     Row(tag, f"p99 s (HTTP vs floor: {args.concurrency} x bare p99 / {cores} cores)", p99, floor_p99),
                 ]
             ),
@@ -519,6 +538,12 @@ def main() -> None:
                 rows.append(Row(tag, f"p50 s ({route} vs /v1/predict)", p50s[route][0], p50s["v1"][0], target))
                 rows.append(Row(tag, f"p99 s ({route} vs /v1/predict)", p50s[route][1], p50s["v1"][1], target))
     rows += [
+        Row(
+            tag,
+            f"bare forward p50 s, the service's (COMPILE={settings.compile}) vs eager",
+            single_p50,
+            percentiles(bare_eager)[0],
+        ),
         Row(tag, "pad share of predict micro-batches", predict_padding_share(batches, settings.token_budget)),
         Row(tag, "training steps/s during the load", (step_after - step_before) / elapsed),
         Row(tag, "model versions seen", len(versions)),

@@ -18,6 +18,10 @@ The window holds lognormal lengths (median 48, sigma 0.8, clipped to 4..512: the
 bench/batching.py). The arms run interleaved in ``--segments`` segments so machine
 load hits them alike; every segment starts a fresh Prefetcher (a cold start, counted).
 Data-wait share is the time the loop blocked on the Prefetcher over wait + step time.
+Training FLOPs are counted as issue 24 counts them (``bench/_flops.py``: 6 x parameters
+per real token plus causal attention), and set against this run's 1-thread 1024² float32
+matmul rate (measured before and after the arms, the higher kept). With ``COMPILE=on``
+the arms are timed once their forwards have compiled.
 The default of 800k real tokens per arm is about 100 of our steps (and ~400 fixed ones);
 the spread of our tokens/s across segments is reported so an unstable figure shows.
 
@@ -56,6 +60,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _flops import matmul_flop_rate, training_flops  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
@@ -167,6 +172,7 @@ class Arm:
     trainer: Trainer
     source: Callable[[], Iterable[Batch]]  # a fresh batch iterable
     real_tokens: int = 0
+    flops: float = 0.0  # training FLOPs of the real tokens (bench/_flops.py)
     padded_tokens: int = 0
     steps: int = 0
     sequences: int = 0
@@ -200,6 +206,7 @@ class Arm:
                 self.wait_seconds += stepped - waited
                 self.step_seconds += done - stepped
                 self.real_tokens += batch.real_tokens
+                self.flops += self.flops_of(batch)
                 self.padded_tokens += batch.padded_tokens
                 self.sequences += batch.batch_size
                 self.steps += 1
@@ -209,6 +216,11 @@ class Arm:
     @property
     def tokens_per_s(self) -> float:
         return self.real_tokens / self.wall_seconds
+
+    def flops_of(self, batch: Batch) -> float:
+        settings = self.trainer.settings
+        parameters = sum(p.numel() for p in self.trainer.model.parameters())
+        return training_flops(parameters, settings.d_model, settings.n_layers, batch.lengths.numpy())
 
     @property
     def padding_share(self) -> float:
@@ -318,7 +330,9 @@ def measure(
             Trainer(settings, window, Metrics()),
             lambda: fixed_random_batches(snapshot, batch_size, next(fixed_seed)),
         )
-    # Allocator and kernel warm-up on batches of each shape family, outside the timing.
+    # Compilation (COMPILE=on: a background thread), then allocator and kernel warm-up, outside the timing.
+    for arm in built.values():
+        arm.trainer.forward.compiled.wait()
     for arm in built.values():
         with arm.pipeline() as stage:
             for _ in range(3):
@@ -385,8 +399,10 @@ def main() -> None:
     device = torch.device(settings.device)
     rows: list[Row] = []
     for threads in (int(t) for t in args.threads.split(",")):
+        reference = matmul_flop_rate(threads=1)  # this run's 1-thread fp32 matmul, before and after
         torch.set_num_threads(threads)
         built, batch_size, utilization = measure(settings, window, args.tokens, args.segments, args.seed, arms)
+        reference = max(reference, matmul_flop_rate(threads=1))
         ours, fixed = built.get("ours"), built.get("fixed")
         tag = f"{BENCH}[threads={threads}]" if device.type == "cpu" and settings.amp == "off" else (
             f"{BENCH}[{device.type}, amp={settings.amp}, threads={threads}]")  # fmt: skip
@@ -434,6 +450,9 @@ def main() -> None:
             rows.append(
                 Row(tag, "ours tokens/s, slowest vs fastest segment", min(ours.segment_rates), max(ours.segment_rates))
             )
+            if device.type == "cpu":
+                rows.append(Row(tag, "training GFLOP/s (ours) vs this run's 1-thread 1024² fp32 matmul GFLOP/s",
+                                ours.flops / ours.wall_seconds / 1e9, reference / 1e9, ">= 0.60"))  # fmt: skip
             if is_cuda(device):
                 busy, how = profiled_busy_share(ours, args.profile_steps)
                 rows.append(Row(tag, f"GPU busy share ({how})", busy, None, ">= 0.90"))
@@ -445,6 +464,11 @@ def main() -> None:
                     )
                 )
         rows += [
+            Row(
+                tag,
+                f"COMPILE, AMP (the service's): {settings.compile}, {settings.amp}",
+                float(next(iter(built.values())).trainer.forward.compiled.compiled),
+            ),
             Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
             Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),
             Row(

@@ -21,7 +21,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from streamtrain.device import check_device_spec, resolve_device
+from streamtrain.device import Precision, check_device_spec, fast_bf16_matmul, resolve_device
 from streamtrain.ingest import security as kafka_security
 
 ENV_PREFIX = "STREAMTRAIN_"
@@ -257,11 +257,19 @@ class Settings(BaseSettings):
             "or cuda:N; on a GPU the GPU profile applies (docs/accelerators.md)"
         ),
     )
-    amp: Literal["bf16", "off"] = Field(
-        "off",
+    amp: Literal["auto", "bf16", "off"] = Field(
+        "auto",
         description=(
-            "Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss) or off; on "
-            "in the GPU profile; refused with DP=on"
+            "Mixed precision of the training forward: bf16 (autocast; float32 weights, optimizer and loss; attention "
+            "in float32 on the CPU), off, or auto: bf16 on a GPU and on a CPU with AMX, else off, and off with DP=on; "
+            "bf16 is refused with DP=on"
+        ),
+    )
+    compile: Literal["on", "off"] = Field(
+        "on",
+        description=(
+            "torch.compile the training forward and the predict forward (compiled on a background thread at start-up, "
+            "eager until ready; eager with one log line when compiling is unavailable or fails) or off"
         ),
     )
     prefetch_depth: int = Field(
@@ -511,6 +519,8 @@ class Settings(BaseSettings):
     def _place_on_device(self) -> None:
         """Resolve ``auto``, refuse what DP mode cannot do, and apply the GPU profile on a GPU."""
         if self.dp == "on":
+            if self.amp == "auto":
+                self.__dict__["amp"] = "off"  # DP's clipping and noise stay float32
             if self.device.startswith("cuda"):
                 raise ValueError(
                     f"device={self.device} with dp=on: DP-SGD (privacy/) trains on the CPU, its per-sample "
@@ -527,6 +537,8 @@ class Settings(BaseSettings):
             self.__dict__["device"] = str(resolve_device("auto"))
         if self.device.startswith("cuda"):
             self._apply_gpu_profile()
+        if self.amp == "auto":
+            self.__dict__["amp"] = "bf16" if fast_bf16_matmul(self.device) else "off"
 
     def _apply_gpu_profile(self) -> None:
         applied = []
@@ -538,6 +550,13 @@ class Settings(BaseSettings):
             self.__dict__[name] = value  # not marked as set: model_fields_set keeps meaning "the user set it"
             applied.append(name)
         self._gpu_profile = tuple(applied)
+
+    @property
+    def precision(self) -> Precision:
+        """``AMP`` as resolved for this machine: bf16 or off (never auto)."""
+        if self.amp == "auto":
+            raise AssertionError("AMP=auto is resolved when the settings are validated")
+        return self.amp
 
     @property
     def gpu_profile_applied(self) -> tuple[str, ...]:

@@ -87,6 +87,17 @@ def autocast(device: torch.device, amp: Precision) -> contextlib.AbstractContext
     raise ValueError(f"amp must be 'bf16' or 'off', got {amp!r}")
 
 
+def fast_bf16_matmul(device: str | torch.device) -> bool:
+    """Whether bf16 matmuls beat float32 ones here: on CUDA, and on a CPU with AMX tiles (the
+    model's matmuls ran 4-8x faster in bf16 on one: docs/performance.md). Without AMX the
+    CPU's bf16 kernels are no faster, and mixed precision only adds casts."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return device.type == "cpu" and probe is not None and bool(probe())
+
+
 def is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 

@@ -14,12 +14,14 @@ wherever the model runs (``forward``, ``predict``, an export's trace).
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from streamtrain.model.network import ModelOutput, SensorModel
+from streamtrain.model.network import CausalSelfAttention, ModelOutput, SensorModel
 
 HEAD_STD = 0.3  # a head of this size moves forecasts by about one step scale: far above any test tolerance
 
@@ -47,17 +49,19 @@ def computing_model(
 # ---------------------------------------------------------------------------- broken variants
 
 
-def _every_real_key(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    hidden, allowed = args
-    # The last query row of the causal mask allows every real key: give it to every query.
-    return hidden, allowed[..., -1:, :]
+def _sees_the_future(attention: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+    """``CausalSelfAttention.forward`` without the causal mask."""
+    batch, length, d_model = x.shape
+    q, k, v = (attention._heads(layer(x)) for layer in (attention.query, attention.key, attention.value))
+    mixed = F.scaled_dot_product_attention(q, k, v)  # every query meets every key
+    return attention.out(mixed.transpose(1, 2).reshape(batch, length, d_model))
 
 
 def non_causal(model: SensorModel) -> SensorModel:
-    """A copy whose attention lets every position see every real reading, the future included."""
+    """A copy whose attention lets every position see every other, the future included."""
     broken = copy.deepcopy(model)
     for block in broken.blocks:
-        block.attn.register_forward_pre_hook(_every_real_key)
+        block.attn.forward = types.MethodType(_sees_the_future, block.attn)  # type: ignore[method-assign]
     return broken
 
 

@@ -94,6 +94,7 @@ def test_bad_device_settings_are_one_line_naming_the_setting() -> None:
 
 
 def test_dp_mode_refuses_bf16_and_a_gpu_and_runs_auto_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STREAMTRAIN_AMP", raising=False)  # AMP=auto, as deployed
     dp = dict(dp="on", shuffle="crypto")
     with pytest.raises(SettingsError, match=r"^invalid settings: amp=bf16 with dp=on: .*float32 or better.*AMP=off$"):
         load_settings(amp="bf16", **dp)
@@ -102,6 +103,17 @@ def test_dp_mode_refuses_bf16_and_a_gpu_and_runs_auto_on_the_cpu(monkeypatch: py
         load_settings(device="cuda", **dp)
     settings = load_settings(**dp)  # auto, on a machine with a GPU: DP stays on the CPU
     assert settings.device == "cpu" and settings.amp == "off" and settings.gpu_profile_applied == ()
+
+
+@pytest.mark.parametrize(("amx", "dp", "expected"), [(True, False, "bf16"), (False, False, "off"), (True, True, "off")])
+def test_amp_auto_is_bf16_on_a_cpu_with_amx_and_float32_elsewhere_and_with_dp(
+    monkeypatch: pytest.MonkeyPatch, amx: bool, dp: bool, expected: str
+) -> None:
+    monkeypatch.delenv("STREAMTRAIN_AMP", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    settings = load_settings(device="cpu", **({"dp": "on", "shuffle": "crypto"} if dp else {}))
+    assert settings.amp == expected and settings.precision == expected
+    assert load_settings(device="cpu", amp="off").amp == "off"  # a value set by hand is kept
 
 
 # --------------------------------------------------------------------------- the GPU profile
@@ -117,6 +129,7 @@ def test_on_the_cpu_the_defaults_stay() -> None:
 
 
 def test_a_gpu_gets_the_profile_for_every_setting_not_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("STREAMTRAIN_AMP", raising=False)  # tests/conftest.py sets it; here AMP is not set
     monkeypatch.setattr(config_module, "resolve_device", _stand_in_gpu)
     settings = load_settings()
     assert settings.device == "cuda:0"

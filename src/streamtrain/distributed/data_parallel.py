@@ -41,6 +41,7 @@ for its decision (and once more for the clipped norm).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -52,9 +53,10 @@ import torch
 
 from streamtrain.data.collate import Batch
 from streamtrain.data.prefetch import place_batch
-from streamtrain.device import Precision, autocast
+from streamtrain.device import Precision
 from streamtrain.distributed.collectives import DEFAULT_BUCKET_BYTES, Collectives
 from streamtrain.distributed.wire import StepAgreement, StepSignals
+from streamtrain.model.compiled import training_forward
 from streamtrain.model.losses import classification_loss, forecast_loss, naive_last_value_loss
 from streamtrain.model.network import ModelOutput, SensorModel
 from streamtrain.model.normalization import RunningNorm
@@ -202,10 +204,10 @@ def globally_normalized_loss(
 # the step
 
 
-def _in_dtype(output: ModelOutput, dtype: torch.dtype) -> ModelOutput:
-    """``output`` in the parameters' dtype (the same tensors when it already is: AMP off)."""
-    logits = output.logits
-    return ModelOutput(forecast=output.forecast.to(dtype), logits=None if logits is None else logits.to(dtype))
+#: ``forward(model, x_norm, mask)``: the step's forward under AMP's autocast, the output in ``x_norm``'s
+#: dtype (:func:`streamtrain.model.compiled.training_forward`; :class:`~streamtrain.model.compiled.ModelForward`
+#: compiles it).
+StepForward = Callable[[SensorModel, torch.Tensor, torch.Tensor], ModelOutput]
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,7 @@ class DataParallelStep:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         fault_injector: Callable[[torch.Tensor], torch.Tensor] | None = None,
         amp: Precision = "off",
+        forward: StepForward | None = None,
     ) -> None:
         self.collectives = collectives
         self.model = model
@@ -274,6 +277,7 @@ class DataParallelStep:
         self.bucket_bytes = int(bucket_bytes)
         self.fault_injector = fault_injector  # tests make one rank's loss non-finite here
         self.amp: Precision = amp
+        self.forward: StepForward = forward or functools.partial(training_forward, amp=amp)
 
     @property
     def device(self) -> torch.device:
@@ -336,10 +340,9 @@ class DataParallelStep:
             assert on_device is not None
             mask = on_device.mask
             dtype = next(self.model.parameters()).dtype  # float32 in the service, as Trainer.train_step
+            # the loss, its gradient seed and the sums in the weights' dtype (the forward's output is in its input's)
             x_norm = self.norm.normalize(on_device.values).to(dtype) * mask[..., None]
-            with autocast(device, self.amp):
-                output = self.model(x_norm, mask)
-            output = _in_dtype(output, dtype)  # the loss, its gradient seed and the sums in the weights' dtype
+            output = self.forward(self.model, x_norm, mask)
             loss = globally_normalized_loss(output, x_norm, mask, on_device.labels, local, totals, self.class_weight)
             if self.fault_injector is not None:
                 loss = self.fault_injector(loss)

@@ -448,7 +448,8 @@ class LockstepLoop(LockstepControl[Trainer]):
             trainer.optimizer,
             grad_clip_norm=trainer.settings.grad_clip_norm,
             scheduler=trainer.scheduler,
-            amp=trainer.settings.amp,
+            amp=trainer.settings.precision,
+            forward=trainer.forward,
         )
         self.last_report: ParallelStepReport | None = None
         self.stager: DeviceStager | None = None

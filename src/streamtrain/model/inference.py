@@ -13,8 +13,9 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from streamtrain.data.collate import collate
 from streamtrain.device import inference_stream, to_device_async
+from streamtrain.model.compiled import CompiledForward, example_batches, pad_rows_and_positions
 from streamtrain.model.forecasters import ServedModel
 from streamtrain.model.losses import forecast_loss
 from streamtrain.model.network import ModelOutput, SensorModel
@@ -137,14 +139,57 @@ def plan_predict_batches(
     return groups
 
 
+#: ``forward(network, values, lengths)``: what runs an :class:`InferenceModel` on one micro-batch.
+InferenceForward: TypeAlias = Callable[[InferenceModel, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def run_inference(network: InferenceModel, values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The eager :data:`InferenceForward`."""
+    return network(values, lengths)
+
+
+class CompiledInference:
+    """The :data:`InferenceForward` of the service: compiled (once warmed up on a model like
+    ``template``) for a network that serves alone; eager for a forecaster chosen beside it
+    (its blend weight would be compiled in as a constant, a graph per publication), and
+    when compiling is off. Inputs are padded as :mod:`streamtrain.model.compiled` says."""
+
+    def __init__(self, template: SensorModel, *, enabled: bool) -> None:
+        template = copy.deepcopy(template).eval().requires_grad_(False)  # published models are frozen
+
+        def warm_up(run: InferenceForward) -> None:
+            with torch.inference_mode():  # inputs made here too: predict's are inference tensors, guarded on
+                network = InferenceModel(template, RunningNorm(template.channels))
+                for values, mask in example_batches(template.channels, template.max_len, model_device(template)):
+                    run(network, values, mask.sum(dim=1))
+
+        self.compiled = CompiledForward(run_inference, name="predict forward", enabled=enabled, warm_up=warm_up)
+
+    def __call__(
+        self, network: InferenceModel, values: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        if not (self.compiled.compiled and isinstance(network.model, SensorModel)):
+            return run_inference(network, values, lengths)
+        batch = values.shape[0]
+        padded_values, padded_lengths = pad_rows_and_positions(values, lengths)
+        if padded_values is values:
+            return self.compiled(network, values, lengths)
+        return tuple(output[:batch] for output in self.compiled(network, padded_values, padded_lengths))
+
+
 def predict_arrays(
-    model: ServableModel, norm: RunningNorm, values: Sequence[np.ndarray], token_budget: int
+    model: ServableModel,
+    norm: RunningNorm,
+    values: Sequence[np.ndarray],
+    token_budget: int,
+    forward: InferenceForward = run_inference,
 ) -> PredictionArrays:
     """No-shuffle inference through :class:`InferenceModel`: one row per input, in order.
 
     Instances are length-sorted into token-budget micro-batches for speed; since the model
     has no cross-instance op and masks padding, an instance's answer does not depend on
-    its company or on the order of the request.
+    its company or on the order of the request. ``forward`` runs each micro-batch (the
+    service passes its :class:`CompiledInference`).
     """
     arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
@@ -168,7 +213,8 @@ def predict_arrays(
             outputs = []
             for group in groups:
                 batch = collate([arrays[i] for i in group])
-                outputs.append(network(to_device_async(batch.values, device), to_device_async(batch.lengths, device)))
+                on_device = to_device_async(batch.values, device), to_device_async(batch.lengths, device)
+                outputs.append(forward(network, *on_device))
             order = np.concatenate(groups)
             out_next[order] = torch.cat([o[0] for o in outputs]).cpu().numpy()
             out_score[order] = torch.cat([o[1] for o in outputs]).cpu().numpy()

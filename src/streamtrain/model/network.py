@@ -52,19 +52,6 @@ def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
     return table.float()
 
 
-def attention_allowed(mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool: query t may attend key s when s <= t and s is real.
-
-    A row with no allowed key (only for a length-0 sequence) would turn softmax into NaN;
-    such rows are opened to all keys. Their output is masked away later anyway.
-    """
-    length = mask.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    allowed = causal & mask[..., None, :]  # [B, L, L]
-    allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
-    return allowed[:, None]
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
@@ -82,14 +69,22 @@ class CausalSelfAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, d_model = x.shape
         q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
-        # One fused kernel (PyTorch's CPU flash attention) instead of scores, mask, softmax
-        # and a second matmul: a third less time per forward on CPU, same numbers.
-        mixed = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        # Causal attention needs no padding mask: real positions come first, so every key a
+        # real query may see (s <= t) is real; pad queries see pad keys, and their outputs are
+        # masked away. One fused kernel (PyTorch's flash attention), no [B, L, L] mask.
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # Under CPU bf16 autocast only the linears gain (AMX); this kernel is several times
+            # slower in bfloat16 than in float32 at these head sizes (docs/performance.md).
+            with torch.autocast("cpu", enabled=False):
+                mixed = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), dropout_p=dropout, is_causal=True
+                ).to(q.dtype)
+        else:
+            mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         mixed = mixed.transpose(1, 2).reshape(batch, length, d_model)
         return self.out(mixed)
 
@@ -106,8 +101,8 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(ff_mult * d_model, d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), allowed))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
         return x + self.dropout(self.ff_out(F.gelu(self.ff_in(self.ff_norm(x)))))
 
 
@@ -177,9 +172,8 @@ class SensorModel(nn.Module):
         x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
         features, scale = level_free_features(x, real)
         hidden = self.input(features) + self.positions[:length]
-        allowed = attention_allowed(mask)
         for block in self.blocks:
-            hidden = block(hidden, allowed)
+            hidden = block(hidden)
         hidden = self.final_norm(hidden)
         # The forecast is the last reading plus a change in the instance's own step scale.
         forecast = (x + scale * self.forecast_head(hidden)) * real

@@ -46,7 +46,7 @@ from streamtrain.privacy.engine import DPAggregates, DPEngine, DPStepReport
 from streamtrain.privacy.group import DPGroup
 from streamtrain.runtime.exits import leave_now
 from streamtrain.training.protocol import CheckpointParts, RestoredParts, StepLoop, TrainerReport
-from streamtrain.training.publishing import ModelTrainer, PublishedModel
+from streamtrain.training.publishing import ModelTrainer, PublishedModel, build_optimizer
 from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,7 @@ class DPTrainer(ModelTrainer):
         torch.manual_seed(settings.seed)  # initial weights are public
         self.model = build_model(settings)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay
-        )
+        self.optimizer = build_optimizer(self.model, settings)
         self.config = dp_config(settings)
         self.record = admission_record(settings)
         self.group = None if collectives is None else DPGroup(collectives)

@@ -7,6 +7,7 @@ into shared forwards (serve/batcher.py); requests beyond the workers and their q
 
 from __future__ import annotations
 
+import functools
 import hmac
 import math
 import time
@@ -16,6 +17,7 @@ from typing import Annotated, Any
 
 import anyio
 import numpy as np
+import torch
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from streamtrain import __version__
 from streamtrain.events import REASONS, EventError, parse_values
 from streamtrain.metrics import INGEST_RESTART_REASONS
-from streamtrain.model.inference import PredictionArrays, predict_arrays
+from streamtrain.model.inference import CompiledInference, PredictionArrays, predict_arrays
+from streamtrain.model.network import build_model
 from streamtrain.runtime.service import Service
 from streamtrain.runtime.topology import RollbackNotTaken
 from streamtrain.serve import oip
@@ -428,8 +431,11 @@ def create_app(service: Service) -> FastAPI:
         lifespan=_stop_service_on_shutdown,
     )
     app.state.service = service
+    # The predict forward, compiled on a background thread (eager until then): COMPILE.
+    template = build_model(settings).to(torch.device(settings.device))
+    app.state.inference = CompiledInference(template, enabled=settings.compile == "on")
     app.state.predict_batcher = PredictBatcher(
-        predict_arrays,
+        functools.partial(predict_arrays, forward=app.state.inference),
         settings.token_budget,
         workers=settings.predict_concurrency,
         admit=settings.predict_concurrency + settings.predict_queue,

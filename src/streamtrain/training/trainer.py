@@ -34,6 +34,7 @@ from streamtrain.distributed.launch import DistContext
 from streamtrain.distributed.wire import StepSignals
 from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
+from streamtrain.model.compiled import ModelForward
 from streamtrain.model.losses import forecast_loss
 from streamtrain.model.network import ModelOutput, build_model
 from streamtrain.model.normalization import RunningNorm
@@ -49,7 +50,7 @@ from streamtrain.training.protocol import (
     StepOutcome,
     TrainerReport,
 )
-from streamtrain.training.publishing import ModelTrainer, PublishedModel
+from streamtrain.training.publishing import ModelTrainer, PublishedModel, build_optimizer
 from streamtrain.training.registry import UnknownVersion
 from streamtrain.training.replays import ReplayBudget
 from streamtrain.window.reservoir import RecencyWindow
@@ -146,11 +147,10 @@ class Trainer(ModelTrainer):
             f"; GPU profile: {', '.join(settings.gpu_profile_applied)}" if settings.gpu_profile_applied else "",
         )  # fmt: skip
         self.norm = RunningNorm(settings.channels)  # float64 statistics, on the host
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=settings.learning_rate,
-            weight_decay=settings.weight_decay,
-            fused=True if is_cuda(self.device) else None,  # one kernel for the whole update
+        self.optimizer = build_optimizer(self.model, settings)
+        # The step's forward, compiled on a background thread (eager until then): COMPILE.
+        self.forward = ModelForward(
+            self.model, settings.precision, enabled=settings.compile == "on", niceness=settings.train_nice
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
@@ -163,7 +163,8 @@ class Trainer(ModelTrainer):
             self.optimizer,
             grad_clip_norm=settings.grad_clip_norm,
             scheduler=self.scheduler,
-            amp=settings.amp,
+            amp=settings.precision,
+            forward=self.forward,
         )
         self._prefetcher: Prefetcher[Batch] | None = None
         data_seed = settings.seed if data_seed is None else data_seed
@@ -285,7 +286,7 @@ class Trainer(ModelTrainer):
         _, on_device = self._placed(batch)
         with self.lock, torch.no_grad():
             x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
-            with autocast(self.device, self.settings.amp):
+            with autocast(self.device, self.settings.precision):
                 output = self.model(x_norm, on_device.mask)
             return float(forecast_loss(_float32(output), x_norm, on_device.mask))
 

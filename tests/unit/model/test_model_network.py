@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_fixtures import pad_batch, ragged, small_model, untrained_model
 
+import streamtrain.model.network as network_module
 from streamtrain.data.collate import collate
 from streamtrain.model.inference import predict
 from streamtrain.model.losses import forecast_loss, naive_last_value_loss
@@ -71,6 +72,26 @@ def test_fully_masked_row_gives_no_nan() -> None:
     mask[1, :3] = True
     out = model(torch.randn(2, 6, 2), mask)
     assert torch.isfinite(out.forecast).all() and torch.isfinite(out.logits).all()
+
+
+def test_under_cpu_bf16_autocast_the_linears_run_in_bf16_and_attention_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: dict[str, torch.dtype] = {}
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_attention(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen["attention"] = q.dtype
+        return attention(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(network_module.F, "scaled_dot_product_attention", recording_attention)
+    model = small_model()
+    x, mask = torch.randn(3, 9, 2), torch.ones(3, 9, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen["linear"] = model.blocks[0].ff_in(torch.randn(2, model.blocks[0].ff_in.in_features)).dtype
+        output = model(x, mask)
+    assert seen == {"linear": torch.bfloat16, "attention": torch.float32}
+    torch.testing.assert_close(output.forecast.float(), model(x, mask).forecast, atol=0.05, rtol=0.05)
 
 
 def assert_causal(model: SensorModel) -> None:

@@ -1,0 +1,220 @@
+"""torch.compile for the training and predict forwards, warmed up off the critical path, eager as the fallback.
+
+A :class:`CompiledForward` runs ``fn`` eagerly until a background thread has compiled it
+(``torch.compile(dynamic=True)``) on example inputs and, for training, run its backward
+once, so neither the first training step nor the first prediction waits for the compiler
+(tens of seconds on a small CPU). From then on every call takes the compiled code. When
+compiling is off (``COMPILE=off``), unavailable (no C++ compiler for inductor, a torch
+build without it) or fails, it stays eager and says so in one log line.
+
+Graphs: the compiled code is shape-generic in the batch and length dimensions, so one
+graph serves every batch the planner makes. PyTorch still specializes a dimension of size
+0 or 1, so inputs are padded to at least :data:`MIN_DYNAMIC_SIZE` rows and positions first
+(pad rows have no real position, pad positions come after the real ones; the causal model
+computes every real position as before) and the output cut back. ``graphs`` counts what
+this process compiled; docs/performance.md has the measurements behind the choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from streamtrain.device import Precision, autocast
+from streamtrain.model.network import ModelOutput, SensorModel
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+#: What a compiled call raises when compiling (not the model) fails.
+COMPILER_ERRORS: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._inductor.exc.InductorError,
+)
+
+#: Smallest batch and length a compiled forward sees (sizes 0 and 1 would get graphs of their own).
+MIN_DYNAMIC_SIZE = 2
+
+
+def pad_rows_and_positions(
+    values: torch.Tensor, mask: torch.Tensor, minimum: int = MIN_DYNAMIC_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [B, L, ...]`` and ``mask [B, L]`` (or lengths ``[B]``) padded to at least ``minimum``
+    rows and positions; pad rows and positions are zero (not real)."""
+    rows = max(0, minimum - values.shape[0])
+    positions = max(0, minimum - values.shape[1])
+    if not rows and not positions:
+        return values, mask
+    trailing = [0, 0] * (values.dim() - 2)
+    values = F.pad(values, [*trailing, 0, positions, 0, rows])
+    mask = F.pad(mask, [0, positions, 0, rows] if mask.dim() == 2 else [0, rows])
+    return values, mask
+
+
+def cut_output(output: ModelOutput, batch: int, length: int) -> ModelOutput:
+    """``output`` of a padded forward, back to the first ``batch`` rows and ``length`` positions."""
+    logits = output.logits
+    return ModelOutput(output.forecast[:batch, :length], None if logits is None else logits[:batch])
+
+
+class CompiledForward(Generic[R]):
+    """``fn`` compiled in the background (see the module docstring); eager until then, or for good
+    when compiling is off or fails.
+
+    ``warm_up(run)`` calls ``run`` (the compiled function) on example inputs exactly as the
+    real callers will (same grad mode, training flag and dtypes: the compiled code is
+    guarded on them), and runs the backward when the callers will. ``enabled=False``
+    never compiles.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., R],
+        *,
+        name: str,
+        enabled: bool,
+        warm_up: Callable[[Callable[..., R]], None],
+        niceness: int = 0,
+    ) -> None:
+        self.name = name
+        self._eager = fn
+        self._active: Callable[..., R] = fn
+        self._warm_up = warm_up
+        self._niceness = niceness
+        self.state = "off"  # off | warming | compiled | failed
+        self.compile_seconds: float | None = None
+        self._done = threading.Event()
+        if not enabled:
+            self._done.set()
+            return
+        self.state = "warming"
+        self._thread = threading.Thread(target=self._compile, name=f"compile-{name}", daemon=True)
+        self._thread.start()
+
+    def __call__(self, *args: Any) -> R:
+        active = self._active
+        if active is self._eager:
+            return active(*args)
+        try:
+            return active(*args)
+        except COMPILER_ERRORS as err:  # a recompile for inputs unlike the warm-up's failed
+            self._fail(err)
+            return self._eager(*args)
+
+    def _fail(self, err: BaseException) -> None:
+        self._active = self._eager
+        self.state = "failed"
+        log.warning("torch.compile of the %s failed, running eager: %s: %s", self.name, type(err).__name__, err)
+
+    @property
+    def compiled(self) -> bool:
+        return self.state == "compiled"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until compiling has finished (or was never started); False on timeout."""
+        return self._done.wait(timeout)
+
+    def _compile(self) -> None:
+        from streamtrain.training.publishing import lower_thread_priority  # the training threads' niceness
+
+        lower_thread_priority(self._niceness)
+        started = time.perf_counter()
+        try:
+            compiled = torch.compile(self._eager, dynamic=True)
+            self._warm_up(compiled)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: say it once, stay eager
+            self._fail(err)
+        else:
+            self.compile_seconds = time.perf_counter() - started
+            self._active = compiled
+            self.state = "compiled"
+            log.info("%s compiled in %.1f s (torch.compile, dynamic shapes)", self.name, self.compile_seconds)
+        finally:
+            self._done.set()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (every compiled function together)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ----------------------------------------------------------------------------------------
+# the training forward
+
+
+def training_forward(model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor, amp: Precision) -> ModelOutput:
+    """The training step's forward: ``model`` under ``AMP``'s autocast, the output in ``x_norm``'s dtype
+    (the weights'; the same tensors when AMP is off)."""
+    with autocast(x_norm.device, amp):
+        output = model(x_norm, mask)
+    logits = output.logits
+    dtype = x_norm.dtype
+    return ModelOutput(output.forecast.to(dtype), None if logits is None else logits.to(dtype))
+
+
+#: (rows, positions) of the warm-up batches: a tiny one and one of a realistic size. Inductor
+#: still makes a few choices by size (a short reduction or a long one) and guards them, so a
+#: forward may have a graph for tiny batches and one for the rest; both are made at warm-up.
+WARM_UP_SIZES = ((3, 5), (97, 61))
+
+
+def example_batches(channels: int, max_len: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Warm-up batches ``(values, mask)`` of :data:`WARM_UP_SIZES` (positions at most ``max_len``),
+    rows full, shorter and of one reading. No size equals another or ``channels``: equal sizes
+    are compiled as one symbol (and recompiled once they differ)."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for rows, positions in WARM_UP_SIZES:
+        positions = min(positions, max_len)
+        while positions in (rows, channels) and positions > MIN_DYNAMIC_SIZE:
+            positions -= 1
+        while rows in (positions, channels):
+            rows += 1
+        lengths = torch.tensor([positions] + [max(1, positions - 2 * i) for i in range(1, rows)])
+        mask = torch.arange(positions)[None, :] < lengths[:, None]
+        values = torch.randn(rows, positions, channels, generator=generator) * mask[..., None]
+        batches.append((values.to(device), mask.to(device)))
+    return batches
+
+
+class ModelForward:
+    """``forward(model, x_norm, mask) -> ModelOutput`` of the training step: compiled (once
+    warmed up) unless ``enabled`` is False; inputs padded as the module docstring says."""
+
+    def __init__(self, template: SensorModel, amp: Precision, *, enabled: bool, niceness: int = 0) -> None:
+        self.amp: Precision = amp
+        eager = functools.partial(training_forward, amp=amp)
+        template = copy.deepcopy(template)  # the warm-up trains a copy: the live model is left alone
+
+        def warm_up(run: Callable[..., ModelOutput]) -> None:
+            model = template.train()
+            for values, mask in example_batches(model.channels, model.max_len, next(model.parameters()).device):
+                output = run(model, values, mask)
+                loss = output.forecast.square().mean()
+                if output.logits is not None:
+                    loss = loss + output.logits.square().mean()
+                loss.backward()  # compiles the backward graph too
+
+        self.compiled = CompiledForward(
+            eager, name="training forward", enabled=enabled, warm_up=warm_up, niceness=niceness
+        )
+
+    def __call__(self, model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        if not self.compiled.compiled:
+            return self.compiled(model, x_norm, mask)
+        batch, length = mask.shape
+        padded_x, padded_mask = pad_rows_and_positions(x_norm, mask)
+        if padded_x is x_norm:
+            return self.compiled(model, x_norm, mask)
+        return cut_output(self.compiled(model, padded_x, padded_mask), batch, length)

@@ -1,0 +1,197 @@
+"""The compiled forwards answer as the eager ones: predictions, training curves, checkpoints.
+
+The rest of the suite runs with ``COMPILE=off`` (tests/conftest.py); these tests compile on
+purpose, once per module (each compilation takes tens of seconds here). Predictions are
+checked on :func:`broken_models.computing_model` (random body, random non-zero head): the
+service's untrained model forecasts the last reading whatever its body computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from broken_models import computing_model
+from small_trainer import make_small_trainer
+
+from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.data.collate import Batch
+from streamtrain.model.compiled import CompiledForward, compiled_graphs, pad_rows_and_positions
+from streamtrain.model.inference import CompiledInference, PredictionArrays, predict_arrays
+from streamtrain.model.network import SensorModel
+from streamtrain.model.normalization import RunningNorm
+from streamtrain.training.trainer import Trainer
+
+torch.set_num_threads(1)
+
+COMPILE_WAIT_S = 900.0  # a loaded 2-core machine compiles a forward and backward in one to three minutes
+
+
+@pytest.fixture(scope="module")
+def model() -> SensorModel:
+    return computing_model(channels=2, n_classes=3, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def norm() -> RunningNorm:
+    norm = RunningNorm(2)
+    norm.update(torch.randn(8, 20, 2, generator=torch.Generator().manual_seed(1)) * 3 + 1, torch.ones(8, 20).bool())
+    return norm
+
+
+@pytest.fixture(scope="module")
+def compiled_predict(model: SensorModel) -> CompiledInference:
+    inference = CompiledInference(model, enabled=True)
+    assert inference.compiled.wait(COMPILE_WAIT_S), "the predict forward did not compile in time"
+    assert inference.compiled.state == "compiled", "torch.compile failed here (see the log): nothing was tested"
+    return inference
+
+
+def requests(seed: int) -> list[list[np.ndarray]]:
+    """Requests of every shape the padding has to handle: one instance, one reading, long and mixed."""
+    rng = np.random.default_rng(seed)
+
+    def walk(length: int) -> np.ndarray:
+        return np.cumsum(rng.standard_normal((length, 2)), axis=0).astype(np.float32) * 2 + 5
+
+    return [
+        [walk(1)],
+        [walk(17)],
+        [walk(1), walk(1)],
+        [walk(int(n)) for n in rng.integers(1, 65, 40)],
+        [walk(64), walk(2), walk(33)],
+    ]
+
+
+def assert_close_predictions(a: PredictionArrays, b: PredictionArrays, atol: float) -> None:
+    np.testing.assert_allclose(a.next, b.next, atol=atol, rtol=0)
+    np.testing.assert_allclose(a.anomaly_score, b.anomaly_score, atol=atol, rtol=0)
+    assert a.probs is not None and b.probs is not None
+    np.testing.assert_allclose(a.probs, b.probs, atol=atol, rtol=0)
+
+
+def test_compiled_predictions_equal_the_eager_ones_within_1e_5(
+    model: SensorModel, norm: RunningNorm, compiled_predict: CompiledInference
+) -> None:
+    moved = 0.0
+    for values in requests(seed=0):
+        eager = predict_arrays(model, norm, values, token_budget=256)
+        compiled = predict_arrays(model, norm, values, token_budget=256, forward=compiled_predict)
+        assert_close_predictions(compiled, eager, atol=1e-5)
+        moved = max(moved, float(np.abs(eager.next - np.stack([v[-1] for v in values])).max()))
+    assert moved > 0.5  # the body reaches the forecast (not the last value): the check means something
+
+
+def test_every_batch_shape_runs_on_the_graph_the_warm_up_made(
+    model: SensorModel, norm: RunningNorm, compiled_predict: CompiledInference
+) -> None:
+    before = compiled_graphs()
+    for seed in (1, 2):
+        for values in requests(seed):
+            predict_arrays(model, norm, values, token_budget=128, forward=compiled_predict)
+    assert compiled_graphs() == before  # one row, one reading, any size: no new graph
+
+
+def test_small_inputs_are_padded_to_two_rows_and_positions_of_padding() -> None:
+    values, mask = pad_rows_and_positions(torch.ones(1, 1, 3), torch.ones(1, 1, dtype=torch.bool))
+    assert values.shape == (2, 2, 3) and mask.tolist() == [[True, False], [False, False]]
+    assert values.sum() == 3  # pads are zero
+    values, lengths = pad_rows_and_positions(torch.ones(1, 4, 1), torch.tensor([4]))
+    assert values.shape == (2, 4, 1) and lengths.tolist() == [4, 0]
+    big = torch.ones(3, 5, 1)
+    assert pad_rows_and_positions(big, torch.ones(3, 5))[0] is big
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def trained(trainer: Trainer, batches: list[Batch]) -> list[float]:
+    losses = []
+    for batch in batches:
+        report = trainer.train_step(batch)
+        assert report.applied
+        losses.append(report.loss)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trainers() -> Iterator[dict[str, Any]]:
+    """Two small trainers from one seed, compiled and eager, and batches of their (identical) stream."""
+    compiled = make_small_trainer(seed=5, compile="on", n_classes=0)
+    eager = make_small_trainer(seed=5, compile="off", n_classes=0)
+    assert compiled.forward.compiled.wait(COMPILE_WAIT_S), "the training forward did not compile in time"
+    assert compiled.forward.compiled.state == "compiled", "torch.compile failed here (see the log): nothing was tested"
+    source = iter(eager.dataset)
+    yield {"compiled": compiled, "eager": eager, "batches": [next(source) for _ in range(12)]}
+
+
+def test_a_few_compiled_training_steps_give_the_eager_curve(trainers: dict[str, Any]) -> None:
+    batches = trainers["batches"][:8]
+    graphs = compiled_graphs()
+    compiled = trained(trainers["compiled"], batches)
+    assert compiled_graphs() == graphs  # every batch shape on the warm-up's graph
+    eager = trained(trainers["eager"], batches)
+    np.testing.assert_allclose(compiled, eager, rtol=1e-4, atol=1e-6)
+    assert eager[-1] < eager[0]  # the curve moves: the comparison is of training, not of a fixed point
+    for a, b in zip(trainers["compiled"].model.parameters(), trainers["eager"].model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("writer", "reader"), [("compiled", "eager"), ("eager", "compiled")])
+def test_a_checkpoint_written_with_compile_on_or_off_restores_with_the_other(
+    trainers: dict[str, Any], tmp_path: Path, writer: str, reader: str
+) -> None:
+    source, target = trainers[writer], trainers[reader]
+    trained(source, trainers["batches"][8:10])
+    store = CheckpointStore(tmp_path / writer)
+    with source.lock:
+        store.save({"trainer": source.state_dict()}, step=source.step)
+    loaded = store.load_latest()
+    assert loaded is not None
+    target.load_state_dict(loaded.state["trainer"])
+    for a, b in zip(source.model.parameters(), target.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    batch = trainers["batches"][10]
+    np.testing.assert_allclose(trained(target, [batch]), trained(source, [batch]), rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- fallback
+
+
+def test_a_compiler_that_fails_leaves_the_function_eager_with_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    def no_compiler(_run: Any) -> None:
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    with caplog.at_level(logging.WARNING, logger="streamtrain.model.compiled"):
+        forward = CompiledForward(lambda x: x + 1, name="test forward", enabled=True, warm_up=no_compiler)
+        assert forward.wait(60)
+    assert forward.state == "failed" and forward(1) == 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "test forward" in lines[0] and "running eager" in lines[0] and "C++" in lines[0]
+
+
+def test_a_compiled_call_that_fails_falls_back_to_eager_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[str] = []
+    forward = CompiledForward(lambda x: calls.append("eager") or x, name="test forward", enabled=True,
+                              warm_up=lambda run: None)  # fmt: skip
+    assert forward.wait(60) and forward.state == "compiled"
+
+    def recompile_fails(x: int) -> int:
+        calls.append("compiled")
+        raise torch._dynamo.exc.TorchDynamoException("recompilation failed")
+
+    forward._active = recompile_fails
+    with caplog.at_level(logging.WARNING, logger="streamtrain.model.compiled"):
+        assert forward(3) == 3 and forward(4) == 4
+    assert calls == ["compiled", "eager", "eager"] and forward.state == "failed"
+    assert len(caplog.records) == 1
+
+
+def test_compile_off_never_compiles() -> None:
+    forward = CompiledForward(lambda x: x, name="test forward", enabled=False, warm_up=lambda run: run(1))
+    assert forward.wait(0) and forward.state == "off" and not forward.compiled
