@@ -23,6 +23,10 @@ FAST_MODEL = {
     "HOLDOUT_SHARE": "0",  # the audits compare the window with every event sent (see conftest.py)
     "WARMUP_STEPS": "5",
     "LEARNING_RATE": "0.003",
+    # float32 and eager: compiling takes tens of seconds of a core per service start; one test
+    # (test_service.py's learning service) runs the defaults, compiled and on bf16 where it is faster
+    "COMPILE": "off",
+    "AMP": "off",
 }
 
 

@@ -66,6 +66,8 @@ def learning_service(kafka_bootstrap, make_topic, tmp_path):
         half_life_s="inf",
         admin_token="s3cret-token",
         checkpoint_interval_s=300,
+        compile="on",  # the defaults a new user gets: compiled forwards, bf16 where its matmuls are faster
+        amp="auto",
     )
     with service:
         valid = simulate(kafka_bootstrap, topic, count=4000, malformed_share=0.05)
@@ -96,7 +98,13 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     pad, real = token_counters(s.client.get("/metrics").text)
     assert (pad - pad_before) / (pad - pad_before + real - real_before) <= 0.05
 
-    # no-shuffle inference: answers do not depend on order or company
+    # compiled as a new user's service is: both forwards, in the background, while it served
+    log = s.log_path
+    wait_for(lambda: all(f"{f} forward compiled in" in log.read_text() for f in ("training", "predict")), 300,
+             f"both forwards compiled (log {log})")  # fmt: skip
+    assert "running eager" not in log.read_text()
+
+    # no-shuffle inference (the compiled forward): answers do not depend on order or company
     rng = np.random.default_rng(1)
     instances = [
         {"values": np.round(np.cumsum(rng.standard_normal(int(n))), 3).tolist()} for n in rng.integers(1, 100, 24)
