@@ -108,6 +108,7 @@ class SoakReport:
     rss_warm_mb: float
     rss_end_mb: float
     rss_growth: float  # relative, end vs just after warm-up
+    warmup_end_s: float  # WARMUP_S, or later when the forwards compiled after it (their memory is warm-up)
     p99_first_ms: float
     p99_second_ms: float
     p99_drift: float  # second-half p99 / first-half p99 (after warm-up)
@@ -168,6 +169,12 @@ class _Service:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"service not ready after {timeout_s}s; see {self.log_path}")
+
+    def forwards_compiled(self) -> bool:
+        """Whether the training and the predict forward have compiled (or fallen back to eager):
+        torch.compile's one-time memory belongs to the warm-up, not to growth."""
+        text = self.log_path.read_text(errors="replace")
+        return text.count(" compiled in ") + text.count("failed, running eager") >= 2
 
     def rss_bytes(self) -> int:
         """RSS of the service and its children (the decode worker belongs to it)."""
@@ -315,6 +322,8 @@ def run_soak(config: SoakConfig) -> SoakReport:
         config.predict_clients,
     )
     samples: list[Sample] = []
+    compiles = config.service_env.get("COMPILE", "on") != "off"
+    warmup_end_s = config.warmup_s
     errors: Counter[str] = Counter()
     all_latencies: list[tuple[float, float]] = []
     try:
@@ -337,6 +346,8 @@ def run_soak(config: SoakConfig) -> SoakReport:
             except httpx.HTTPError:
                 errors["metrics_scrape"] += 1
                 continue
+            if compiles and not service.forwards_compiled():
+                warmup_end_s = max(warmup_end_s, t + config.sample_s)
             latencies = load.take()
             all_latencies.extend((t, x) for x in latencies)
             for name, (metric, labels) in SERVICE_ERROR_METRICS.items():
@@ -376,10 +387,12 @@ def run_soak(config: SoakConfig) -> SoakReport:
     errors["producer_errors"] = int(report_sim.delivery_errors) if report_sim is not None else 1
     if "error" in simulation:
         errors["producer_crashed"] += 1
-    if exit_code not in (0, -signal.SIGTERM):  # uvicorn re-raises SIGTERM after its graceful shutdown
+    if exit_code != 0:  # SIGTERM ends a service with 0 after its final checkpoint
         errors["service_exit_code"] = 1
     sent = (report_sim.sent if report_sim else 0) + helper_sent
-    return _summarize(config, samples, dict(errors), all_latencies, sent, out_dir, stamp, service.malloc)
+    if warmup_end_s >= config.duration_s:
+        errors["compiled_after_the_run"] += 1  # no steady phase to measure
+    return _summarize(config, samples, dict(errors), all_latencies, sent, out_dir, stamp, service.malloc, warmup_end_s)
 
 
 def _produce_in_process(sim_config: SimulationConfig, limit_s: float, sent: Any) -> None:
@@ -430,13 +443,14 @@ def _summarize(
     out_dir: Path,
     stamp: str,
     malloc: str,
+    warmup_end_s: float,
 ) -> SoakReport:
-    steady = [s for s in samples if s.t_s >= config.warmup_s]
+    steady = [s for s in samples if s.t_s >= warmup_end_s]
     edge = max(1, min(3, len(steady) // 4))  # medians of a few samples: one GC blip is not growth
     rss_warm = _median([s.rss_mb for s in steady[:edge]])
     rss_end = _median([s.rss_mb for s in steady[-edge:]])
-    middle = config.warmup_s + (config.duration_s - config.warmup_s) / 2
-    first = [x for t, x in latencies if config.warmup_s <= t < middle]
+    middle = warmup_end_s + (config.duration_s - warmup_end_s) / 2
+    first = [x for t, x in latencies if warmup_end_s <= t < middle]
     second = [x for t, x in latencies if t >= middle]
     p99_first = _p99_ms(first) or math.nan
     p99_second = _p99_ms(second) or math.nan
@@ -450,6 +464,7 @@ def _summarize(
         rss_warm_mb=rss_warm,
         rss_end_mb=rss_end,
         rss_growth=(rss_end - rss_warm) / rss_warm if rss_warm > 0 else math.nan,
+        warmup_end_s=warmup_end_s,
         p99_first_ms=p99_first,
         p99_second_ms=p99_second,
         p99_drift=p99_second / p99_first if p99_first > 0 else math.nan,
@@ -486,7 +501,7 @@ def _plot(report: SoakReport, config: SoakConfig, path: Path) -> None:
     figure, axes = plt.subplots(len(panels), 1, figsize=(9, 11), sharex=True)
     for axis, (title, values) in zip(axes, panels):
         axis.plot(t, values, marker=".", linewidth=1)
-        axis.axvspan(0, config.warmup_s / 60, color="0.9", label="warm-up")
+        axis.axvspan(0, report.warmup_end_s / 60, color="0.9", label="warm-up")
         axis.set_ylabel(title, fontsize=8)
         axis.grid(alpha=0.3)
     axes[0].legend(loc="lower right", fontsize=8)

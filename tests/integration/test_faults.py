@@ -287,8 +287,16 @@ def test_broker_outage_keeps_serving_and_loses_nothing(private_broker: Broker, t
     admin.create_topics([NewTopic(topic, 2, 1), NewTopic(f"{topic}.dlq", 2, 1)], timeout_ms=15000)
     admin.close()
     ckpt = tmp_path / "ckpt"
+    # no replay budget: with it the trainer idles once it has trained each event MAX_REPLAYS_PER_EVENT
+    # times, broker or no broker, and this test is about training not waiting for the broker
     service = FaultyService(
-        private_broker.bootstrap, topic, ckpt, tmp_path / "serve.log", checkpoint_interval_s=1, **SETTINGS
+        private_broker.bootstrap,
+        topic,
+        ckpt,
+        tmp_path / "serve.log",
+        checkpoint_interval_s=1,
+        max_replays_per_event=0,
+        **SETTINGS,
     )
     # The producer buffers while the broker is away and delivers once it is back.
     stream = IdentifiedStream(

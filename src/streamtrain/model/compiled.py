@@ -20,8 +20,10 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -40,6 +42,9 @@ COMPILER_ERRORS: tuple[type[BaseException], ...] = (
     torch._dynamo.exc.TorchDynamoException,
     torch._inductor.exc.InductorError,
 )
+
+#: Packages of torch whose own assertions are compiler failures, not the compiled function's.
+COMPILER_PACKAGES = ("_dynamo", "_inductor")
 
 #: Smallest batch and length a compiled forward sees (sizes 0 and 1 would get graphs of their own).
 MIN_DYNAMIC_SIZE = 2
@@ -92,6 +97,7 @@ class CompiledForward(Generic[R]):
         self._niceness = niceness
         self.state = "off"  # off | warming | compiled | failed
         self.compile_seconds: float | None = None
+        self.eager_answers = 0  # calls answered eagerly after a compiler assertion (the graphs kept)
         self._done = threading.Event()
         if not enabled:
             self._done.set()
@@ -108,6 +114,15 @@ class CompiledForward(Generic[R]):
             return active(*args)
         except COMPILER_ERRORS as err:  # a recompile for inputs unlike the warm-up's failed
             self._fail(err)
+            return self._eager(*args)
+        except AssertionError as err:
+            if not _raised_in_the_compiler(err):
+                raise
+            # dynamo's own consistency check failed while recompiling (seen once in a soak:
+            # "Guard failed on the same frame it was created"): this call answers eagerly and
+            # the graphs made so far serve on
+            self.eager_answers += 1
+            log.warning("torch.compile of the %s: recompiling failed, this call ran eager: %s", self.name, err)
             return self._eager(*args)
 
     def _fail(self, err: BaseException) -> None:
@@ -140,6 +155,12 @@ class CompiledForward(Generic[R]):
             log.info("%s compiled in %.1f s (torch.compile, dynamic shapes)", self.name, self.compile_seconds)
         finally:
             self._done.set()
+
+
+def _raised_in_the_compiler(err: BaseException) -> bool:
+    """Whether ``err`` was raised by torch's compiler stack rather than by the function compiled."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and any(f"torch{os.sep}{part}{os.sep}" in frames[-1].filename for part in COMPILER_PACKAGES)
 
 
 def compiled_graphs() -> int:

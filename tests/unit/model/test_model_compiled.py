@@ -195,3 +195,36 @@ def test_a_compiled_call_that_fails_falls_back_to_eager_for_good(caplog: pytest.
 def test_compile_off_never_compiles() -> None:
     forward = CompiledForward(lambda x: x, name="test forward", enabled=False, warm_up=lambda run: run(1))
     assert forward.wait(0) and forward.state == "off" and not forward.compiled
+
+
+def _compiler_assertion(x: int) -> int:
+    """Raises an AssertionError from a frame of torch._dynamo, as its guard checks do."""
+    namespace: dict[str, Any] = {}
+    source = "def check(x):\n    raise AssertionError('Guard failed on the same frame it was created.')\n"
+    exec(compile(source, str(Path(torch._dynamo.__file__).parent / "guards.py"), "exec"), namespace)
+    return namespace["check"](x)
+
+
+def test_a_compiler_assertion_answers_that_call_eagerly_and_keeps_the_graphs(caplog: pytest.LogCaptureFixture) -> None:
+    forward = CompiledForward(lambda x: -x, name="test forward", enabled=True, warm_up=lambda run: None)
+    assert forward.wait(60) and forward.state == "compiled"
+    compiled = [_compiler_assertion, lambda x: x]  # fails once, then the graphs answer
+    forward._active = lambda x: compiled.pop(0)(x)
+    with caplog.at_level(logging.WARNING, logger="streamtrain.model.compiled"):
+        assert forward(3) == -3  # eager
+        assert forward(4) == 4  # compiled again
+    assert forward.state == "compiled" and forward.eager_answers == 1
+    assert len(caplog.records) == 1 and "ran eager" in caplog.records[0].getMessage()
+
+
+def test_an_assertion_of_the_compiled_function_itself_is_not_swallowed() -> None:
+    forward = CompiledForward(lambda x: x, name="test forward", enabled=True, warm_up=lambda run: None)
+    assert forward.wait(60)
+
+    def model_assertion(x: int) -> int:
+        raise AssertionError("the model's own check")
+
+    forward._active = model_assertion
+    with pytest.raises(AssertionError, match="the model's own check"):
+        forward(1)
+    assert forward.eager_answers == 0
