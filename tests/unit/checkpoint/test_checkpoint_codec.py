@@ -403,3 +403,78 @@ def test_a_skeleton_that_does_not_fit_its_payload_is_refused(tensors: dict, skel
     with pytest.raises(ValueError) as refused:
         unflatten_state(tensors, skeleton)
     assert str(refused.value) == message
+
+
+# what the mutation run of the codes for repeated strings asked (2026-12-03) ----------------------
+
+
+def test_empty_arrays_of_raw_byte_dtypes_keep_their_dtype_and_shape() -> None:
+    tree = {
+        "big_endian": np.zeros((0, 3), dtype=">f4"),
+        "dates": np.zeros(0, dtype="datetime64[s]"),
+        "text": np.zeros((2, 0), dtype="<U3"),
+    }
+    restored = round_trip(tree)
+    for name, array in tree.items():
+        assert restored[name].dtype == array.dtype and restored[name].shape == array.shape, name
+
+
+@pytest.mark.parametrize(
+    ("items", "coded"),
+    [
+        (["a", "b", "c", "a", "b", "c"], True),  # half the items distinct: codes
+        (["a", "b", "a", "b", "c", "a", "b", "c", "a"], True),  # a third distinct
+        (["a", "b", "c", "a", "b"], False),  # more than half distinct: each item's text
+        (["a", "b", "c"], False),
+    ],
+)
+def test_strings_get_codes_once_at_most_half_the_items_are_distinct(items: list[str], coded: bool) -> None:
+    array = np.array(items, dtype=object)
+    tensors, skeleton = flatten_state({"ids": array})
+    node = skeleton["$dict"][0][1]
+    assert ("codes" in node) is coded
+    assert bytes(tensors[node["$strarray"]].numpy()).decode() == "".join(dict.fromkeys(items) if coded else items)
+    assert round_trip({"ids": array})["ids"].tolist() == items
+
+
+def test_codes_of_many_distinct_strings_stay_int32() -> None:
+    ids = np.array([f"sensor-{i % 100}" for i in range(300)], dtype=object)
+    tensors, skeleton = flatten_state({"ids": ids})
+    assert tensors[skeleton["$dict"][0][1]["codes"]].dtype == torch.int32
+
+
+def test_one_string_repeated_decodes_through_codes_that_are_all_equal() -> None:
+    ids = np.array(["only"] * 4, dtype=object).reshape(2, 2)
+    tensors, skeleton = flatten_state({"ids": ids})
+    assert tensors[skeleton["$dict"][0][1]["codes"]].tolist() == [0, 0, 0, 0]
+    assert_tree_equal(unflatten_state(tensors, skeleton), {"ids": ids})
+
+
+def test_an_object_array_of_other_leaves_keeps_its_shape() -> None:
+    mixed = np.array([[1, None], ["a", 2.5], [b"x", (1, 2)]], dtype=object)
+    restored = round_trip({"mixed": mixed})["mixed"]
+    assert restored.shape == (3, 2) and restored.tolist() == [[1, None], ["a", 2.5], [b"x", (1, 2)]]
+
+
+def test_sensor_codes_of_any_shape_and_past_a_million_items_keep_every_id_they_use() -> None:
+    """Codes past the first million (the pieces bincount is run on), ids used in one piece only,
+    and an unused id at the end of the table."""
+    strings = np.array(["first", "middle", "last", "common", "unused"], dtype=object)
+    codes = np.full((1 << 21) + 5, 3, dtype=np.int32)
+    codes[0], codes[(1 << 20) + 7], codes[-1] = 0, 1, 2
+    tensors, skeleton = flatten_state({"ids": SensorCodes(codes, strings)})
+    node = skeleton["$dict"][0][1]
+    assert bytes(tensors[node["$strarray"]].numpy()) == b"firstmiddlelastcommon"
+    assert tensors[node["lengths"]].tolist() == [5, 6, 4, 6]
+    assert np.array_equal(tensors[node["codes"]].numpy(), codes)  # the used ids keep their order: the same codes
+    grid = SensorCodes(np.array([[4, 1, 4], [1, 1, 4]], dtype=np.int32), strings)
+    restored = round_trip({"grid": grid})["grid"]
+    assert restored.shape == (2, 3)
+    assert restored.tolist() == [["unused", "middle", "unused"], ["middle", "middle", "unused"]]
+
+
+def test_sensor_codes_naming_an_entry_that_is_not_a_string_are_refused() -> None:
+    column = SensorCodes(np.array([0, 1], dtype=np.int32), np.array(["s0", 7, "unused"], dtype=object))
+    with pytest.raises(TypeError) as refused:
+        flatten_state({"ids": column})
+    assert str(refused.value) == "sensor codes name {<class 'int'>} entries; they must be str"

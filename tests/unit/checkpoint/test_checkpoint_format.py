@@ -10,7 +10,10 @@ import math
 import os
 import pickle
 import struct
+import threading
+import time
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -331,3 +334,187 @@ def test_read_digest_reads_the_prefix_of_checkpoints_only(tmp_path: Path) -> Non
         with pytest.raises(OSError) as refused:
             read_digest(path)
         assert str(refused.value) == f"{path} does not start with a checkpoint prefix"
+
+
+# what the mutation run of the rewritten reader and writer asked (2026-12-03) ----------------------
+
+
+def test_the_payload_is_byte_for_byte_what_safetensors_writes() -> None:
+    """Tensors by alignment (widest first), the table's JSON compact: the same bytes as safetensors,
+    and every tensor's bytes start at a multiple of its item size."""
+    tensors = {  # names in the opposite order of their widths
+        "a": torch.tensor([True, False, True]),
+        "b": torch.tensor([-3, 7, 9], dtype=torch.int16),
+        "c": torch.tensor([0.5, 1.5, 2.5], dtype=torch.float32),
+        "d": torch.tensor([1e300, -2.0], dtype=torch.float64),
+        "e": torch.tensor([4.0], dtype=torch.float32),
+    }
+    payload = b"".join(bytes(chunk) for chunk in format_module._payload_chunks(tensors))
+    assert payload == safetensors.torch.save(tensors)
+    everything = {str(i): tensor for i, tensor in enumerate(EVERY_DTYPE.values())}
+    payload = b"".join(bytes(chunk) for chunk in format_module._payload_chunks(everything))
+    table = json.loads(payload[8 : 8 + struct.unpack_from("<Q", payload)[0]])
+    for name, entry in table.items():
+        assert entry["data_offsets"][0] % everything[name].dtype.itemsize == 0, (name, entry)
+
+
+def test_decoding_a_bytearray_keeps_its_memory_and_bytes_are_never_written() -> None:
+    values = torch.arange(6, dtype=torch.float32)
+    data = b"".join(bytes(chunk) for chunk in encode_checkpoint({"values": values}, step=1, created_at=0.0))
+    untouched = bytes(bytearray(data))  # a copy of its own
+    from_bytes = decode_checkpoint(data).state["values"]
+    from_bytes[0] = -1.0
+    assert data == untouched  # the tensors of bytes are views of a copy, never of the immutable bytes
+    shared = bytearray(data)
+    from_bytearray = decode_checkpoint(shared).state["values"]
+    assert torch.equal(from_bytearray, values)
+    shared[-4:] = struct.pack("<f", 42.0)  # the last reading, in the caller's buffer
+    assert from_bytearray[-1].item() == 42.0
+
+
+def _payload_with_table(table_bytes: bytes, data: bytes = b"", *, length: int | None = None) -> bytes:
+    announced = len(table_bytes) if length is None else length
+    return struct.pack("<Q", announced) + table_bytes + data
+
+
+TABLE_ONE_F32 = json.dumps({"0": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"abc", "shorter than its header length"),
+        (b"\xff" * 8 + bytes(8), "a 18446744073709551615-byte tensor table in a 16-byte payload"),
+        (_payload_with_table(b"{}", bytes(4), length=10), "a 10-byte tensor table in a 14-byte payload"),
+        (_payload_with_table(b'{"__metadata__":{"a":NaN}}'), "bare NaN is not part of the format"),
+        (_payload_with_table(b"[]      "), "the tensor table is not a JSON object"),
+        (
+            _payload_with_table(
+                json.dumps(
+                    {
+                        "0": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                        "1": {"dtype": "F32", "shape": [3], "data_offsets": [4, 12]},
+                    }
+                ).encode(),
+                bytes(12),
+            ),
+            "tensor '1': 8 bytes do not hold torch.float32 of shape [3]",
+        ),
+        (
+            _payload_with_table(TABLE_ONE_F32, bytes(12)),
+            f"the tensors end at byte {8 + len(TABLE_ONE_F32) + 8} of a {8 + len(TABLE_ONE_F32) + 12}-byte payload",
+        ),
+    ],
+    ids=["no-table-length", "table-length-past-2^63", "table-past-payload", "nan", "table-array", "size", "end"],
+)
+def test_each_tensor_table_refusal_names_the_bytes_and_its_reason(payload: bytes, reason: str) -> None:
+    data = raw_frame(json.dumps(_valid_header()).encode(), payload)
+    with pytest.raises(CorruptCheckpoint) as refused:
+        decode_checkpoint(data, "some/ckpt.stck")
+    assert (refused.value.path, refused.value.reason) == (
+        Path("some/ckpt.stck"),
+        f"payload is not valid safetensors: {reason}",
+    )
+
+
+def test_a_payload_with_safetensors_metadata_reads(tmp_path: Path) -> None:
+    payload = safetensors.torch.save({"0": torch.ones(2)}, metadata={"written by": "safetensors"})
+    path = tmp_path / "ckpt-000000000004-1000.stck"
+    path.write_bytes(frame(_valid_header(skeleton={"$dict": [["w", {"$tensor": "0"}]]}), payload))
+    for loaded in (read_checkpoint_file(path), decode_checkpoint(path.read_bytes())):
+        assert torch.equal(loaded.state["w"], torch.ones(2))
+
+
+def _pretend_size(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    fstat = os.fstat
+    monkeypatch.setattr(os, "fstat", lambda fd: os.stat_result((*fstat(fd)[:6], size, *fstat(fd)[7:])))
+
+
+def test_a_file_cut_inside_its_header_while_it_is_read_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ckpt.stck"
+    path.write_bytes(VALID[: PREFIX.size + 3])
+    _pretend_size(monkeypatch, len(VALID))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_checkpoint_file(path)
+    assert (refused.value.path, refused.value.reason) == (path, "truncated while it was read")
+
+
+class _ShortReads(io.RawIOBase):
+    """A file whose ``readinto`` returns at most 5 bytes a call, as a pipe or a network file may."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._file.readinto(memoryview(buffer)[:5]) or 0
+
+    def read(self, size: int = -1) -> bytes:
+        return self._file.read(size)
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def test_short_reads_are_continued_until_each_piece_is_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = torch.arange(40, dtype=torch.float64)
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(b"".join(encode_checkpoint({"values": values}, step=1, created_at=0.0)))
+    monkeypatch.setattr(format_module, "open", lambda file, *args, **kwargs: _ShortReads(file), raising=False)
+    assert torch.equal(read_checkpoint_file(path).state["values"], values)
+
+
+def test_reading_a_checkpoint_warns_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(b"".join(encode_checkpoint({"t": dict(EVERY_DTYPE)}, step=1, created_at=0.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_checkpoint_file(path)
+        decode_checkpoint(path.read_bytes())
+
+
+class _RecordingSha256:
+    """hashlib.sha256 that notes the thread and the bytes of each update (slowly, so pieces queue up)."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        self._sha256 = hashlib.sha256(data)
+        self.threads: list[str] = []
+        self.hashed = bytearray(data)
+
+    def update(self, data: bytes | memoryview) -> None:
+        time.sleep(0.001)
+        self.threads.append(threading.current_thread().name)
+        self.hashed += data
+        self._sha256.update(data)
+
+    def digest(self) -> bytes:
+        return self._sha256.digest()
+
+
+def test_the_file_is_hashed_in_order_on_one_named_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(format_module, "_PIECE_BYTES", 64)  # ~100 pieces queued for the hasher
+    values = torch.arange(1600, dtype=torch.float32)
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(b"".join(encode_checkpoint({"values": values}, step=1, created_at=0.0)))
+    made: list[_RecordingSha256] = []
+
+    def recording_sha256(data: bytes = b"") -> _RecordingSha256:
+        made.append(_RecordingSha256(data))
+        return made[-1]
+
+    monkeypatch.setattr(format_module, "hashlib", types.SimpleNamespace(sha256=recording_sha256))
+    assert torch.equal(read_checkpoint_file(path).state["values"], values)
+    (digest,) = made
+    assert bytes(digest.hashed) == path.read_bytes()[PREFIX.size :]
+    assert set(digest.threads) == {"checkpoint-sha256_0"}

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.incremental import DELTA_OF, ChainReport, WindowChain, replay
+from streamtrain.checkpoint.incremental import DELTA_OF, ChainReport, PendingWindow, WindowChain, replay
 from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_checkpoint_link
 from streamtrain.events import EventBatch
 from streamtrain.window.partitions import join_partitions, split_by_partition
 from streamtrain.window.reservoir import RecencyWindow
+from streamtrain.window.storage import SensorCodes
 
 ITEM_FIELDS = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets", "seq")
 COUNTERS = ("accepted_total", "rejected_total", "held_out_total", "next_offsets", "version", "reference_ts")
@@ -460,3 +461,54 @@ def test_a_new_base_when_the_settings_change_the_deltas_reach_the_ratio_or_the_p
     chain._link = link
     first.unlink()  # the parent is gone
     assert chain.window_state(window.capture_state(), tmp_path).kind == "base"
+
+
+# what the mutation run of the chain by partition asked (2026-12-03) -------------------------------
+
+
+def test_replay_keeps_the_storage_order_of_a_base_no_delta_added_to() -> None:
+    """A base restored by partition is not in arrival order; with no item entered since, it stays in its own."""
+    state = replayed([5, 1, 3], [delta([], [1], 1)])
+    assert state["seq"].tolist() == [5, 3]
+
+
+def test_replay_lists_a_deltas_items_in_its_own_order_after_the_survivors_before_it() -> None:
+    state = replayed([1, 3], [delta([7, 6], [], 1)])
+    assert state["seq"].tolist() == [1, 3, 7, 6]
+
+
+def far_newer_items_entered(chain: WindowChain) -> tuple[PendingWindow, PendingWindow, dict[int, int]]:
+    """A base of 100 items, then a delta on it: ten far newer items entered, ten left; and each item's partition."""
+    window = RecencyWindow(100, 20.0, slack=8, rng=np.random.default_rng(5), clock=lambda: 0.0)
+    window.insert_batch(batch(0, 108))
+    first = chain.next_window(window.capture_state(), parent_present=lambda parent: True)
+    partition_of = dict(zip(window.state_dict()["seq"].tolist(), window.state_dict()["partitions"].tolist()))
+    chain.linked(first, {"name": "base", "sha256": "0"}, 1000)
+    window.insert_batch(batch(1000, 10, clock=1000.0))
+    second = chain.next_window(window.capture_state(), parent_present=lambda parent: True)
+    partition_of.update(zip(window.state_dict()["seq"].tolist(), window.state_dict()["partitions"].tolist()))
+    assert second.seq.tolist() == sorted(window.state_dict()["seq"].tolist())
+    return first, second, partition_of
+
+
+def test_a_chain_by_partition_keeps_the_partition_of_every_item_and_of_every_leaving() -> None:
+    first, second, partition_of = far_newer_items_entered(WindowChain(by_partition=True))
+    assert (first.kind, second.kind) == ("base", "delta")
+    for pending in (first, second):
+        assert pending.partitions is not None
+        assert pending.partitions.tolist() == [partition_of[s] for s in pending.seq.tolist()]
+    assert first.left_partitions is None and second.left_partitions is not None
+    left = second.state["left_seq"].tolist()
+    assert len(left) == 10 and second.left_partitions.tolist() == [partition_of[s] for s in left]
+    assert set(second.left_partitions.tolist()) == {0, 1}
+
+
+def test_a_one_file_chain_keeps_no_partitions_and_captures_sensor_ids_as_codes() -> None:
+    chain = WindowChain()
+    assert chain.by_partition is False
+    first, second, _ = far_newer_items_entered(chain)
+    assert (first.kind, second.kind) == ("base", "delta")
+    for pending in (first, second):
+        assert pending.partitions is None and pending.left_partitions is None
+    assert isinstance(first.state["sensor_ids"], SensorCodes)  # not an object per item
+    assert isinstance(second.state["entered"]["sensor_ids"], SensorCodes)
