@@ -144,9 +144,24 @@ def _serve(args: argparse.Namespace) -> int:
         resumes = f"a restart resumes from {last.name}" if last is not None else "this process wrote no checkpoint"
         print(f"streamtrain: stopped without a final checkpoint ({resumes}): {service.final_checkpoint_error}",
               file=sys.stderr)  # fmt: skip
-        return 1
+        return leave(1)
     log.info("stopped after the final checkpoint")
-    return 0
+    return leave(0)
+
+
+def leave(status: int) -> int:
+    """``status``, or, while a background torch.compile still runs, this process ended at once
+    with it: the interpreter's teardown under a compile thread in C++ aborts the process
+    ("terminate called without an active exception", status -6) after the clean stop."""
+    from streamtrain.model.compiled import compiling
+
+    if not compiling():
+        return status
+    log.info("a torch.compile is still running: leaving without the interpreter's teardown")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 EXPORT_FORMATS = ("triton-pytorch", "triton-onnx", "onnx", "exported-program")

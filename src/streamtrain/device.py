@@ -79,11 +79,17 @@ def autocast(device: torch.device, amp: Precision) -> contextlib.AbstractContext
     gradients and the optimizer state stay float32 (autocast casts copies, per op), and
     reductions, norms and softmax stay float32 (autocast's own op lists). bfloat16 has
     float32's exponent range, so no loss scaling is needed.
+
+    Autocast's cache of cast weights is off: it is one process-wide map behind a mutex that
+    its clearing holds while it frees Python objects, so an eager step leaving autocast
+    deadlocked with the background compile tracing under autocast (which held the GIL and
+    waited for that mutex; docs/performance.md). Each weight is cast once per forward here,
+    so the cache saved nothing.
     """
     if amp == "off":
         return contextlib.nullcontext()
     if amp == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
     raise ValueError(f"amp must be 'bf16' or 'off', got {amp!r}")
 
 

@@ -167,6 +167,15 @@ def test_autocast_is_bf16_or_nothing() -> None:
         autocast(torch.device("cpu"), "fp16")  # type: ignore[arg-type]
 
 
+def test_bf16_autocast_keeps_no_cache_of_cast_weights() -> None:
+    """The cache's mutex deadlocked an eager step against the background compile (device.py)."""
+    with autocast(torch.device("cpu"), "bf16"):
+        assert not torch.is_autocast_cache_enabled()
+        with torch.autocast("cpu", enabled=False):  # the model's float32 islands inherit it
+            assert not torch.is_autocast_cache_enabled()
+    assert torch.is_autocast_cache_enabled()  # restored outside
+
+
 def test_on_the_cpu_transfers_are_plain_and_inference_streams_are_nothing() -> None:
     t = torch.arange(6.0)
     assert to_device_async(t, torch.device("cpu")) is t

@@ -43,6 +43,8 @@ COMPILER_ERRORS: tuple[type[BaseException], ...] = (
     torch._inductor.exc.InductorError,
 )
 
+#: How the background compile threads are named (:func:`compiling` finds them by it).
+COMPILE_THREAD_PREFIX = "compile-"
 #: Packages of torch whose own assertions are compiler failures, not the compiled function's.
 COMPILER_PACKAGES = ("_dynamo", "_inductor")
 
@@ -103,7 +105,7 @@ class CompiledForward(Generic[R]):
             self._done.set()
             return
         self.state = "warming"
-        self._thread = threading.Thread(target=self._compile, name=f"compile-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._compile, name=f"{COMPILE_THREAD_PREFIX}{name}", daemon=True)
         self._thread.start()
 
     def __call__(self, *args: Any) -> R:
@@ -161,6 +163,11 @@ def _raised_in_the_compiler(err: BaseException) -> bool:
     """Whether ``err`` was raised by torch's compiler stack rather than by the function compiled."""
     frames = traceback.extract_tb(err.__traceback__)
     return bool(frames) and any(f"torch{os.sep}{part}{os.sep}" in frames[-1].filename for part in COMPILER_PACKAGES)
+
+
+def compiling() -> bool:
+    """Whether a :class:`CompiledForward` of this process is still compiling in the background."""
+    return any(thread.name.startswith(COMPILE_THREAD_PREFIX) and thread.is_alive() for thread in threading.enumerate())
 
 
 def compiled_graphs() -> int:

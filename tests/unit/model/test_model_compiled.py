@@ -9,6 +9,7 @@ service's untrained model forecasts the last reading whatever its body computes.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from small_trainer import make_small_trainer
 
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.data.collate import Batch
-from streamtrain.model.compiled import CompiledForward, compiled_graphs, pad_rows_and_positions
+from streamtrain.model.compiled import CompiledForward, compiled_graphs, compiling, pad_rows_and_positions
 from streamtrain.model.inference import CompiledInference, PredictionArrays, predict_arrays
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
@@ -228,3 +229,26 @@ def test_an_assertion_of_the_compiled_function_itself_is_not_swallowed() -> None
     with pytest.raises(AssertionError, match="the model's own check"):
         forward(1)
     assert forward.eager_answers == 0
+
+
+def test_a_stop_while_compiling_leaves_without_the_interpreters_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The teardown under a compile thread in C++ aborted a cleanly stopped service (status -6)."""
+    from streamtrain import cli
+
+    exits: list[int] = []
+
+    def record_exit(status: int) -> None:
+        exits.append(status)
+
+    monkeypatch.setattr(cli.os, "_exit", record_exit)
+    assert not compiling() and cli.leave(0) == 0 and exits == []
+    release = threading.Event()
+    forward = CompiledForward(lambda x: x, name="slow forward", enabled=True, warm_up=lambda run: release.wait(60))
+    try:
+        assert compiling()
+        cli.leave(1)
+        assert exits == [1]
+    finally:
+        release.set()
+        forward._thread.join(60)
+    assert not compiling()
