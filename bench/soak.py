@@ -148,6 +148,7 @@ class _Service:
         self.malloc, preload = malloc_env(config.malloc)
         env.update(preload)
         self.log_path = workdir / "serve.log"
+        self._compiled = False
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -173,8 +174,10 @@ class _Service:
     def forwards_compiled(self) -> bool:
         """Whether the training and the predict forward have compiled (or fallen back to eager):
         torch.compile's one-time memory belongs to the warm-up, not to growth."""
-        text = self.log_path.read_text(errors="replace")
-        return text.count(" compiled in ") + text.count("failed, running eager") >= 2
+        if not self._compiled:  # read the log until it says so, not every sample of a long run
+            text = self.log_path.read_text(errors="replace")
+            self._compiled = text.count(" compiled in ") + text.count("failed, running eager") >= 2
+        return self._compiled
 
     def rss_bytes(self) -> int:
         """RSS of the service and its children (the decode worker belongs to it)."""

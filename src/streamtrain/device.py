@@ -83,8 +83,8 @@ def autocast(device: torch.device, amp: Precision) -> contextlib.AbstractContext
     Autocast's cache of cast weights is off: it is one process-wide map behind a mutex that
     its clearing holds while it frees Python objects, so an eager step leaving autocast
     deadlocked with the background compile tracing under autocast (which held the GIL and
-    waited for that mutex; docs/performance.md). Each weight is cast once per forward here,
-    so the cache saved nothing.
+    waited for that mutex; docs/performance.md). The model uses each weight once per
+    forward, so the cache had no cast to reuse within a step.
     """
     if amp == "off":
         return contextlib.nullcontext()
