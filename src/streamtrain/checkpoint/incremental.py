@@ -34,7 +34,7 @@ import numpy as np
 from streamtrain.checkpoint.format import read_digest
 from streamtrain.window.reservoir import WindowCapture
 from streamtrain.window.snapshot import WindowSnapshot
-from streamtrain.window.storage import ITEM_COLUMNS
+from streamtrain.window.storage import ITEM_COLUMNS, ItemReadings
 
 #: The key that marks a window state as a delta; its value is ``{"name", "sha256"}`` of the parent.
 DELTA_OF = "delta_of"
@@ -77,14 +77,15 @@ def replay_items(
     *,
     channels: int,
     columns: Sequence[tuple[str, Any]],
-) -> dict[str, np.ndarray]:
+) -> dict[str, Any]:
     """The items (``columns`` and ``values``) of a base's items and deltas' ``(entered, left_seq)``.
 
     What :func:`replay` does to a whole window, and a sharded checkpoint to one partition's
     section chain; the columns must include ``lengths`` and ``seq``. Each source lists its
     items in the window's storage order; the items come out in that order: the sources one
     after another while every delta's items arrived after all earlier survivors (always,
-    without ``max_age_s``), else by arrival number (an item that came back).
+    without ``max_age_s``), else by arrival number (an item that came back). ``values``
+    leaves the readings where they were read (:class:`ItemReadings`) when it can.
     """
     sources = [base, *(entered for entered, _ in deltas)]
     seq = np.concatenate([np.asarray(source["seq"], dtype=np.int64).reshape(-1) for source in sources])
@@ -110,7 +111,7 @@ def replay_items(
 
     lengths = [np.asarray(source["lengths"], dtype=np.int64).reshape(-1) for source in sources]
     chunks = [np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources]
-    items: dict[str, np.ndarray] = {}
+    items: dict[str, Any] = {}
     for name, dtype in columns:
         if name not in ("lengths", "seq"):
             column = np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])
@@ -136,13 +137,13 @@ def _arrived_in_source_order(seq: np.ndarray, source: np.ndarray) -> bool:
 
 def _gather_values(
     chunks: Sequence[np.ndarray], lengths: Sequence[np.ndarray], rows: np.ndarray, source_of: np.ndarray
-) -> np.ndarray:
-    """The readings of ``rows`` (indices into the sources' items, concatenated) back to back.
+) -> ItemReadings | np.ndarray:
+    """The readings of ``rows`` (indices into the sources' items, concatenated), in that order.
 
-    Usually the rows ascend (the base's survivors, then each delta's): then each run of
-    consecutive items is one slice copy (a 10M-item base with a few hundred thousand
-    leavers in about a second, where a gather through a position per token takes a
-    minute and gigabytes of positions).
+    Usually the rows ascend (the base's survivors, then each delta's): then they stay where
+    they were read, each in its source's array (:class:`ItemReadings`; a 10M-item window's
+    2.6 GB are not copied again). Otherwise (an item came back after a younger one entered,
+    ``max_age_s``) they are gathered back to back in arrival order.
     """
     if not rows.size:
         return np.zeros((0, chunks[0].shape[1]), np.float32)
@@ -150,17 +151,17 @@ def _gather_values(
     if bool(np.all(rows[1:] > rows[:-1])):
         token_end = np.cumsum(all_lengths)  # of each item, counting the sources' tokens one after another
         source_start = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
-        # runs: maximal stretches of consecutive items of one source, each one slice of its chunk
-        breaks = np.flatnonzero((rows[1:] != rows[:-1] + 1) | (source_of[rows[1:]] != source_of[rows[:-1]])) + 1
-        run_first, run_last = rows[np.r_[0, breaks]], rows[np.r_[breaks - 1, rows.size - 1]]
-        run_source = source_of[run_first]
-        run_start = token_end[run_first] - all_lengths[run_first] - source_start[run_source]
-        run_end = token_end[run_last] - source_start[run_source]
-        pieces = [
-            chunks[j][start:end]
-            for j, start, end in zip(run_source.tolist(), run_start.tolist(), run_end.tolist(), strict=True)
-        ]
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        row_source = source_of[rows]
+        used = np.flatnonzero(np.bincount(row_source, minlength=len(chunks)))  # sources with a survivor
+        renumber = np.zeros(len(chunks), dtype=np.int32)
+        renumber[used] = np.arange(used.size, dtype=np.int32)
+        row_lengths = all_lengths[rows]
+        return ItemReadings(
+            chunks=tuple(np.ascontiguousarray(chunks[j]) for j in used.tolist()),
+            chunk_of=renumber[row_source],
+            starts=token_end[rows] - row_lengths - source_start[row_source],
+            lengths=row_lengths,
+        )
     # an item that came back after a younger one entered (max_age_s): a gather in arrival order
     token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
     starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])

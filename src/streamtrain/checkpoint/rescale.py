@@ -277,7 +277,7 @@ def _partition_items(chain: Sequence[_ShardLink], partition: int, channels: int)
         channels=channels,
         columns=SECTION_COLUMNS,
     )
-    values = replayed.pop("values")
+    values = np.asarray(replayed.pop("values"), dtype=np.float32)
     return PartitionItems(partition, newest[0].next_offset, values, replayed)
 
 

@@ -82,7 +82,15 @@ import numpy as np
 
 from streamtrain.events import EventBatch
 from streamtrain.window.snapshot import WindowSnapshot
-from streamtrain.window.storage import SensorCodes, chunk_array, decay_rate, gather_tokens, take_objects
+from streamtrain.window.storage import (
+    ItemReadings,
+    SensorCodes,
+    chunk_array,
+    decay_rate,
+    gather_tokens,
+    readings_size,
+    take_objects,
+)
 
 log = logging.getLogger(__name__)
 
@@ -429,24 +437,31 @@ class RecencyWindow:
         self._vocabulary_n += 1
         return code
 
-    def _append(self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray, *, adopt: bool = False) -> None:
-        """Write the rows past the published ``n`` (readers never look there) and their chunk.
+    def _append(
+        self, batch: EventBatch, keys: np.ndarray, rows: np.ndarray, *, adopted: ItemReadings | None = None
+    ) -> None:
+        """Write the rows past the published ``n`` (readers never look there) and their readings.
 
-        ``adopt``: every row of ``batch``, in order, whose readings array nobody writes again
-        (a restored state's): it becomes the chunk as it is, instead of a copy.
+        ``adopted``: the readings of every row of ``batch``, in order, in arrays nobody writes
+        again (a restored state's): they become chunks as they are, instead of a copy.
         """
         k = rows.shape[0]
         lengths = batch.lengths[rows]
-        if adopt:
-            chunk = batch.values
+        first_chunk = len(self._chunk_arrays)
+        chunk_of: np.ndarray | int = first_chunk
+        if adopted is not None:
+            new_chunks = [self._own_chunk(chunk) for chunk in adopted.chunks]
+            starts, chunk_of = adopted.starts, first_chunk + adopted.chunk_of
         else:  # the rows' readings, copied into storage of the window's own (chunk_array)
-            chunk = gather_tokens(
-                batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels)
-            )
-        starts = np.zeros(k, dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
+            new_chunks = [
+                gather_tokens(
+                    batch.values, batch.starts[rows], lengths, out=chunk_array(int(lengths.sum()), self.channels)
+                )
+            ]
+            starts = np.zeros(k, dtype=np.int64)
+            np.cumsum(lengths[:-1], out=starts[1:])
         self._grow(self._n + k)
-        self._chunk_arrays.append(chunk)
+        self._chunk_arrays.extend(new_chunks)
         at = slice(self._n, self._n + k)
         cols = self._cols
         cols["keys"][at] = keys[rows]
@@ -454,12 +469,21 @@ class RecencyWindow:
         cols["labels"][at] = batch.labels[rows]
         cols["lengths"][at] = lengths
         cols["starts"][at] = starts
-        cols["chunks"][at] = len(self._chunk_arrays) - 1
+        cols["chunks"][at] = chunk_of
         cols["partitions"][at] = batch.partitions[rows]
         cols["offsets"][at] = batch.offsets[rows]
         cols["seq"][at] = self._accepted + rows  # arrival order: accepted count before + position
         cols["sensors"][at] = self._sensor_codes(batch.sensor_ids[rows])
         self._n += k
+
+    def _own_chunk(self, readings: np.ndarray) -> np.ndarray:
+        """``readings`` as a chunk: itself when it is contiguous float32, else a copy (``chunk_array``)."""
+        readings = readings.reshape(-1, self.channels)
+        if readings.dtype == np.float32 and readings.flags.c_contiguous:
+            return readings
+        chunk = chunk_array(readings.shape[0], self.channels)
+        chunk[...] = readings
+        return chunk
 
     def _grow(self, rows: int) -> None:
         size = self._cols["keys"].shape[0]
@@ -642,8 +666,7 @@ class RecencyWindow:
                 f"with CHANNELS={self.channels}"
             )
         lengths = np.asarray(state["lengths"], dtype=np.int64)
-        values = np.asarray(state["values"])
-        if values.size != int(lengths.sum()) * self.channels:
+        if readings_size(state["values"]) != int(lengths.sum()) * self.channels:
             raise ValueError("window state is inconsistent: lengths do not sum to the stored values")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -651,18 +674,20 @@ class RecencyWindow:
 
         A smaller capacity keeps the top keys; another half-life re-keys the items
         (module docstring); another ``channels`` raises ValueError. The window keeps the
-        state's readings array as its own (no copy) when it is contiguous: do not write it
-        afterwards.
+        state's readings arrays as its own (no copy) when they are contiguous (one array,
+        or a restore's :class:`ItemReadings`): do not write them afterwards.
         """
         self.check_state(state)
         lengths = np.asarray(state["lengths"], dtype=np.int64)
-        flat = np.asarray(state["values"], dtype=np.float32).reshape(-1, self.channels)
+        readings = state["values"]
+        if not isinstance(readings, ItemReadings):
+            readings = ItemReadings.back_to_back(np.asarray(readings, dtype=np.float32), lengths, self.channels)
         batch = EventBatch(
             sensor_ids=np.asarray(state["sensor_ids"], dtype=object).reshape(-1),
             ts=np.asarray(state["ts"], dtype=np.float64),
             labels=np.asarray(state["labels"], dtype=np.int64),
             lengths=lengths,
-            values=flat,
+            values=np.zeros((0, self.channels), np.float32),  # the readings are adopted from ``readings``
             partitions=np.asarray(state["partitions"], dtype=np.int32),
             offsets=np.asarray(state["offsets"], dtype=np.int64),
         )
@@ -683,7 +708,7 @@ class RecencyWindow:
             self._reset_storage(len(batch))
             self._accepted = 0
             if len(batch):
-                self._append(batch, keys, np.arange(len(batch)), adopt=flat.flags.c_contiguous)
+                self._append(batch, keys, np.arange(len(batch)), adopted=readings)
                 if state.get("seq") is not None:
                     self._cols["seq"][: len(batch)] = np.asarray(state["seq"], dtype=np.int64)
             self._cut()

@@ -72,6 +72,56 @@ class SensorCodes:
         return take_objects(self.strings, self.codes.reshape(-1)).reshape(self.codes.shape)
 
 
+@dataclass(frozen=True)
+class ItemReadings:
+    """Items' readings where they already lie: item ``i`` is ``lengths[i]`` rows of
+    ``chunks[chunk_of[i]]`` from ``starts[i]``; ``chunk_of`` never decreases.
+
+    What a restore hands the window: the arrays read from a checkpoint's base and deltas
+    become the window's chunks as they are, instead of gigabytes copied into a new array
+    (memory the process touches for the first time, the slowest part of a 10M restore).
+    ``np.asarray`` gives the readings back to back, as ``state_dict`` stores them.
+    """
+
+    chunks: tuple[np.ndarray, ...]  # float32 [tokens, C] each
+    chunk_of: np.ndarray  # int32 [n]
+    starts: np.ndarray  # int64 [n], in the item's chunk
+    lengths: np.ndarray  # int64 [n]
+
+    @classmethod
+    def back_to_back(cls, flat: np.ndarray, lengths: np.ndarray, channels: int) -> ItemReadings:
+        """Items whose readings lie one after another in ``flat`` (as ``state_dict`` stores them)."""
+        starts = np.zeros(lengths.shape[0], dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        chunk_of = np.zeros(lengths.shape[0], dtype=np.int32)
+        return cls((flat.reshape(-1, channels),), chunk_of, starts, lengths)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.lengths.sum()), int(self.chunks[0].shape[1]) if self.chunks else 1
+
+    @property
+    def size(self) -> int:
+        tokens, channels = self.shape
+        return tokens * channels
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=np.float32)
+        out_starts = np.zeros(self.lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=out_starts[1:])
+        bounds = np.searchsorted(self.chunk_of, np.arange(len(self.chunks) + 1))
+        for chunk, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
+            if hi > lo:
+                at, end = int(out_starts[lo]), int(out_starts[hi])
+                gather_tokens(self.chunks[chunk], self.starts[lo:hi], self.lengths[lo:hi], out=out[at:end])
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def readings_size(values: Any) -> int:
+    """How many numbers a window state's ``values`` hold, without gathering :class:`ItemReadings`."""
+    return values.size if isinstance(values, ItemReadings | np.ndarray) else int(np.asarray(values).size)
+
+
 def token_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(start, start + length)`` for every item, without a Python loop.
 

@@ -18,7 +18,7 @@ from streamtrain.checkpoint.store import CheckpointStore, read_checkpoint, read_
 from streamtrain.events import EventBatch
 from streamtrain.window.partitions import join_partitions, split_by_partition
 from streamtrain.window.reservoir import RecencyWindow
-from streamtrain.window.storage import SensorCodes
+from streamtrain.window.storage import ItemReadings, SensorCodes
 
 ITEM_FIELDS = ("values", "lengths", "ts", "labels", "keys", "sensor_ids", "partitions", "offsets", "seq")
 COUNTERS = ("accepted_total", "rejected_total", "held_out_total", "next_offsets", "version", "reference_ts")
@@ -380,8 +380,9 @@ def delta(entered: list[int], left: list[int], version: int) -> dict:
 
 def replayed(base_seqs: list[int], deltas: list[dict]) -> dict:
     state = replay({**items(base_seqs), "channels": 1, "version": 0}, deltas)
+    values = np.asarray(state["values"])
     for s, length, start in zip(state["seq"], state["lengths"], np.cumsum(state["lengths"]) - state["lengths"]):
-        assert np.all(state["values"][start : start + length] == s), s  # every item keeps its own readings
+        assert np.all(values[start : start + length] == s), s  # every item keeps its own readings
     return state
 
 
@@ -393,6 +394,27 @@ def test_replay_of_an_item_that_left_came_back_and_left_again_follows_its_last_l
 def test_replay_puts_an_item_back_from_a_delta_between_two_that_stayed() -> None:
     state = replayed([1, 3, 5], [delta([], [3], 1), delta([3], [], 2)])
     assert state["seq"].tolist() == [1, 3, 5] and state["offsets"].tolist() == [10, 30, 50]
+
+
+def test_replay_leaves_the_readings_in_the_arrays_read_and_a_restored_window_adopts_them() -> None:
+    """A 10M-item restore copied 2.6 GB of readings into a new array (docs/operations.md); now the
+    base's and the deltas' arrays become the window's chunks as they are."""
+    base = {**items([1, 2, 3, 4]), "channels": 1, "version": 0, "capacity": 10, "half_life_s": float("inf")}
+    deltas = [delta([5, 6], [2], 1), delta([7], [5, 6], 2)]  # the second delta's items outlive its parent's
+    state = replay(base, deltas)
+    readings = state["values"]
+    assert isinstance(readings, ItemReadings)
+    kept = [chunk for chunk in readings.chunks]
+    assert len(kept) == 2 and np.shares_memory(kept[0], base["values"])
+    assert np.shares_memory(kept[1], deltas[1]["entered"]["values"])  # the first delta's items all left
+    window = RecencyWindow(10)
+    window.load_state_dict(state)
+    chunks = window.snapshot().flat_values
+    assert isinstance(chunks, tuple) and all(any(np.shares_memory(c, k) for k in kept) for c in chunks)
+    expected = np.repeat(np.array([1, 3, 4, 7], np.float32), np.array([1, 3, 4, 7]) % 3 + 1)[:, None]
+    assert np.array_equal(np.asarray(readings), expected)
+    assert np.array_equal(window.snapshot().all_values(), expected)
+    assert window.snapshot().seq.tolist() == [1, 3, 4, 7]
 
 
 def test_replay_of_a_window_every_item_left_is_empty_and_whole() -> None:
