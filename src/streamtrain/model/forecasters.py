@@ -19,13 +19,14 @@ and the best model of its changes are both fitted and their forecasts averaged, 
 combination that is seldom much worse than the better of the two and often better than
 both. Each model's order and ridge penalty are chosen by generalized cross-validation,
 every model is fitted only on forecast origins whose lags are all real readings (no padding
-enters a fit), and the evidence is counted in distinct targets (sliding windows repeat
+enters a fit) and serves only at such origins (an origin with fewer readings before it serves
+the members that need no more), and the evidence is counted in distinct targets (sliding windows repeat
 each reading in many events). A large penalty gives the last value (all coefficients
 zero), which competes too. Everything comes from sums of outer products (:class:`LagSums`,
 per forecast position) that add over chunks, windows and ranks, so every rank of a
 scaled-out group solves the same systems from the all-reduced sums. A model of changes is
 a model of levels with one more lag whose coefficients sum to zero, so whatever is chosen
-serves as one set of lag coefficients (:class:`LinearForecast`).
+serves as one set of lag coefficients per origin position (:class:`LinearForecast`).
 """
 
 from __future__ import annotations
