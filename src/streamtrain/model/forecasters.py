@@ -19,13 +19,14 @@ and the best model of its changes are both fitted and their forecasts averaged, 
 combination that is seldom much worse than the better of the two and often better than
 both. Each model's order and ridge penalty are chosen by generalized cross-validation,
 every model is fitted only on forecast origins whose lags are all real readings (no padding
-enters a fit), and the evidence is counted in distinct targets (sliding windows repeat
+enters a fit) and serves only at such origins (an origin with fewer readings before it serves
+the members that need no more), and the evidence is counted in distinct targets (sliding windows repeat
 each reading in many events). A large penalty gives the last value (all coefficients
 zero), which competes too. Everything comes from sums of outer products (:class:`LagSums`,
 per forecast position) that add over chunks, windows and ranks, so every rank of a
 scaled-out group solves the same systems from the all-reduced sums. A model of changes is
 a model of levels with one more lag whose coefficients sum to zero, so whatever is chosen
-serves as one set of lag coefficients (:class:`LinearForecast`).
+serves as one set of lag coefficients per origin position (:class:`LinearForecast`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from streamtrain.model.network import ModelOutput, SensorModel
 ForecasterKind = Literal["last_value", "linear", "network", "blend"]
 FORECASTER_KINDS: tuple[ForecasterKind, ...] = ("last_value", "linear", "network", "blend")
 
-#: Orders tried for the linear forecaster (capped by LINEAR_MAX_ORDER and by the events' lengths).
-ORDERS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: Orders tried for the linear forecaster (capped by LINEAR_MAX_ORDER and by the events' lengths):
+#: every order to 24, since a season of s readings needs order s + 1 (a grid of 12 and 16 missed
+#: the 13 of a monthly series), then coarser.
+ORDERS = (*range(1, 25), 32, 48, 64)
 #: Ridge penalties tried, relative to the mean diagonal of the lag block of X'X.
 RELATIVE_PENALTIES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: The unit-root test: lagged changes in the augmented Dickey-Fuller regression, and its 5%
@@ -295,20 +298,23 @@ class FamilyFit:
         return {**self.best.report(), "weight": round(self.weights[0], 4), "models_averaged": len(self.models)}
 
 
-def family_fit(
+def family_members(
     sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
-) -> FamilyFit | None:
-    """Every order up to ``max_order`` and every penalty of ``families``, averaged (see
-    :class:`FamilyFit`); None when not even the best beats the last value's error (every
-    coefficient zero) on the targets it was fitted on."""
-    members = [
+) -> list[LinearModel]:
+    """Every order up to ``max_order`` and every penalty of ``families`` that could be fitted."""
+    return [
         model
         for family in families for order in ORDERS if order <= max_order for relative in RELATIVE_PENALTIES
         if (model := fit_model(sums, channel, family, order, relative, redundancy)) is not None
     ]  # fmt: skip
+
+
+def averaged(members: Sequence[LinearModel], sums: LagSums, channel: int) -> FamilyFit | None:
+    """``members`` averaged (see :class:`FamilyFit`); None when not even the best beats the
+    last value's error (every coefficient zero) on the targets it was fitted on."""
     if not members:
         return None
-    members.sort(key=lambda m: m.gcv_mse)
+    members = sorted(members, key=lambda m: m.gcv_mse)
     best = members[0]
     _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
     if not best.gcv_mse < yty / rows:  # the last value's error on the same targets
@@ -324,9 +330,19 @@ def family_fit(
     return FamilyFit(models, tuple(float(w) for w in weights), coefficients)
 
 
+def family_fit(
+    sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
+) -> FamilyFit | None:
+    """Every order up to ``max_order`` and every penalty of ``families``, averaged (see
+    :func:`averaged`)."""
+    return averaged(family_members(sums, channel, families, max_order, redundancy), sums, channel)
+
+
 @dataclass(frozen=True)
 class ChannelChoice:
-    """What one channel serves: the families' fits averaged (none: the last value) and why."""
+    """What one channel serves: the families' fits averaged (none: the last value) and why.
+    ``fits`` serve where every lag is real; an origin with fewer real readings before it
+    serves the same families refitted from their members that need no more."""
 
     unit_root_t: float | None
     fits: tuple[FamilyFit, ...]
@@ -340,7 +356,9 @@ class ChannelChoice:
 class LinearChoice:
     """The fitted forecaster and how it was chosen, per channel."""
 
-    coefficients: np.ndarray  # float64 [C, 1 + readings]: intercept, then lags (zero beyond a channel's)
+    #: float64 [C, K, 1 + readings]: row k (intercept, then lags, zero beyond a channel's)
+    #: serves forecast origins at position k of an event, the last row every later one.
+    coefficients: np.ndarray
     channels: tuple[ChannelChoice, ...]
 
     @property
@@ -349,33 +367,48 @@ class LinearChoice:
 
     @property
     def order(self) -> int:
-        return int(self.coefficients.shape[1]) - 1
+        return int(self.coefficients.shape[-1]) - 1
 
     def report(self) -> dict[str, Any]:
         return {"chosen_by": "gcv", "channels": [c.report() for c in self.channels]}
 
 
+def _readings(model: LinearModel) -> int:
+    return int(model.coefficients.size) - 1
+
+
 def choose_linear(train: LagSums, max_order: int, redundancy: float = 1.0) -> LinearChoice | None:
     """Per channel: the changes family alone where a unit root stands, else the average of the
     levels family and the changes family (see the module's docstring); None without training
-    data. ``redundancy``: how many instances each reading is in, on average."""
+    data. ``redundancy``: how many instances each reading is in, on average.
+
+    Each forecast origin serves only models whose lags are real readings there: at position
+    ``k`` of an event (``k + 1`` readings so far) the families are averaged over their members
+    of at most ``k + 1`` readings. A model of order 16 served at the third reading would
+    forecast from 14 copies of the first (its fit never saw such lags)."""
     if train.total_rows <= 0:
         return None
     max_order = min(max_order, train.max_order)
-    choices = []
+    choices, members = [], []
     for c in range(train.channels):
         t = unit_root_t(train, c, redundancy)
         wanders = t is None or t >= ADF_CRITICAL_T
         groups: list[tuple[Family, ...]] = [("changes", "changes_no_drift")]
         if not wanders:
             groups.insert(0, ("levels",))
-        fits = [f for g in groups if (f := family_fit(train, c, g, max_order, redundancy)) is not None]
+        members.append([family_members(train, c, g, max_order, redundancy) for g in groups])
+        fits = [f for m in members[-1] if (f := averaged(m, train, c)) is not None]
         choices.append(ChannelChoice(t, tuple(fits)))
-    width = max((f.coefficients.size for ch in choices for f in ch.fits), default=2)
-    coefficients = np.zeros((train.channels, width))
+    positions = max((f.coefficients.size - 1 for ch in choices for f in ch.fits), default=1)
+    coefficients = np.zeros((train.channels, positions, positions + 1))
     for c, choice in enumerate(choices):
-        for fit in choice.fits:
-            coefficients[c, : fit.coefficients.size] += fit.coefficients / len(choice.fits)
+        for k in range(positions):
+            fits = list(choice.fits) if k == positions - 1 else [
+                f for group in members[c]
+                if (f := averaged([m for m in group if _readings(m) <= k + 1], train, c)) is not None
+            ]  # fmt: skip
+            for fit in fits:
+                coefficients[c, k, : fit.coefficients.size] += fit.coefficients / len(fits)
     return LinearChoice(coefficients=coefficients, channels=tuple(choices))
 
 
@@ -398,31 +431,38 @@ def best_blend(network_sse: float, linear_sse: float, cross: float) -> tuple[flo
 
 
 class LinearForecast(nn.Module):
-    """``x[t] + intercept + sum_k w_k x[t-k]`` per channel, on ``x [B, L, C]`` (pads zero, real first)."""
+    """``x[t] + intercept + sum_k w_k x[t-k]`` per channel, on ``x [B, L, C]`` (pads zero, real
+    first), with the coefficients of the origin's position ``t`` (``[C, K, 1 + order]``: row
+    ``min(t, K - 1)``; ``[C, 1 + order]``: one row for every position)."""
 
-    intercept: torch.Tensor  # [C]
-    weight: torch.Tensor  # [C, order]: lag 0 first
+    intercept: torch.Tensor  # [C, K]
+    weight: torch.Tensor  # [C, K, order]: lag 0 first
 
     def __init__(self, coefficients: torch.Tensor | np.ndarray) -> None:
         super().__init__()
         coefficients = torch.as_tensor(np.asarray(coefficients), dtype=torch.float32)
-        if coefficients.dim() != 2 or coefficients.shape[1] < 2:
+        if coefficients.dim() == 2:
+            coefficients = coefficients[:, None]
+        if coefficients.dim() != 3 or coefficients.shape[1] < 1 or coefficients.shape[2] < 2:
             raise ValueError(
-                f"LinearForecast: coefficients must be [C, 1 + order >= 2], got {tuple(coefficients.shape)}"
+                "LinearForecast: coefficients must be [C, 1 + order >= 2] or [C, positions >= 1, 1 + order >= 2],"
+                f" got {tuple(coefficients.shape)}"
             )
-        self.order = int(coefficients.shape[1]) - 1
-        self.register_buffer("intercept", coefficients[:, 0].clone())
-        self.register_buffer("weight", coefficients[:, 1:].clone())  # [C, order]: lag 0 first
+        self.order = int(coefficients.shape[2]) - 1
+        self.register_buffer("intercept", coefficients[..., 0].clone())
+        self.register_buffer("weight", coefficients[..., 1:].clone())  # [C, K, order]: lag 0 first
 
     @property
     def coefficients(self) -> torch.Tensor:
-        return torch.cat([self.intercept[:, None], self.weight], dim=1)
+        return torch.cat([self.intercept[..., None], self.weight], dim=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         order = self.order
         padded = torch.cat([x[:, :1].expand(-1, order - 1, -1), x], dim=1)  # [B, order - 1 + L, C]
         lags = padded.unfold(1, order, 1)  # [B, L, C, order]: x[t - order + 1], ..., x[t]
-        change = (lags * self.weight.flip(1).to(x.dtype)).sum(-1) + self.intercept.to(x.dtype)
+        row = torch.arange(x.shape[1], device=x.device).clamp(max=self.weight.shape[1] - 1)
+        weight = self.weight[:, row].transpose(0, 1).flip(2).to(x.dtype)  # [L, C, order]
+        change = (lags * weight).sum(-1) + self.intercept[:, row].t().to(x.dtype)
         return x + change
 
 
@@ -432,7 +472,7 @@ class Forecaster:
     coefficients), or a blend ``network_weight * network + (1 - network_weight) * linear``."""
 
     kind: ForecasterKind = "network"
-    coefficients: np.ndarray | None = None  # [C, 1 + order] for kinds "linear" and "blend"
+    coefficients: np.ndarray | None = None  # [C, (K,) 1 + order] for kinds "linear" and "blend"
     network_weight: float | None = None  # for kind "blend", in (0, 1)
 
     def __post_init__(self) -> None:
@@ -452,9 +492,12 @@ class Forecaster:
         if self.coefficients is None:
             return self
         coefficients = np.array(self.coefficients, dtype=np.float64)
-        mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
-        to_mean, to_std = np.asarray(to_mean, np.float64), np.asarray(to_std, np.float64)
-        coefficients[:, 0] = (std * coefficients[:, 0] + (to_mean - mean) * coefficients[:, 1:].sum(axis=1)) / to_std
+        per_row = (-1,) + (1,) * (coefficients.ndim - 2)  # each channel's over its position rows
+        mean, std = np.asarray(mean, np.float64).reshape(per_row), np.asarray(std, np.float64).reshape(per_row)
+        to_mean = np.asarray(to_mean, np.float64).reshape(per_row)
+        to_std = np.asarray(to_std, np.float64).reshape(per_row)
+        intercept, lags = coefficients[..., 0], coefficients[..., 1:].sum(axis=-1)
+        coefficients[..., 0] = (std * intercept + (to_mean - mean) * lags) / to_std
         return Forecaster(self.kind, coefficients, self.network_weight)
 
     def state_dict(self) -> dict[str, Any]:
@@ -478,7 +521,7 @@ class Forecaster:
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind}
         if self.coefficients is not None:
-            out["order"] = int(self.coefficients.shape[1]) - 1
+            out["order"] = int(self.coefficients.shape[-1]) - 1
         if self.network_weight is not None:
             out["network_weight"] = self.network_weight
         return out

@@ -34,6 +34,7 @@ from google.protobuf import text_format
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.cli import main as cli_main
 from streamtrain.config import load_settings
+from streamtrain.model.forecasters import Forecaster
 from streamtrain.model.inference import InferenceModel, PredictionArrays, predict_arrays
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
@@ -208,6 +209,25 @@ def test_torchscript_matches_the_service(bundle: ModelBundle, tmp_path: Path) ->
     assert [a.name for a in loaded.forward.schema.arguments][1:] == ["values", "lengths"]
     cases = [(LENGTHS, 1), ([2], 5), ([32, 1, 5], 6), ([1, 1], 7)]
     assert_export_answers_as_the_service(torchscript_runner(path), bundle, cases)
+
+
+def test_a_linear_forecaster_with_coefficients_per_position_exports_as_it_serves(tmp_path: Path) -> None:
+    """The linear forecaster serves each origin position its own row of coefficients (a
+    position gather on the dynamic length axis): ONNX answers as the service on every length."""
+    coefficients = np.random.default_rng(0).normal(scale=0.1, size=(3, 4, 6))
+    published = dataclasses.replace(published_model(), forecaster=Forecaster("linear", coefficients))
+    bundle = decode_bundle(encode_bundle(published))
+    assert bundle.forecaster.kind == "linear" and np.array_equal(bundle.forecaster.coefficients, coefficients)
+    values, lengths, _ = padded(3, [7, 1, 3, 5, 2], 4)
+    with torch.inference_mode():
+        served = [t.numpy() for t in bundle.inference_model()(torch.from_numpy(values), torch.from_numpy(lengths))]
+    network = decode_bundle(encode_bundle(published_model()))
+    with torch.inference_mode():
+        plain = network.inference_model()(torch.from_numpy(values), torch.from_numpy(lengths))[0].numpy()
+    assert not np.allclose(served[0], plain)  # the linear forecast serves, not the network's
+    run = EXPORTS["onnx"](bundle, tmp_path)
+    for got, expected in zip(run(values, lengths), served, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_exported_program_matches_the_service(tmp_path: Path) -> None:
