@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from streamtrain.window.storage import OBJECT_PIECE_ITEMS, SensorCodes
+from streamtrain.window.storage import OBJECT_PIECE_ITEMS, ItemReadings, SensorCodes
 
 # Integers beyond 2**53 lose precision in most JSON readers; they travel as decimal strings.
 _JSON_SAFE_INT = 2**53
@@ -66,14 +66,19 @@ _NUMPY_TYPED = frozenset(
 )
 
 
-def flatten_state(tree: Any) -> tuple[dict[str, torch.Tensor], Skeleton]:
+PayloadTensor = torch.Tensor | ItemReadings
+"""What a payload holds: tensors, and a window's readings where they lie (written piece by piece)."""
+
+
+def flatten_state(tree: Any) -> tuple[dict[str, PayloadTensor], Skeleton]:
     """Split a state tree into safetensors-ready tensors and a JSON-able skeleton.
 
     Leaves: torch tensors (any dense dtype, any device, not quantized; they come back on
     the CPU, detached, as plain tensors), numpy arrays and scalars (dtype kept; object arrays of
     str or of other leaves; str arrays whose items repeat keep each string once, with a
     code per item), :class:`~streamtrain.window.storage.SensorCodes` (they come back as
-    the object array of the ids they name), None, bool, int (any size), float (inf and nan
+    the object array of the ids they name), :class:`~streamtrain.window.storage.ItemReadings`
+    (they come back as the float32 array of the readings back to back), None, bool, int (any size), float (inf and nan
     too), str, bytes. Containers: dict (any keys of those scalar types, order kept; an OrderedDict
     keeps its ``_metadata``, which ``Module.load_state_dict`` reads), list, tuple.
     Subclasses of int, float, str, list, tuple and dict come back as the base type.
@@ -102,7 +107,7 @@ def _format_path(path: tuple[Any, ...]) -> str:
 
 class _Flattener:
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, PayloadTensor] = {}
         self._storages: set[tuple[str, int]] = set()
         self._open_containers: set[int] = set()
 
@@ -115,6 +120,8 @@ class _Flattener:
             return self._encode_array(node, path)
         if isinstance(node, SensorCodes):
             return self._encode_sensor_codes(node)
+        if isinstance(node, ItemReadings):
+            return {"$ndarray": self._add(node)}
         if isinstance(node, np.generic):
             return {"$npscalar": self._encode_array(np.asarray(node), path)}
         if isinstance(node, int):
@@ -161,7 +168,7 @@ class _Flattener:
             )
         return self.encode(key, path)
 
-    def _add(self, tensor: torch.Tensor) -> str:
+    def _add(self, tensor: PayloadTensor) -> str:
         name = str(len(self.tensors))
         self.tensors[name] = tensor
         return name

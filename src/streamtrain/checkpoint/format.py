@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.codec import flatten_state, unflatten_state
-from streamtrain.checkpoint.files import Chunk
+from streamtrain.checkpoint.codec import PayloadTensor, flatten_state, unflatten_state
+from streamtrain.checkpoint.files import Chunk, chunk_length, chunk_pieces
+from streamtrain.window.storage import ItemReadings
 
 FORMAT_NAME = "streamtrain.checkpoint"
 FORMAT_VERSION = 1
@@ -92,31 +93,42 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
     payload = _payload_chunks(tensors)
     digest = hashlib.sha256(header)
     for chunk in payload:
-        digest.update(chunk)
-    payload_length = sum(len(chunk) for chunk in payload)
+        for piece in chunk_pieces(chunk):  # a window's readings are gathered once for this, once to write
+            digest.update(piece)
+    payload_length = sum(chunk_length(chunk) for chunk in payload)
     return [_PREFIX.pack(MAGIC, len(header), payload_length, digest.digest()), header, *payload]
 
 
-def _payload_chunks(tensors: Mapping[str, torch.Tensor]) -> list[Chunk]:
-    """A safetensors payload of ``tensors`` (CPU, contiguous): its table, then each tensor's bytes.
+def _payload_chunks(tensors: Mapping[str, PayloadTensor]) -> list[Chunk]:
+    """A safetensors payload of ``tensors`` (CPU, contiguous; or a window's readings where they
+    lie): its table, then each tensor's bytes.
 
     The layout ``safetensors.torch.save`` writes (tensors by alignment, then name; the
     table padded to 8 bytes), so any safetensors reader reads it.
     """
     codes = {dtype: code for code, dtype in _TENSOR_DTYPES.items()}
-    order = sorted(tensors, key=lambda name: (-tensors[name].dtype.itemsize, name))
+    described = {name: _described(tensor) for name, tensor in tensors.items()}
+    order = sorted(tensors, key=lambda name: (-described[name][0].itemsize, name))
     table: dict[str, dict[str, Any]] = {}
     chunks: list[Chunk] = []
     at = 0
     for name in order:
-        tensor = tensors[name]
-        data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
-        table[name] = {"dtype": codes[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [at, at + len(data)]}
+        dtype, shape, data = described[name]
+        length = chunk_length(data)
+        table[name] = {"dtype": codes[dtype], "shape": shape, "data_offsets": [at, at + length]}
         chunks.append(data)
-        at += len(data)
+        at += length
     encoded = json.dumps(table, separators=(",", ":")).encode("ascii")
     encoded += b" " * (-len(encoded) % 8)
     return [struct.pack("<Q", len(encoded)), encoded, *chunks]
+
+
+def _described(tensor: PayloadTensor) -> tuple[torch.dtype, list[int], Chunk]:
+    """(dtype, shape, bytes) of a payload tensor."""
+    if isinstance(tensor, ItemReadings):
+        return torch.float32, list(tensor.shape), tensor
+    data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+    return tensor.dtype, list(tensor.shape), data
 
 
 def decode_checkpoint(data: bytes | bytearray, path: Path | str = "<bytes>") -> LoadedCheckpoint:

@@ -283,7 +283,7 @@ class WindowChain:
             if link.partitions is not None:
                 left = link.partitions[np.searchsorted(link.seq, state["left_seq"])]
             return PendingWindow(state, "delta", seq, scope, partitions, left)
-        return PendingWindow(capture(sensor_codes=True), "base", seq, scope, partitions)
+        return PendingWindow(capture(for_checkpoint=True), "base", seq, scope, partitions)
 
     def _extends(self, link: _Link, scope: Hashable, parent_present: Callable[[ParentRef], bool]) -> bool:
         if link.scope != scope or link.deltas >= self.max_chain:

@@ -66,7 +66,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from streamtrain.checkpoint.files import Chunk, read_range, write_atomically
+from streamtrain.checkpoint.files import Chunk, chunk_length, chunk_pieces, read_range, write_atomically
 from streamtrain.checkpoint.format import (
     CorruptCheckpoint,
     LoadedCheckpoint,
@@ -214,8 +214,9 @@ def window_meta(window_state: Mapping[str, Any]) -> dict[str, Any]:
 def _blob_entry(chunks: list[Chunk], start: int) -> dict[str, Any]:
     digest = hashlib.sha256()
     for chunk in chunks:
-        digest.update(chunk)
-    return {"start": start, "length": sum(len(c) for c in chunks), "sha256": digest.hexdigest()}
+        for piece in chunk_pieces(chunk):
+            digest.update(piece)
+    return {"start": start, "length": sum(chunk_length(c) for c in chunks), "sha256": digest.hexdigest()}
 
 
 def write_shard(

@@ -739,7 +739,7 @@ class WindowCapture:
     only what changed since a window whose items had the arrival numbers
     ``previous_seq``: the items that entered since (readings and columns), the numbers of
     those that left, and every counter whole (:mod:`streamtrain.checkpoint.incremental`).
-    A checkpoint asks for its sensor ids as :class:`SensorCodes` (``sensor_codes=True``;
+    A checkpoint asks for its sensor ids as :class:`SensorCodes` (``for_checkpoint=True``;
     a delta's always are): the codes the window keeps, not an object per item.
     """
 
@@ -790,9 +790,9 @@ class WindowCapture:
         }
 
     @staticmethod
-    def _items(snap: WindowSnapshot) -> dict[str, Any]:
+    def _items(snap: WindowSnapshot, *, values: Any) -> dict[str, Any]:
         return {
-            "values": snap.all_values(),
+            "values": values,
             "lengths": snap.lengths,
             "ts": snap.ts,
             "labels": snap.labels,
@@ -803,11 +803,15 @@ class WindowCapture:
             "seq": snap.seq,
         }
 
-    def __call__(self, *, sensor_codes: bool = False) -> dict[str, Any]:
-        """The whole state, as :meth:`RecencyWindow.load_state_dict` reads it."""
-        items = self._items(self._snapshot)
-        if not sensor_codes:
-            items["sensor_ids"] = np.asarray(items["sensor_ids"], dtype=object)
+    def __call__(self, *, for_checkpoint: bool = False) -> dict[str, Any]:
+        """The whole state, as :meth:`RecencyWindow.load_state_dict` reads it; ``for_checkpoint``:
+        sensor ids as :class:`SensorCodes` and the readings where they lie (:class:`ItemReadings`,
+        gathered piece by piece as the file is written), not as new arrays of millions."""
+        snap = self._snapshot
+        if for_checkpoint:
+            return {**self._scalars(), **self._items(snap, values=snap.item_readings())}
+        items = self._items(snap, values=snap.all_values())
+        items["sensor_ids"] = np.asarray(items["sensor_ids"], dtype=object)
         return {**self._scalars(), **items}
 
     def delta(self, previous_seq: np.ndarray) -> dict[str, Any]:
@@ -820,7 +824,8 @@ class WindowCapture:
         seq = self.seq
         entered = np.flatnonzero(~sorted_member(seq, previous_seq))
         left = previous_seq[~sorted_member(previous_seq, np.sort(seq))]
-        return {**self._scalars(), "entered": self._items(self._snapshot.subset(entered)), "left_seq": left}
+        entering = self._snapshot.subset(entered)
+        return {**self._scalars(), "entered": self._items(entering, values=entering.all_values()), "left_seq": left}
 
 
 def sorted_member(values: np.ndarray, sorted_pool: np.ndarray) -> np.ndarray:

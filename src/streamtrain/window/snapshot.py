@@ -13,7 +13,7 @@ from functools import cached_property
 
 import numpy as np
 
-from streamtrain.window.storage import SensorCodes, gather_tokens, token_positions
+from streamtrain.window.storage import ItemReadings, SensorCodes, gather_items, gather_tokens
 
 
 @dataclass(frozen=True)
@@ -84,36 +84,27 @@ class WindowSnapshot:
         )
 
     def _gather_from_chunks(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Readings of items ``(starts, lengths)`` back to back, one gather per chunk.
-
-        The items are grouped by chunk with one sort (none when they already come chunk by
-        chunk, as a window's do), not one scan of every item per chunk; a run of items of
-        one chunk is gathered straight into its place.
-        """
+        """Readings of items ``(starts, lengths)`` of the chunks' concatenation, back to back."""
         chunks = self.flat_values
         assert isinstance(chunks, tuple)
-        sizes = np.array([c.shape[0] for c in chunks], dtype=np.int64)
-        bases = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes, out=bases[1:])
-        chunk_of = np.searchsorted(bases, starts, side="right") - 1
-        channels = chunks[0].shape[1] if chunks else 1
-        out = np.empty((int(lengths.sum()), channels), dtype=np.float32)
-        out_starts = np.zeros(lengths.shape[0], dtype=np.int64)
-        np.cumsum(lengths[:-1], out=out_starts[1:])
-        in_order = bool(np.all(chunk_of[1:] >= chunk_of[:-1]))
-        order = np.arange(chunk_of.size) if in_order else np.argsort(chunk_of, kind="stable")
-        bounds = np.searchsorted(chunk_of[order], np.arange(len(chunks) + 1))
-        for chunk in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
-            lo, hi = int(bounds[chunk]), int(bounds[chunk + 1])
-            rows = order[lo:hi]
-            source_starts, run_lengths = starts[rows] - bases[chunk], lengths[rows]
-            if in_order:  # these items are one stretch of the output too
-                at = int(out_starts[lo])
-                gather_tokens(chunks[chunk], source_starts, run_lengths, out=out[at : at + int(run_lengths.sum())])
-            else:
-                local = gather_tokens(chunks[chunk], source_starts, run_lengths)
-                out[token_positions(out_starts[rows], run_lengths)] = local
-        return out, lengths
+        chunk_of, local = self._in_chunks(starts)
+        return gather_items(chunks, chunk_of, local, lengths), lengths
+
+    def _in_chunks(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk, start in it) of each start in the chunks' concatenation."""
+        chunks = self.flat_values
+        assert isinstance(chunks, tuple)
+        bases = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum([c.shape[0] for c in chunks], out=bases[1:])
+        chunk_of = (np.searchsorted(bases, starts, side="right") - 1).astype(np.int32)
+        return chunk_of, starts - bases[chunk_of]
+
+    def item_readings(self) -> ItemReadings:
+        """Every item's readings where they lie, in item order (what a checkpoint writes piece by piece)."""
+        if isinstance(self.flat_values, np.ndarray):
+            return ItemReadings((self.flat_values,), np.zeros(len(self), np.int32), self.starts, self.lengths)
+        chunk_of, local = self._in_chunks(self.starts)
+        return ItemReadings(self.flat_values, chunk_of, local, self.lengths)
 
     @property
     def tokens(self) -> int:

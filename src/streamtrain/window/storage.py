@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ ITEM_COLUMNS: tuple[tuple[str, Any], ...] = (
     ("sensor_ids", object),
 )
 
+
+# How much of a window's readings a checkpoint gathers at a time to write it (ItemReadings.pieces)
+READINGS_PIECE_BYTES = 16 << 20
 
 # Items an object-array gather copies at a time: each piece holds the interpreter about a
 # millisecond (a gather of millions in one call holds it for a tenth of a second and more)
@@ -75,11 +79,12 @@ class SensorCodes:
 @dataclass(frozen=True)
 class ItemReadings:
     """Items' readings where they already lie: item ``i`` is ``lengths[i]`` rows of
-    ``chunks[chunk_of[i]]`` from ``starts[i]``; ``chunk_of`` never decreases.
+    ``chunks[chunk_of[i]]`` from ``starts[i]``.
 
-    What a restore hands the window: the arrays read from a checkpoint's base and deltas
-    become the window's chunks as they are, instead of gigabytes copied into a new array
-    (memory the process touches for the first time, the slowest part of a 10M restore).
+    A restore hands the window these (the arrays read from a checkpoint's base and deltas
+    become its chunks as they are), and a checkpoint writes a window's readings from them
+    piece by piece (:meth:`pieces`): at 10M items either way would otherwise copy 2.6 GB
+    into memory the process touches for the first time, the slowest part of both.
     ``np.asarray`` gives the readings back to back, as ``state_dict`` stores them.
     """
 
@@ -105,16 +110,65 @@ class ItemReadings:
         tokens, channels = self.shape
         return tokens * channels
 
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.size
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        out = np.empty(self.shape, dtype=np.float32)
-        out_starts = np.zeros(self.lengths.shape[0] + 1, dtype=np.int64)
-        np.cumsum(self.lengths, out=out_starts[1:])
-        bounds = np.searchsorted(self.chunk_of, np.arange(len(self.chunks) + 1))
-        for chunk, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)):
-            if hi > lo:
-                at, end = int(out_starts[lo]), int(out_starts[hi])
-                gather_tokens(self.chunks[chunk], self.starts[lo:hi], self.lengths[lo:hi], out=out[at:end])
+        out = gather_items(self.chunks, self.chunk_of, self.starts, self.lengths)
         return out if dtype is None else out.astype(dtype, copy=False)
+
+    def pieces(self, piece_bytes: int = READINGS_PIECE_BYTES) -> Iterator[memoryview]:
+        """The readings back to back (the bytes of ``np.asarray(self)``), gathered piece by piece
+        into one buffer of about ``piece_bytes``: each piece is valid until the next is asked for."""
+        tokens, channels = self.shape
+        if not tokens:
+            return
+        ends = np.cumsum(self.lengths)
+        piece_tokens = max(1, piece_bytes // (4 * channels))
+        cuts = np.unique(np.searchsorted(ends, np.arange(piece_tokens, tokens, piece_tokens), side="right"))
+        bounds = np.concatenate([[0], cuts[(cuts > 0) & (cuts < self.lengths.shape[0])], [self.lengths.shape[0]]])
+        token_bounds = np.concatenate([[0], ends])[bounds]
+        buffer = np.empty((int(np.diff(token_bounds).max()), channels), dtype=np.float32)
+        for lo, hi, first, last in zip(bounds[:-1], bounds[1:], token_bounds[:-1], token_bounds[1:], strict=True):
+            if last == first:  # empty items only
+                continue
+            out = buffer[: last - first]
+            gather_items(self.chunks, self.chunk_of[lo:hi], self.starts[lo:hi], self.lengths[lo:hi], out=out)
+            yield out.reshape(-1).view(np.uint8).data
+
+
+def gather_items(
+    chunks: Sequence[np.ndarray],
+    chunk_of: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Readings of items (``chunk_of``, ``starts`` in that chunk, ``lengths``) back to back.
+
+    One gather per chunk: the items are grouped by chunk with one sort (none when they
+    already come chunk by chunk, as a restored window's do), not one scan of every item
+    per chunk; a run of one chunk's items is gathered straight into its place.
+    """
+    channels = chunks[0].shape[1] if chunks else 1
+    if out is None:
+        out = np.empty((int(lengths.sum()), channels), dtype=np.float32)
+    out_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=out_starts[1:])
+    in_order = bool(np.all(chunk_of[1:] >= chunk_of[:-1]))
+    order = np.arange(chunk_of.size) if in_order else np.argsort(chunk_of, kind="stable")
+    bounds = np.searchsorted(chunk_of[order], np.arange(len(chunks) + 1))
+    for chunk in np.flatnonzero(bounds[1:] > bounds[:-1]).tolist():
+        lo, hi = int(bounds[chunk]), int(bounds[chunk + 1])
+        rows = order[lo:hi]
+        run_starts, run_lengths = starts[rows], lengths[rows]
+        if in_order:  # these items are one stretch of the output too
+            at = int(out_starts[lo])
+            gather_tokens(chunks[chunk], run_starts, run_lengths, out=out[at : at + int(run_lengths.sum())])
+        else:
+            out[token_positions(out_starts[rows], run_lengths)] = gather_tokens(chunks[chunk], run_starts, run_lengths)
+    return out
 
 
 def readings_size(values: Any) -> int:

@@ -422,7 +422,7 @@ def test_a_checkpoint_capture_keeps_sensor_ids_as_the_windows_codes(monkeypatch:
     for start in range(0, 600, 100):
         window.insert_batch(make_batch(start, 100), {0: start + 100})
     capture = window.capture_state()
-    coded = capture(sensor_codes=True)["sensor_ids"]
+    coded = capture(for_checkpoint=True)["sensor_ids"]
     assert isinstance(coded, SensorCodes) and coded.codes.dtype == np.int32
     ids = window.state_dict()["sensor_ids"]
     assert ids.dtype == object and np.asarray(coded, dtype=object).tolist() == ids.tolist()
