@@ -27,7 +27,11 @@ Reported per size:
   and of the delta, over the bytes (readings + columns) that arrived between the two cuts;
   and amortized with compaction: a new base once the deltas hold as many bytes as the base
   (``WindowChain``'s default), i.e. one base per ``K = ceil(base / delta)`` intervals;
-* restore: reading the newest checkpoint (base + delta) and ``load_state_dict``.
+* restore: reading the newest checkpoint (base + delta) and ``load_state_dict``;
+* the page faults the writer took in its longest insert during the checkpoints, and the
+  rate at which this machine gives the process memory it has not touched before, against
+  memory touched before (on the development VM the first varies tenfold from run to run
+  and bounds every figure that allocates: docs/operations.md, "A window of millions").
 
 Run: ``python bench/window_scale.py [--sizes 100000,1000000,10000000] [--steady-s 10] [--json]``.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import shutil
 import subprocess
 import sys
@@ -118,6 +123,7 @@ class TimedLock:
 
 
 def run_size(size: int, steady_s: float) -> dict[str, float]:
+    touch_rates = first_touch_rates()  # first: memory the process never had, before it frees any
     base_rss = rss_bytes()
     now = [1.7e9]
     window = RecencyWindow(size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0])
@@ -142,6 +148,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     insert_s: list[float] = []
     insert_at: list[float] = []
     insert_bytes: list[int] = []  # readings + columns of each batch, at the time its insert returned
+    insert_faults: list[int] = []  # page faults the writer thread took in each insert
     done_at: list[float] = []
     checkpoint_spans: list[tuple[float, float]] = []
 
@@ -149,9 +156,11 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
         next_at = time.perf_counter()
         while not stop.is_set():
             batch = source.batch(WRITE_BATCH)
+            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             t = time.perf_counter()
             window.insert_batch(batch)
             done = time.perf_counter()
+            insert_faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults)
             insert_s.append(done - t)
             insert_at.append(t)
             done_at.append(done)
@@ -216,6 +225,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     t = time.perf_counter()
     loaded = store.load_latest()
     assert loaded is not None
+    read_s = time.perf_counter() - t
     restored = RecencyWindow(size, 3600.0, rng=np.random.default_rng(3), clock=lambda: now[0])
     restored.load_state_dict(loaded.state["window"])
     restore_s = time.perf_counter() - t
@@ -226,6 +236,8 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     for a, b in checkpoint_spans:
         during |= (started_at >= a) & (started_at <= b)
     alone = (started_at >= quiet_start) & (started_at <= quiet_end)
+    longest_during = int(np.flatnonzero(during)[np.argmax(steady[during])]) if during.any() else -1
+    del loaded, restored
     return {
         "size": size,
         "fill_s": fill_s,
@@ -241,6 +253,8 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
         "insert_ms_max_alone": 1000 * float(steady[alone].max()),
         "insert_ms_max": 1000 * float(steady[~during & ~alone].max()),
         "insert_ms_max_checkpoint": 1000 * float(steady[during].max()) if during.any() else 0.0,
+        "insert_faults_longest_checkpoint": insert_faults[longest_during] if longest_during >= 0 else 0,
+        "insert_faults_mean": float(np.mean(insert_faults)),
         "capture_ms": 1000 * max(c["capture_s"] for c in checkpoints),
         "base_build_s": base["build_s"],
         "base_write_s": base["write_s"],
@@ -254,7 +268,28 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
         "delta_over_arrived": delta["bytes"] / arrived,
         "amortized_over_arrived": (delta["bytes"] + base["bytes"] / k) / arrived,
         "restore_s": restore_s,
+        "restore_read_s": read_s,
+        **touch_rates,
     }
+
+
+def first_touch_rates(megabytes: int = 512) -> dict[str, float]:
+    """MB/s writing memory the process takes from the OS (first touch), then the same memory again.
+
+    On a VM whose host backs guest memory only when it is first touched (and takes freed
+    memory back), the first can be a hundred times slower than the second and vary from
+    run to run; it bounds every figure above that allocates (a restore, a base's file in the
+    page cache), so each run reports its own.
+    """
+    fresh = np.empty(megabytes << 18, dtype=np.float32)
+    t = time.perf_counter()
+    np.multiply(fresh, 0, out=fresh)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    np.multiply(fresh, 0, out=fresh)
+    again = time.perf_counter() - t
+    del fresh
+    return {"first_touch_mb_s": megabytes / first, "touched_mb_s": megabytes / again}
 
 
 def rows_for(result: dict[str, float]) -> list[Row]:
@@ -269,6 +304,12 @@ def rows_for(result: dict[str, float]) -> list[Row]:
         Row(label, "insert_batch longest ms, writer alone (scheduling noise)", result["insert_ms_max_alone"]),
         Row(label, "insert_batch longest ms, beside snapshots", result["insert_ms_max"]),
         Row(label, "insert_batch longest ms, during the checkpoints", result["insert_ms_max_checkpoint"]),
+        Row(
+            label,
+            "page faults in that insert (mean of all inserts)",
+            result["insert_faults_longest_checkpoint"],
+            result["insert_faults_mean"],
+        ),
         Row(label, "base: build s", result["base_build_s"]),
         Row(label, "base: write s", result["base_write_s"]),
         Row(label, "base MB (what every checkpoint wrote before deltas)", result["base_mb"]),
@@ -279,6 +320,13 @@ def rows_for(result: dict[str, float]) -> list[Row]:
         Row(label, "delta / bytes arrived", result["delta_over_arrived"], target="<= 2"),
         Row(label, "delta + base amortized / bytes arrived", result["amortized_over_arrived"], target="<= 3"),
         Row(label, "restore s (base + delta)", result["restore_s"], target="<= 30 at 10M"),
+        Row(label, "restore: reading and replaying the files s", result["restore_read_s"]),
+        Row(
+            label,
+            "first touch of fresh memory MB/s (memory touched before)",
+            result["first_touch_mb_s"],
+            result["touched_mb_s"],
+        ),
     ]
 
 

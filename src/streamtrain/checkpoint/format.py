@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from streamtrain.checkpoint.codec import PayloadTensor, flatten_state, unflatten_state
-from streamtrain.checkpoint.files import Chunk, chunk_length, chunk_pieces
+from streamtrain.checkpoint.files import Chunk, chunk_length, chunk_pieces, drop_cached
 from streamtrain.window.storage import ItemReadings
 
 FORMAT_NAME = "streamtrain.checkpoint"
@@ -185,8 +185,10 @@ def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
                 buffers[name] = buffer = _buffer(length)
                 for at in range(0, length, _PIECE_BYTES):  # pieces: the hasher works on one while the next is read
                     piece = buffer[at : at + _PIECE_BYTES]
+                    offset = file.tell()
                     _read_into(file, piece, path)
                     digest.update(piece)
+                    drop_cached(file.fileno(), offset, len(piece))  # read once: its cache pages serve the next
         verified = _verified_header(bytes(header), digest.digest(), expected_digest, path)
     if unreadable is not None:
         raise unreadable

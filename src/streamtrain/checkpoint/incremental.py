@@ -111,15 +111,44 @@ def replay_items(
 
     lengths = [np.asarray(source["lengths"], dtype=np.int64).reshape(-1) for source in sources]
     chunks = [np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources]
-    items: dict[str, Any] = {}
+    items: dict[str, Any] = {"seq": seq[rows]}
+    picks = _picks(rows, entered_at, sizes)
     for name, dtype in columns:
-        if name not in ("lengths", "seq"):
-            column = np.concatenate([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources])
-            items[name] = column[rows]
-    items["lengths"] = np.concatenate(lengths)[rows]
-    items["seq"] = seq[rows]
+        if name != "seq":
+            items[name] = _take_rows([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources], picks)
     items["values"] = _gather_values(chunks, lengths, rows, entered_at)
     return items
+
+
+_Picks = list[tuple[np.ndarray | slice, np.ndarray]]
+"""Per source: where its rows go in the output (a slice when they are one stretch) and which."""
+
+
+def _picks(rows: np.ndarray, source_of: np.ndarray, sizes: Sequence[int]) -> _Picks:
+    """Each source's share of ``rows`` (indices into the sources' items, concatenated)."""
+    first = np.concatenate([[0], np.cumsum(sizes)])
+    row_source = source_of[rows]
+    ascending = bool(np.all(row_source[1:] >= row_source[:-1]))
+    bounds = np.searchsorted(row_source, np.arange(len(sizes) + 1)) if ascending else None
+    picks: _Picks = []
+    for j in range(len(sizes)):
+        at: np.ndarray | slice = (
+            slice(int(bounds[j]), int(bounds[j + 1])) if bounds is not None else np.flatnonzero(row_source == j)
+        )
+        picks.append((at, rows[at] - first[j]))
+    return picks
+
+
+def _take_rows(columns: Sequence[np.ndarray], picks: _Picks) -> np.ndarray:
+    """The picked rows of each source's column, into one new column (not the sources joined
+    first and then picked: at 10M items that is a second column's worth of new memory)."""
+    out = np.empty(sum(local.size for _, local in picks), dtype=columns[0].dtype)
+    for column, (at, local) in zip(columns, picks, strict=True):
+        if isinstance(at, slice):
+            np.take(column, local, out=out[at])
+        else:
+            out[at] = column[local]
+    return out
 
 
 def _arrived_in_source_order(seq: np.ndarray, source: np.ndarray) -> bool:
