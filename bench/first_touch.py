@@ -28,20 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
-from window_scale import EventSource  # noqa: E402
+from window_scale import EventSource, first_touch_rates  # noqa: E402
 
 from streamtrain.window.reservoir import RecencyWindow
-
-
-def touch_rates(megabytes: int) -> tuple[float, float]:
-    """(MB/s first touch, MB/s the same memory again)."""
-    fresh = np.empty(megabytes << 18, dtype=np.float32)
-    t = time.perf_counter()
-    np.multiply(fresh, 0, out=fresh)
-    first = time.perf_counter() - t
-    t = time.perf_counter()
-    np.multiply(fresh, 0, out=fresh)
-    return megabytes / first, megabytes / (time.perf_counter() - t)
 
 
 def stalls(megabytes: int, rounds: int) -> dict[str, float]:
@@ -106,7 +95,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    first, again = touch_rates(args.mb)
+    rates = first_touch_rates(args.mb)
+    first, again = rates["first_touch_mb_s"], rates["touched_mb_s"]
     found = stalls(args.mb, args.rounds)
     rows = [
         Row("first_touch", f"write {args.mb} MB of new memory, MB/s (same memory again)", first, again),

@@ -116,9 +116,13 @@ def test_sums_add_over_chunks_as_ranks_add_them() -> None:
     assert added.instances == 12 and added.mean_length == pytest.approx(20.0)
 
 
-def test_the_module_forecasts_what_the_regression_was_fitted_as() -> None:
+@pytest.mark.parametrize("positions", [None, 3])
+def test_the_module_forecasts_what_the_regression_was_fitted_as(positions: int | None) -> None:
+    """One row of coefficients serves every origin; with [C, K, 1 + order], row k serves the
+    origin at position k, the last row every later one."""
     rng = np.random.default_rng(3)
-    coefficients = rng.normal(size=(2, 1 + 5))
+    shape = (2, 1 + 5) if positions is None else (2, positions, 1 + 5)
+    coefficients = rng.normal(size=shape)
     module = LinearForecast(coefficients)
     instances = [rng.normal(size=(n, 2)).astype(np.float32) for n in (1, 3, 9)]
     batch = collate(instances)
@@ -126,22 +130,11 @@ def test_the_module_forecasts_what_the_regression_was_fitted_as() -> None:
     for b, x in enumerate(instances):
         for channel in range(2):
             design, _ = lag_matrix([np.vstack([x, x[-1:]])], 5, channel)  # one more row: every t has a target
-            expected = x[:, channel] + design @ coefficients[channel]
-            np.testing.assert_allclose(forecast[b, : len(x), channel], expected, rtol=1e-5, atol=1e-5)
-
-
-def test_the_module_forecasts_each_origin_with_the_coefficients_of_its_position() -> None:
-    """Row k of [C, K, 1 + order] serves the origin at position k, the last row every later one."""
-    rng = np.random.default_rng(4)
-    coefficients = rng.normal(size=(2, 3, 1 + 5))
-    module = LinearForecast(coefficients)
-    instances = [rng.normal(size=(n, 2)).astype(np.float32) for n in (1, 3, 9)]
-    batch = collate(instances)
-    forecast = module(batch.values * batch.mask[..., None]).double().numpy()
-    for b, x in enumerate(instances):
-        for channel in range(2):
-            design, _ = lag_matrix([np.vstack([x, x[-1:]])], 5, channel)
-            rows = coefficients[channel, np.minimum(np.arange(len(x)), 2)]
+            rows = (
+                coefficients[channel]
+                if positions is None
+                else coefficients[channel, np.minimum(np.arange(len(x)), positions - 1)]
+            )
             expected = x[:, channel] + (design * rows).sum(axis=1)
             np.testing.assert_allclose(forecast[b, : len(x), channel], expected, rtol=1e-5, atol=1e-5)
 
