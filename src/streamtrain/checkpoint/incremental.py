@@ -33,7 +33,6 @@ import numpy as np
 
 from streamtrain.checkpoint.format import read_digest
 from streamtrain.window.reservoir import WindowCapture
-from streamtrain.window.snapshot import WindowSnapshot
 from streamtrain.window.storage import ITEM_COLUMNS, ItemReadings
 
 #: The key that marks a window state as a delta; its value is ``{"name", "sha256"}`` of the parent.
@@ -112,11 +111,12 @@ def replay_items(
     lengths = [np.asarray(source["lengths"], dtype=np.int64).reshape(-1) for source in sources]
     chunks = [np.asarray(source["values"], dtype=np.float32).reshape(-1, channels) for source in sources]
     items: dict[str, Any] = {"seq": seq[rows]}
-    picks = _picks(rows, entered_at, sizes)
+    row_source = entered_at[rows]
+    picks = _picks(rows, row_source, sizes)
     for name, dtype in columns:
         if name != "seq":
             items[name] = _take_rows([np.asarray(source[name], dtype=dtype).reshape(-1) for source in sources], picks)
-    items["values"] = _gather_values(chunks, lengths, rows, entered_at)
+    items["values"] = _readings_in_place(chunks, lengths, picks, row_source, items["lengths"])
     return items
 
 
@@ -124,10 +124,10 @@ _Picks = list[tuple[np.ndarray | slice, np.ndarray]]
 """Per source: where its rows go in the output (a slice when they are one stretch) and which."""
 
 
-def _picks(rows: np.ndarray, source_of: np.ndarray, sizes: Sequence[int]) -> _Picks:
-    """Each source's share of ``rows`` (indices into the sources' items, concatenated)."""
+def _picks(rows: np.ndarray, row_source: np.ndarray, sizes: Sequence[int]) -> _Picks:
+    """Each source's share of ``rows`` (indices into the sources' items, concatenated; the
+    source of each in ``row_source``)."""
     first = np.concatenate([[0], np.cumsum(sizes)])
-    row_source = source_of[rows]
     ascending = bool(np.all(row_source[1:] >= row_source[:-1]))
     bounds = np.searchsorted(row_source, np.arange(len(sizes) + 1)) if ascending else None
     picks: _Picks = []
@@ -164,50 +164,26 @@ def _arrived_in_source_order(seq: np.ndarray, source: np.ndarray) -> bool:
     return bool(np.all(later_min > earlier_max))
 
 
-def _gather_values(
-    chunks: Sequence[np.ndarray], lengths: Sequence[np.ndarray], rows: np.ndarray, source_of: np.ndarray
+def _readings_in_place(
+    chunks: Sequence[np.ndarray],
+    lengths: Sequence[np.ndarray],
+    picks: _Picks,
+    row_source: np.ndarray,
+    row_lengths: np.ndarray,
 ) -> ItemReadings | np.ndarray:
-    """The readings of ``rows`` (indices into the sources' items, concatenated), in that order.
-
-    Usually the rows ascend (the base's survivors, then each delta's): then they stay where
-    they were read, each in its source's array (:class:`ItemReadings`; a 10M-item window's
-    2.6 GB are not copied again). Otherwise (an item came back after a younger one entered,
-    ``max_age_s``) they are gathered back to back in arrival order.
-    """
-    if not rows.size:
+    """The picked rows' readings where they were read, each in its source's array, in the rows'
+    order (a 10M-item window's 2.6 GB are not copied again; the window adopts the arrays)."""
+    if not row_source.size:
         return np.zeros((0, chunks[0].shape[1]), np.float32)
-    all_lengths = np.concatenate(lengths)
-    if bool(np.all(rows[1:] > rows[:-1])):
-        token_end = np.cumsum(all_lengths)  # of each item, counting the sources' tokens one after another
-        source_start = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
-        row_source = source_of[rows]
-        used = np.flatnonzero(np.bincount(row_source, minlength=len(chunks)))  # sources with a survivor
-        renumber = np.zeros(len(chunks), dtype=np.int32)
-        renumber[used] = np.arange(used.size, dtype=np.int32)
-        row_lengths = all_lengths[rows]
-        return ItemReadings(
-            chunks=tuple(np.ascontiguousarray(chunks[j]) for j in used.tolist()),
-            chunk_of=renumber[row_source],
-            starts=token_end[rows] - row_lengths - source_start[row_source],
-            lengths=row_lengths,
-        )
-    # an item that came back after a younger one entered (max_age_s): a gather in arrival order
-    token_base = np.cumsum([0] + [chunk.shape[0] for chunk in chunks[:-1]])
-    starts = np.concatenate([token_base[j] + np.cumsum(length) - length for j, length in enumerate(lengths)])
-    return (
-        WindowSnapshot(
-            flat_values=tuple(chunks),
-            starts=starts,
-            lengths=all_lengths,
-            ts=np.zeros(all_lengths.size),
-            labels=np.zeros(all_lengths.size, dtype=np.int64),
-            keys=np.zeros(all_lengths.size),
-            sensor_ids=np.zeros(all_lengths.size, dtype=object),
-            partitions=np.zeros(all_lengths.size, dtype=np.int32),
-            offsets=np.zeros(all_lengths.size, dtype=np.int64),
-        )
-        .subset(rows)
-        .all_values()
+    starts = _take_rows([np.cumsum(length) - length for length in lengths], picks)
+    used = np.flatnonzero(np.bincount(row_source, minlength=len(chunks)))  # sources with a survivor
+    renumber = np.zeros(len(chunks), dtype=np.int32)
+    renumber[used] = np.arange(used.size, dtype=np.int32)
+    return ItemReadings(
+        chunks=tuple(np.ascontiguousarray(chunks[j]) for j in used.tolist()),
+        chunk_of=renumber[row_source],
+        starts=starts,
+        lengths=row_lengths,
     )
 
 
