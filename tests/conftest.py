@@ -15,10 +15,23 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
 logging.getLogger("kafka").setLevel(logging.WARNING)
 os.environ.setdefault("STREAMTRAIN_COMPILE", "off")
 os.environ.setdefault("STREAMTRAIN_AMP", "off")
+
+
+@pytest.fixture(autouse=True)
+def no_compile_thread_outlives_its_test() -> Iterator[None]:
+    """A background ``torch.compile`` left running poisons the tests after it: dynamo puts the
+    global torch RNG back as it found it when each trace began, from its own thread, so a later
+    test's ``torch.get_rng_state()`` can come back rewound (seen in CI)."""
+    yield
+    from streamtrain.model.compiled import compiling
+
+    assert not compiling(), "this test left a torch.compile thread running: wait for it or set compile off"

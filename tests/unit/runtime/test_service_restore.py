@@ -101,7 +101,7 @@ def test_serve_with_an_incompatible_checkpoint_exits_2_with_that_line(
     config = tmp_path / "serve.toml"
     config.write_text(
         f'checkpoint_dir = "{tmp_path / "ckpt"}"\nchannels = 2\nd_model = 16\nn_heads = 2\nn_layers = 1\nmax_len = 32\n'
-        'kafka_bootstrap = "127.0.0.1:1"\nlog_level = "ERROR"\n'
+        'kafka_bootstrap = "127.0.0.1:1"\nlog_level = "ERROR"\ncompile = "off"\n'
     )
     assert cli.main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
