@@ -25,6 +25,7 @@ Needs the broker (``deploy/kafka.sh up``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing
@@ -98,6 +99,7 @@ class Sample:
     train_steps: float
     events_accepted: float
     host_load: float  # 1-minute load average: on a shared machine, read p99 next to it
+    forecaster: str  # what the serving version forecasts with (network, linear, blend, last_value)
 
 
 @dataclass
@@ -121,6 +123,8 @@ class SoakReport:
     plot: Path
     data: Path
     malloc: str = "glibc"  # what the service ran on
+    # per forecaster that served: (first-half p99, second-half p99, predicts in each half)
+    p99_by_forecaster: dict[str, tuple[float, float, int, int]] = field(default_factory=dict)
 
     @property
     def error_total(self) -> int:
@@ -209,6 +213,13 @@ class _Service:
 
 def _metric(metrics: dict, name: str, labels: dict[str, str] | None = None) -> float:
     return metrics.get((name, tuple(sorted((labels or {}).items()))), 0.0)
+
+
+def _serving_forecaster(metrics: dict) -> str:
+    """The forecaster of ``streamtrain_model_forecaster`` set to 1 ("" before the first version)."""
+    serving = [dict(labels)["forecaster"] for (name, labels), v in metrics.items()
+               if name == "streamtrain_model_forecaster" and v == 1]  # fmt: skip
+    return serving[0] if serving else ""
 
 
 class _PredictLoad:
@@ -372,6 +383,7 @@ def run_soak(config: SoakConfig) -> SoakReport:
                     train_steps=_metric(metrics, "streamtrain_train_steps_total"),
                     events_accepted=_metric(metrics, "streamtrain_events_accepted_total"),
                     host_load=os.getloadavg()[0],
+                    forecaster=_serving_forecaster(metrics),
                 )
             )
     finally:
@@ -457,6 +469,7 @@ def _summarize(
     second = [x for t, x in latencies if t >= middle]
     p99_first = _p99_ms(first) or math.nan
     p99_second = _p99_ms(second) or math.nan
+    by_forecaster = _p99_by_forecaster(samples, latencies, warmup_end_s, middle)
     data_path = out_dir / f"soak-{stamp}.json"
     plot_path = out_dir / f"soak-{stamp}.png"
     report = SoakReport(
@@ -471,6 +484,7 @@ def _summarize(
         p99_first_ms=p99_first,
         p99_second_ms=p99_second,
         p99_drift=p99_second / p99_first if p99_first > 0 else math.nan,
+        p99_by_forecaster=by_forecaster,
         lag_max=max((s.lag for s in steady), default=math.nan),
         lag_end=samples[-1].lag if samples else math.nan,
         events_sent=sent,
@@ -485,6 +499,26 @@ def _summarize(
     )
     _plot(report, config, plot_path)
     return report
+
+
+def _p99_by_forecaster(
+    samples: list[Sample], latencies: list[tuple[float, float]], start: float, middle: float
+) -> dict[str, tuple[float, float, int, int]]:
+    """Each half's p99 per forecaster that served: a predict of the network costs more than one
+    of the linear forecaster, so a half served mostly by one and a half served by the other
+    differ in p99 without anything drifting. A predict counts for the forecaster of the sample
+    that closes its interval."""
+    ends = [s.t_s for s in samples]
+    split: dict[str, tuple[list[float], list[float]]] = {}
+    for t, latency in latencies:
+        if t < start or not samples:
+            continue
+        kind = samples[min(bisect.bisect_left(ends, t), len(samples) - 1)].forecaster or "none"
+        split.setdefault(kind, ([], []))[t >= middle].append(latency)
+    return {
+        kind: (_p99_ms(first) or math.nan, _p99_ms(second) or math.nan, len(first), len(second))
+        for kind, (first, second) in sorted(split.items())
+    }
 
 
 def _plot(report: SoakReport, config: SoakConfig, path: Path) -> None:
@@ -526,6 +560,10 @@ def report_rows(report: SoakReport, max_rss_growth: float, max_p99_drift: float)
         Row("soak", "rss_growth_after_warmup", report.rss_growth, max_rss_growth, f"< {max_rss_growth:.0%}"),
         Row("soak", "rss_end_mb", report.rss_end_mb, report.rss_warm_mb),
         Row("soak", "p99_ms_second_half", report.p99_second_ms, report.p99_first_ms, f"drift < {max_p99_drift:g}x"),
+        *(
+            Row("soak", f"p99_ms_second_half, {kind} serving ({n1}+{n2} predicts)", second, first)
+            for kind, (first, second, n1, n2) in report.p99_by_forecaster.items()
+        ),
         Row("soak", "lag_max_messages", report.lag_max),
         Row("soak", "lag_end_messages", report.lag_end),
         Row("soak", "events/s sent vs asked", report.events_sent / report.config["duration_s"], report.config["rate"]),
@@ -583,8 +621,15 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.malloc,
         help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto",
     )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a service setting without its STREAMTRAIN_ prefix, e.g. --set COMPILE=off (repeatable)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    malformed = [item for item in args.set if "=" not in item]
+    if malformed:
+        parser.error(f"--set takes KEY=VALUE, got {malformed[0]!r}")
     rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)
     producers = args.producers if args.producers is not None else (3 if args.realistic else 1)
     fill_s = 1.2 * args.window_capacity / rate
@@ -608,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         window_capacity=args.window_capacity, out_dir=args.out, producers=producers,
         length_median=48.0 if args.realistic else defaults.length_median, small_model=not args.realistic,
         max_len=512 if args.realistic else defaults.max_len, malloc=args.malloc,
+        service_env=dict(item.split("=", 1) for item in args.set),
     )  # fmt: skip
     report = run_soak(config)
     emit(report_rows(report, args.max_rss_growth, args.max_p99_drift), args.json)
