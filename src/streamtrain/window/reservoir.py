@@ -88,6 +88,7 @@ from streamtrain.window.storage import (
     chunk_array,
     decay_rate,
     gather_tokens,
+    held_only_by,
     readings_size,
     take_objects,
 )
@@ -147,7 +148,9 @@ class _Published:
 
     The writer only appends rows past ``n`` to these arrays (and chunks past ``n_chunks``
     to that list, codes past the vocabulary's used part); a cut or a compaction builds new
-    arrays and a new list. So a reader holding this state reads it without a lock.
+    arrays and a new list. So a reader holding this state reads it without a lock. Each
+    state has a ``cols`` dict of its own: an array's reference count then tells whether any
+    state still holds it (:meth:`RecencyWindow._columns_for_cut`).
     """
 
     cols: Mapping[str, np.ndarray]
@@ -190,6 +193,9 @@ class RecencyWindow:
         ("chunks", np.int32),
     )
 
+    # False: every cut takes new columns (bench/first_touch.py compares the two)
+    reuse_cut_columns = True
+
     def __init__(
         self,
         capacity: int,
@@ -210,6 +216,10 @@ class RecencyWindow:
         self.channels = int(channels)
         self.max_age_s = max_age_s
         self.slack = min(self.capacity, max(4096, self.capacity // 8)) if slack is None else max(1, int(slack))
+        # Rows of a full set of columns: up to capacity + slack rows are stored between cuts, and
+        # the batch that takes the store past them must fit too, or it would take a new set just
+        # before the cut takes another. Rows never written cost no memory (untouched pages).
+        self._column_rows = self.capacity + 2 * self.slack
         self._decay = decay_rate(self.half_life_s)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._clock = clock
@@ -229,6 +239,7 @@ class RecencyWindow:
 
     def _reset_storage(self, rows: int) -> None:
         self._cols = {name: np.empty(max(rows, 1024), dtype=dtype) for name, dtype in self._COLUMNS}
+        self._spare_cols: dict[str, np.ndarray] | None = None  # what the last cut replaced (_columns_for_cut)
         self._n = 0  # stored rows; the window is their top `capacity` keys
         self._threshold = -math.inf  # keys at or below it can never enter again
         self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
@@ -240,7 +251,7 @@ class RecencyWindow:
         """Hand readers the writer's current state (built outside the lock, swapped under it)."""
         bit_generator = getattr(self._rng, "bit_generator", None)
         state = _Published(
-            cols=self._cols,
+            cols=dict(self._cols),
             n=self._n,
             chunks=self._chunk_arrays,
             n_chunks=len(self._chunk_arrays),
@@ -489,7 +500,7 @@ class RecencyWindow:
         size = self._cols["keys"].shape[0]
         if rows <= size:
             return
-        new_size = max(rows, min(2 * size, self.capacity + self.slack))
+        new_size = max(rows, min(2 * size, self._column_rows))
         grown = {name: np.empty(new_size, dtype=dtype) for name, dtype in self._COLUMNS}
         for name, column in grown.items():
             column[: self._n] = self._cols[name][: self._n]
@@ -503,13 +514,30 @@ class RecencyWindow:
             return
         if self.max_age_s is None:
             self._threshold = float(cols["keys"][keep].min()) if keep.size else self._threshold
-        size = max(keep.size, min(self.capacity + self.slack, max(2 * keep.size, 1024)))
-        kept = {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
+        size = min(self._column_rows, max(keep.size + 2 * self.slack, 1024))
+        kept = self._columns_for_cut(size)
         for name, column in kept.items():
             np.take(cols[name][:n], keep, out=column[: keep.size])
         self._cols, self._n = kept, int(keep.size)
         self._compact_chunks()
         self._compact_vocabulary()
+
+    def _columns_for_cut(self, size: int) -> dict[str, np.ndarray]:
+        """Columns of ``size`` rows for a cut: those the cut before last replaced, when nobody can
+        reach them any more, else new ones.
+
+        New columns are memory the process never touched, which costs a page fault a page
+        (on the development VM, ~100 MB/s: seconds of ingest at 10M items); the columns of
+        the cut before last were touched already. They are written again only when no
+        published state, view or reader refers to them (:func:`held_only_by`); a capture or
+        a pass that still holds them keeps them as they are, and the cut takes new columns.
+        The columns this cut replaces are kept for the next one.
+        """
+        spare, self._spare_cols = self._spare_cols, self._cols
+        self._rows_cache = None  # a cached state would hold the spare's arrays; the next read fills it again
+        if self.reuse_cut_columns and spare is not None and spare["keys"].shape[0] == size and held_only_by(spare):
+            return spare
+        return {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
 
     def _compact_chunks(self) -> None:
         """Drop dead chunks; gather the live readings of the emptiest chunks into one new chunk.
