@@ -19,9 +19,10 @@ as integer codes into a vocabulary of the window's own (pruned at cuts), the oth
 columns at the width they need: per item, the columns take 64 bytes beside the readings.
 
 Readers never wait on the writer's work, nor the writer on theirs. The writer (one at a
-time) appends rows past what it last published and builds new arrays for a cut, then
+time) appends rows past what it last published and writes a cut into arrays no reader
+can reach (new ones, or those of the cut before last once nobody holds them), then
 publishes the new state by swapping one reference under the lock; a published state is
-never written again. A reader takes that reference under the lock (O(1)) and works out,
+never written again while anyone can reach it. A reader takes that reference under the lock (O(1)) and works out,
 outside it, what a cut at that moment would keep: every read sees exactly the top W
 (without ``max_age_s``), whatever the overshoot, but a read cuts nothing.
 
@@ -507,7 +508,7 @@ class RecencyWindow:
         self._cols = grown
 
     def _cut(self) -> None:
-        """Keep the top ``capacity`` keys (and drop expired rows) in new arrays; compact readings if sparse."""
+        """Keep the top ``capacity`` keys (and drop expired rows) in other columns; compact readings if sparse."""
         n, cols = self._n, self._cols
         keep = self._select_rows(cols, n, self._clock())
         if keep is None:
