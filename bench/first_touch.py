@@ -29,6 +29,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -97,17 +98,21 @@ def stalls(megabytes: int, rounds: int) -> dict[str, float]:
     }
 
 
-def cut_stalls(size: int, cuts: int, batch_events: int) -> dict[str, dict[str, float]]:
-    """Per window (``reuse``, ``new``), over its cuts after the first two (the first has no columns
+# A cut that allocated this much in readings chunks compacted readings (a batch's own chunk is kBs)
+COMPACTED_BYTES = 1 << 20
+
+
+def cut_stalls(
+    size: int, cuts: int, batch_events: int, modes: Sequence[str] = ("reuse", "new")
+) -> dict[str, dict[str, float]]:
+    """Per window of ``modes`` (``reuse``, ``new``), over its cuts after the first two (the first has no columns
     of a cut before; the second has the fill's, of another size): the longest insert with a cut and
     its page faults, the same for the cuts that compacted no readings, and the most bytes a cut's
     compaction gathered into a new readings chunk."""
     now = [1.7e9]
-    windows = {
-        mode: RecencyWindow(size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0])
-        for mode in ("reuse", "new")
-    }
-    windows["new"].reuse_cut_columns = False
+    windows = {mode: RecencyWindow(size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0]) for mode in modes}
+    for mode, window in windows.items():
+        window.reuse_cut_columns = mode == "reuse"
     source = EventSource(0, now[0])
     for _ in range(size // 50_000):
         fill = source.batch(50_000)
@@ -127,7 +132,7 @@ def cut_stalls(size: int, cuts: int, batch_events: int) -> dict[str, dict[str, f
         while min(len(cut) for cut in found.values()) < cuts + 2:
             batch = source.batch(batch_events)
             now[0] = source.ts
-            order.reverse()  # both cut on the same batch: neither always runs first (memory the other just freed)
+            compacted = False
             for mode, window in order:
                 columns = id(window._cols)  # the id only: a reference would keep them from being reused
                 allocated.clear()
@@ -138,19 +143,22 @@ def cut_stalls(size: int, cuts: int, batch_events: int) -> dict[str, dict[str, f
                 if id(window._cols) != columns:  # a cut (the columns never grow once the window is full)
                     faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
                     found[mode].append((elapsed, faults, sum(allocated)))
+                    compacted = compacted or sum(allocated) >= COMPACTED_BYTES
+            if compacted:  # compactions come every other cut: after each, the other window runs first
+                order.reverse()  # (at both kinds of cut, in turn: the second may take pages the first freed)
     finally:
         reservoir.chunk_array = take_chunk  # type: ignore[assignment]
     result = {}
     for mode, all_cuts in found.items():
         cut = all_cuts[2 : cuts + 2]
         longest = max(cut)
-        plain = max((c for c in cut if c[2] < 1 << 20), default=(math.nan, 0, 0))  # no chunk of 1 MB or more
+        plain = max((c for c in cut if c[2] < COMPACTED_BYTES), default=(math.nan, 0, 0))
         result[mode] = {
             "cut_ms": 1000 * longest[0],
             "cut_faults": longest[1],
             "plain_cut_ms": 1000 * plain[0],
             "plain_cut_faults": plain[1],
-            "compactions": sum(c[2] >= 1 << 20 for c in cut),
+            "compactions": sum(c[2] >= COMPACTED_BYTES for c in cut),
             "chunk_mb_most": max(c[2] for c in cut) / 1e6,
         }
     return result

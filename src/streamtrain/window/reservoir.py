@@ -22,9 +22,10 @@ Readers never wait on the writer's work, nor the writer on theirs. The writer (o
 time) appends rows past what it last published and writes a cut into arrays no reader
 can reach (new ones, or those of the cut before last once nobody holds them), then
 publishes the new state by swapping one reference under the lock; a published state is
-never written again while anyone can reach it. A reader takes that reference under the lock (O(1)) and works out,
-outside it, what a cut at that moment would keep: every read sees exactly the top W
-(without ``max_age_s``), whatever the overshoot, but a read cuts nothing.
+never written again while anyone can reach it. A reader takes that reference under the
+lock (O(1)) and works out, outside it, what a cut at that moment would keep: every read
+sees exactly the top W (without ``max_age_s``), whatever the overshoot, but a read cuts
+nothing.
 
 With ``max_age_s`` set the window is *not* the top W of the stream, nor of the events
 still young enough. A cut (when the store outgrows W + S, and at restore) first drops
@@ -148,10 +149,11 @@ class _Published:
     """One state of the store, as readers see it: immutable once published.
 
     The writer only appends rows past ``n`` to these arrays (and chunks past ``n_chunks``
-    to that list, codes past the vocabulary's used part); a cut or a compaction builds new
-    arrays and a new list. So a reader holding this state reads it without a lock. Each
-    state has a ``cols`` dict of its own: an array's reference count then tells whether any
-    state still holds it (:meth:`RecencyWindow._columns_for_cut`).
+    to that list, codes past the vocabulary's used part); a cut writes arrays nobody can
+    reach any more (:meth:`RecencyWindow._columns_for_cut`) and a compaction builds a new
+    list. So a reader holding this state reads it without a lock. Each state has a
+    ``cols`` dict of its own: an array's reference count then tells whether any state
+    still holds it.
     """
 
     cols: Mapping[str, np.ndarray]
