@@ -1014,3 +1014,34 @@ def test_a_window_that_reuses_cut_columns_holds_what_one_taking_new_columns_hold
             held.pop(0)
     for read, expected in held:
         assert all(np.array_equal(array, expected[name]) for name, array in read().items())
+
+
+def test_captures_held_by_another_thread_across_cuts_stay_whole() -> None:
+    """A checkpointer thread holds each capture while the writer cuts, then builds it: every
+    item's readings are its own (``make_batch`` writes its offset into them) and the offsets
+    are those of the captured state."""
+    window = RecencyWindow(200, 30.0, rng=np.random.default_rng(6), slack=20)
+    feed(window, 400, 40)
+    stop = threading.Event()
+
+    def writer() -> None:
+        start = 400
+        while not stop.wait(0.001):  # every insert cuts (40 events, slack 20)
+            window.insert_batch(make_batch(start, 40), {0: start + 40})
+            start += 40
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(60):
+            capture = window.capture_state()
+            stop.wait(0.005)  # the writer cuts meanwhile
+            state = capture()
+            offsets, lengths = state["offsets"], state["lengths"]
+            owners = np.repeat(offsets, lengths).astype(np.float32)
+            assert np.array_equal(np.asarray(state["values"]).reshape(-1), owners)
+            assert len(set(offsets.tolist())) == len(offsets) <= 200
+            assert offsets.max() < int(state["next_offsets"]["0"])
+    finally:
+        stop.set()
+        thread.join()
