@@ -1017,9 +1017,9 @@ def test_a_window_that_reuses_cut_columns_holds_what_one_taking_new_columns_hold
 
 
 def test_captures_held_by_another_thread_across_cuts_stay_whole() -> None:
-    """A checkpointer thread holds each capture while the writer cuts, then builds it: every
-    item's readings are its own (``make_batch`` writes its offset into them) and the offsets
-    are those of the captured state."""
+    """This thread holds each capture while the writer's thread cuts, then builds it (as the
+    checkpointer does): every item's readings are its own (``make_batch`` writes its offset
+    into them) and the offsets are those of the captured state."""
     window = RecencyWindow(200, 30.0, rng=np.random.default_rng(6), slack=20)
     feed(window, 400, 40)
     stop = threading.Event()
