@@ -19,11 +19,13 @@ as integer codes into a vocabulary of the window's own (pruned at cuts), the oth
 columns at the width they need: per item, the columns take 64 bytes beside the readings.
 
 Readers never wait on the writer's work, nor the writer on theirs. The writer (one at a
-time) appends rows past what it last published and builds new arrays for a cut, then
+time) appends rows past what it last published and writes a cut into arrays no reader
+can reach (new ones, or those of the cut before last once nobody holds them), then
 publishes the new state by swapping one reference under the lock; a published state is
-never written again. A reader takes that reference under the lock (O(1)) and works out,
-outside it, what a cut at that moment would keep: every read sees exactly the top W
-(without ``max_age_s``), whatever the overshoot, but a read cuts nothing.
+never written again while anyone can reach it. A reader takes that reference under the
+lock (O(1)) and works out, outside it, what a cut at that moment would keep: every read
+sees exactly the top W (without ``max_age_s``), whatever the overshoot, but a read cuts
+nothing.
 
 With ``max_age_s`` set the window is *not* the top W of the stream, nor of the events
 still young enough. A cut (when the store outgrows W + S, and at restore) first drops
@@ -88,6 +90,7 @@ from streamtrain.window.storage import (
     chunk_array,
     decay_rate,
     gather_tokens,
+    held_only_by,
     readings_size,
     take_objects,
 )
@@ -146,8 +149,11 @@ class _Published:
     """One state of the store, as readers see it: immutable once published.
 
     The writer only appends rows past ``n`` to these arrays (and chunks past ``n_chunks``
-    to that list, codes past the vocabulary's used part); a cut or a compaction builds new
-    arrays and a new list. So a reader holding this state reads it without a lock.
+    to that list, codes past the vocabulary's used part); a cut writes arrays nobody can
+    reach any more (:meth:`RecencyWindow._columns_for_cut`) and a compaction builds a new
+    list. So a reader holding this state reads it without a lock. Each state has a
+    ``cols`` dict of its own: an array's reference count then tells whether any state
+    still holds it.
     """
 
     cols: Mapping[str, np.ndarray]
@@ -190,6 +196,9 @@ class RecencyWindow:
         ("chunks", np.int32),
     )
 
+    # False: every cut takes new columns (bench/first_touch.py compares the two)
+    reuse_cut_columns = True
+
     def __init__(
         self,
         capacity: int,
@@ -210,6 +219,10 @@ class RecencyWindow:
         self.channels = int(channels)
         self.max_age_s = max_age_s
         self.slack = min(self.capacity, max(4096, self.capacity // 8)) if slack is None else max(1, int(slack))
+        # Rows of a full set of columns: up to capacity + slack rows are stored between cuts, and
+        # the batch that takes the store past them must fit too, or it would take a new set just
+        # before the cut takes another. Rows never written cost no memory (untouched pages).
+        self._column_rows = self.capacity + 2 * self.slack
         self._decay = decay_rate(self.half_life_s)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._clock = clock
@@ -229,6 +242,7 @@ class RecencyWindow:
 
     def _reset_storage(self, rows: int) -> None:
         self._cols = {name: np.empty(max(rows, 1024), dtype=dtype) for name, dtype in self._COLUMNS}
+        self._spare_cols: dict[str, np.ndarray] | None = None  # what the last cut replaced (_columns_for_cut)
         self._n = 0  # stored rows; the window is their top `capacity` keys
         self._threshold = -math.inf  # keys at or below it can never enter again
         self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
@@ -240,7 +254,7 @@ class RecencyWindow:
         """Hand readers the writer's current state (built outside the lock, swapped under it)."""
         bit_generator = getattr(self._rng, "bit_generator", None)
         state = _Published(
-            cols=self._cols,
+            cols=dict(self._cols),
             n=self._n,
             chunks=self._chunk_arrays,
             n_chunks=len(self._chunk_arrays),
@@ -489,27 +503,44 @@ class RecencyWindow:
         size = self._cols["keys"].shape[0]
         if rows <= size:
             return
-        new_size = max(rows, min(2 * size, self.capacity + self.slack))
+        new_size = max(rows, min(2 * size, self._column_rows))
         grown = {name: np.empty(new_size, dtype=dtype) for name, dtype in self._COLUMNS}
         for name, column in grown.items():
             column[: self._n] = self._cols[name][: self._n]
         self._cols = grown
 
     def _cut(self) -> None:
-        """Keep the top ``capacity`` keys (and drop expired rows) in new arrays; compact readings if sparse."""
+        """Keep the top ``capacity`` keys (and drop expired rows) in other columns; compact readings if sparse."""
         n, cols = self._n, self._cols
         keep = self._select_rows(cols, n, self._clock())
         if keep is None:
             return
         if self.max_age_s is None:
             self._threshold = float(cols["keys"][keep].min()) if keep.size else self._threshold
-        size = max(keep.size, min(self.capacity + self.slack, max(2 * keep.size, 1024)))
-        kept = {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
+        size = min(self._column_rows, max(keep.size + 2 * self.slack, 1024))
+        kept = self._columns_for_cut(size)
         for name, column in kept.items():
             np.take(cols[name][:n], keep, out=column[: keep.size])
         self._cols, self._n = kept, int(keep.size)
         self._compact_chunks()
         self._compact_vocabulary()
+
+    def _columns_for_cut(self, size: int) -> dict[str, np.ndarray]:
+        """Columns of ``size`` rows for a cut: those the cut before last replaced, when nobody can
+        reach them any more, else new ones.
+
+        New columns are memory the process never touched, which costs a page fault a page
+        (on the development VM, ~100 MB/s: seconds of ingest at 10M items); the columns of
+        the cut before last were touched already. They are written again only when no
+        published state, view or reader refers to them (:func:`held_only_by`); a capture or
+        a pass that still holds them keeps them as they are, and the cut takes new columns.
+        The columns this cut replaces are kept for the next one.
+        """
+        spare, self._spare_cols = self._spare_cols, self._cols
+        self._rows_cache = None  # a cached state would hold the spare's arrays; the next read fills it again
+        if self.reuse_cut_columns and spare is not None and spare["keys"].shape[0] == size and held_only_by(spare):
+            return spare
+        return {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
 
     def _compact_chunks(self) -> None:
         """Drop dead chunks; gather the live readings of the emptiest chunks into one new chunk.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,6 +212,25 @@ def gather_tokens(
         out[...] = run
         return out
     return np.take(flat, token_positions(starts, lengths), axis=0, out=out)
+
+
+def _reference_counts(arrays: Mapping[str, np.ndarray]) -> list[int]:
+    return [sys.getrefcount(array) for array in arrays.values()]
+
+
+# What _reference_counts shows for an array nothing but its mapping refers to, measured the
+# same way (3 in CPython 3.11: the mapping, the loop's name and getrefcount's argument)
+_HELD_BY_ITS_MAPPING_ONLY = _reference_counts({"probe": np.empty(0)})[0]
+
+
+def held_only_by(arrays: Mapping[str, np.ndarray]) -> bool:
+    """Whether nothing but ``arrays`` refers to any of its arrays (CPython reference counts).
+
+    Not another mapping, nor an object holding one, nor a view (a view refers to the array
+    that owns its memory), nor a name in any thread: then nobody can reach these arrays
+    again but through ``arrays``, and its owner may overwrite them.
+    """
+    return all(count == _HELD_BY_ITS_MAPPING_ONLY for count in _reference_counts(arrays))
 
 
 # Chunks this large (~340 events of median length 48 in one channel) get an anonymous

@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 from streamtrain.events import EventBatch, SensorEvent
@@ -910,3 +914,134 @@ def test_sorted_member() -> None:
     assert sorted_member(values, np.array([9])).tolist() == [False, False, True, False]
     empty = sorted_member(values, np.array([], dtype=np.int64))
     assert empty.dtype == np.bool_ and empty.tolist() == [False] * 4
+
+
+# ---------------------------------------------------------------- cuts write the columns of the cut before last again
+
+
+def cut(window: RecencyWindow, start: int, batch: int = 10) -> int:
+    """Insert batches of events from ``start`` until the window cuts (its columns are replaced); the next start."""
+    columns = weakref.ref(window._cols["keys"])
+    while window._cols["keys"] is columns():
+        window.insert_batch(make_batch(start, batch), {0: start + batch})
+        start += batch
+    return start
+
+
+def test_a_cut_writes_the_columns_of_the_cut_before_last_when_nobody_holds_them() -> None:
+    window = RecencyWindow(100, 30.0, rng=np.random.default_rng(3), slack=20)
+    start = cut(window, cut(window, 0))  # the columns now are a cut's: of the size every cut takes
+    columns = {name: weakref.ref(column) for name, column in window._cols.items()}
+    addresses = {name: column.__array_interface__["data"][0] for name, column in window._cols.items()}
+    assert window.stats().size == 100  # a read caches the state it read: the cut does not wait for that to go
+    start = cut(window, start)
+    assert not any(window._cols[name] is ref() for name, ref in columns.items())
+    cut(window, start)
+    assert all(window._cols[name] is ref() for name, ref in columns.items())
+    assert {name: column.__array_interface__["data"][0] for name, column in window._cols.items()} == addresses
+
+
+ITEM_FIELDS = ("offsets", "keys", "ts", "seq", "lengths", "labels", "partitions", "values")
+
+
+def items_now(window: RecencyWindow) -> dict[str, np.ndarray]:
+    """The window's items as copies of their own (what a reader must keep seeing)."""
+    state = window.state_dict()
+    return {name: np.array(state[name], copy=True) for name in ITEM_FIELDS}
+
+
+def hold_snapshot(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
+    snap = window.snapshot()
+    return lambda: {name: getattr(snap, name) for name in ITEM_FIELDS[:-1]} | {"values": snap.all_values()}
+
+
+def hold_column_view(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
+    keys = window.snapshot().keys  # only the view: the snapshot is gone
+    return lambda: {"keys": keys}
+
+
+def hold_capture(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
+    capture = window.capture_state()  # a checkpoint holds its published state for seconds, then builds
+    return lambda: {name: value for name, value in capture().items() if name in ITEM_FIELDS}
+
+
+@pytest.mark.parametrize("hold", [hold_snapshot, hold_column_view, hold_capture])
+def test_what_a_reader_holds_is_never_written_by_later_cuts(
+    hold: Callable[[RecencyWindow], Callable[[], dict[str, Any]]],
+) -> None:
+    window = RecencyWindow(100, 30.0, rng=np.random.default_rng(4), slack=20)
+    start = cut(window, cut(window, cut(window, 0)))
+    assert np.shares_memory(window.snapshot().keys, window._cols["keys"])  # the state needs no cut: views
+    expected = items_now(window)
+    read = hold(window)
+    for _ in range(6):  # the held columns are the spare of the second of these cuts
+        start = cut(window, start)
+    assert all(np.array_equal(array, expected[name]) for name, array in read().items())
+
+
+def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        np.array_equal(np.asarray(a[k]), np.asarray(b[k])) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(5, 120),
+    slack=st.integers(1, 40),
+    max_age=st.sampled_from([None, 150.0]),
+    steps=st.lists(st.tuples(st.integers(1, 50), st.sampled_from(["", "snapshot", "capture", "drop"])), max_size=60),
+)
+def test_a_window_that_reuses_cut_columns_holds_what_one_taking_new_columns_holds(
+    capacity: int, slack: int, max_age: float | None, steps: list[tuple[int, str]]
+) -> None:
+    now = [0.0]
+    shared: dict[str, Any] = {"slack": slack, "max_age_s": max_age, "clock": lambda: now[0]}
+    reusing, fresh = (RecencyWindow(capacity, 40.0, rng=np.random.default_rng(1), **shared) for _ in range(2))
+    fresh.reuse_cut_columns = False
+    held: list[tuple[Callable[[], dict[str, Any]], dict[str, np.ndarray]]] = []
+    start = 0
+    for n, action in steps:
+        batch = make_batch(start, n)
+        start += n
+        now[0] = float(start)
+        for window in (reusing, fresh):
+            window.insert_batch(batch, {0: start})
+        assert same_state(reusing.state_dict(), fresh.state_dict())
+        if action in ("snapshot", "capture"):
+            held.append(((hold_snapshot if action == "snapshot" else hold_capture)(reusing), items_now(reusing)))
+        elif action == "drop" and held:
+            held.pop(0)
+    for read, expected in held:
+        assert all(np.array_equal(array, expected[name]) for name, array in read().items())
+
+
+def test_captures_held_by_another_thread_across_cuts_stay_whole() -> None:
+    """This thread holds each capture while the writer's thread cuts, then builds it (as the
+    checkpointer does): every item's readings are its own (``make_batch`` writes its offset
+    into them) and the offsets are those of the captured state."""
+    window = RecencyWindow(200, 30.0, rng=np.random.default_rng(6), slack=20)
+    feed(window, 400, 40)
+    stop = threading.Event()
+
+    def writer() -> None:
+        start = 400
+        while not stop.wait(0.001):  # every insert cuts (40 events, slack 20)
+            window.insert_batch(make_batch(start, 40), {0: start + 40})
+            start += 40
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(60):
+            capture = window.capture_state()
+            stop.wait(0.005)  # the writer cuts meanwhile
+            state = capture()
+            offsets, lengths = state["offsets"], state["lengths"]
+            owners = np.repeat(offsets, lengths).astype(np.float32)
+            assert np.array_equal(np.asarray(state["values"]).reshape(-1), owners)
+            assert len(set(offsets.tolist())) == len(offsets) <= 200
+            assert offsets.max() < int(state["next_offsets"]["0"])
+    finally:
+        stop.set()
+        thread.join()

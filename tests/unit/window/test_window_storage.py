@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamtrain.window.storage import ItemReadings
+from streamtrain.window.storage import ItemReadings, held_only_by
 
 
 @st.composite
@@ -52,3 +52,18 @@ def test_pieces_reuse_one_buffer_and_never_copy_the_window_at_once() -> None:
     readings = ItemReadings((chunk,), np.zeros(400, np.int32), np.arange(0, 4000, 10), np.full(400, 10))
     buffers = {np.frombuffer(piece, np.float32).__array_interface__["data"][0] for piece in readings.pieces(1600)}
     assert len(buffers) == 1  # one buffer of ~1600 bytes for 16,000 bytes of readings
+
+
+def test_held_only_by_sees_every_other_reference_to_the_arrays() -> None:
+    arrays = {"keys": np.zeros(8), "ts": np.zeros(8)}
+    assert held_only_by(arrays)
+    another = dict(arrays)  # a published state's own dict of the same arrays
+    assert not held_only_by(arrays)
+    del another
+    view = arrays["ts"][2:5]  # a view refers to the array that owns the memory
+    assert not held_only_by(arrays)
+    del view
+    name = arrays["keys"]
+    assert not held_only_by(arrays)
+    del name
+    assert held_only_by(arrays)
