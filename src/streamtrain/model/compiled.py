@@ -9,9 +9,10 @@ build without it) or fails, it stays eager and says so in one log line.
 
 Graphs: the compiled code is shape-generic in the batch and length dimensions, so one
 graph serves every batch the planner makes. PyTorch still specializes a dimension of size
-0 or 1, so inputs are padded to at least :data:`MIN_DYNAMIC_SIZE` rows and positions first
-(pad rows have no real position, pad positions come after the real ones; the causal model
-computes every real position as before) and the output cut back. ``graphs`` counts what
+0 or 1, and the forecast loss compares positions ``1:`` with ``:-1`` (``L - 1`` of them), so
+inputs are padded to at least :data:`MIN_DYNAMIC_SIZE` rows and positions first (pad rows
+have no real position, pad positions come after the real ones; the causal model computes
+every real position as before) and the output cut back. ``graphs`` counts what
 this process compiled; docs/performance.md has the measurements behind the choice.
 """
 
@@ -48,8 +49,10 @@ COMPILE_THREAD_PREFIX = "compile-"
 #: Packages of torch whose own assertions are compiler failures, not the compiled function's.
 COMPILER_PACKAGES = ("_dynamo", "_inductor")
 
-#: Smallest batch and length a compiled forward sees (sizes 0 and 1 would get graphs of their own).
-MIN_DYNAMIC_SIZE = 2
+#: Smallest batch and length a compiled forward sees: sizes 0 and 1 get graphs of their own, and
+#: so does a length of 2 (its ``L - 1`` is 1): a recompile on the first such batch, seconds on
+#: a small CPU with the interpreter held (predict p99 in bench/soak.py --realistic).
+MIN_DYNAMIC_SIZE = 3
 
 
 def pad_rows_and_positions(

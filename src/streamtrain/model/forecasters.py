@@ -564,3 +564,11 @@ class ServedModel(nn.Module):
             assert output is not None
             forecast = self.network_weight * output.forecast + (1.0 - self.network_weight) * forecast
         return ModelOutput(forecast=forecast, logits=None if output is None else output.logits)
+
+
+def served_module(network: SensorModel, forecaster: Forecaster) -> nn.Module:
+    """What answers for ``network`` with ``forecaster``: the network itself, or a :class:`ServedModel`
+    around it, in eval mode like the published network it holds (a module built in training
+    mode would put that network, which other threads serve from, into training mode the first
+    time anyone restores its mode)."""
+    return network if forecaster.kind == "network" else ServedModel(network, forecaster).eval()

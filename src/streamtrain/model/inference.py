@@ -13,9 +13,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -201,28 +202,42 @@ def predict_arrays(
     out_probs = np.empty((count, model.n_classes), dtype=np.float32) if model.n_classes > 0 else None
     if not arrays:
         return PredictionArrays(out_next, out_score, out_probs)
-    was_training = model.training
     device = model_device(model)
-    model.eval()
-    try:
-        # On a GPU: this thread's own high-priority stream, every micro-batch queued before
-        # anything is read back, and one copy back per output at the end.
-        with inference_stream(device), torch.inference_mode():
-            network = InferenceModel(model, norm)
-            groups = plan_predict_batches(lengths, token_budget)
-            outputs = []
-            for group in groups:
-                batch = collate([arrays[i] for i in group])
-                on_device = to_device_async(batch.values, device), to_device_async(batch.lengths, device)
-                outputs.append(forward(network, *on_device))
-            order = np.concatenate(groups)
-            out_next[order] = torch.cat([o[0] for o in outputs]).cpu().numpy()
-            out_score[order] = torch.cat([o[1] for o in outputs]).cpu().numpy()
-            if out_probs is not None:
-                out_probs[order] = torch.cat([o[2] for o in outputs]).cpu().numpy()
-    finally:
-        model.train(was_training)
+    # On a GPU: this thread's own high-priority stream, every micro-batch queued before
+    # anything is read back, and one copy back per output at the end.
+    with evaluating(model), inference_stream(device), torch.inference_mode():
+        network = InferenceModel(model, norm)
+        groups = plan_predict_batches(lengths, token_budget)
+        outputs = []
+        for group in groups:
+            batch = collate([arrays[i] for i in group])
+            on_device = to_device_async(batch.values, device), to_device_async(batch.lengths, device)
+            outputs.append(forward(network, *on_device))
+        order = np.concatenate(groups)
+        out_next[order] = torch.cat([o[0] for o in outputs]).cpu().numpy()
+        out_score[order] = torch.cat([o[1] for o in outputs]).cpu().numpy()
+        if out_probs is not None:
+            out_probs[order] = torch.cat([o[2] for o in outputs]).cpu().numpy()
     return PredictionArrays(out_next, out_score, out_probs)
+
+
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` in eval mode for the block, back in training mode after when it was in it.
+
+    A module already in eval mode is not touched: a published model is frozen in eval mode and
+    answers several threads at once (predict workers, scoring, the publication's selection);
+    writing its mode, even to the same value and back, races with them and with the compiled
+    forward's guards on it.
+    """
+    if not module.training:
+        yield module
+        return
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train()
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from streamtrain.data.collate import collate
 from streamtrain.events import NO_LABEL
-from streamtrain.model.inference import forward_on_model_device, plan_predict_batches
+from streamtrain.model.inference import evaluating, forward_on_model_device, plan_predict_batches
 from streamtrain.model.network import ModelOutput, SensorModel
 from streamtrain.model.normalization import RunningNorm
 
@@ -98,32 +98,27 @@ def score_events(
     units = norm if units is None else units
     unit_std = units.std.float()
     lengths = np.array([len(v) for v in values], dtype=np.int64)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for group in plan_predict_batches(lengths, token_budget):
-                batch = collate([values[i] for i in group])
-                mask = batch.mask
-                output, forecast = forward_in_data_units(model, norm, batch.values, mask)
-                data = batch.values
-                valid = (mask[:, :-1] & mask[:, 1:]).double()
-                # In the common units: (forecast - target) / unit std.
-                err = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double().square().mean(-1) * valid
-                naive = ((data[:, :-1] - data[:, 1:]) / unit_std).double().square().mean(-1) * valid
-                out.steps[group] = valid.sum(1).long().numpy()
-                out.sse[group] = err.sum(1).numpy()
-                out.naive_sse[group] = naive.sum(1).numpy()
-                if output.logits is not None:
-                    group_labels = torch.from_numpy(labels_arr[group])
-                    labelled = group_labels != NO_LABEL
-                    if bool(labelled.any()):
-                        logits = output.logits.double()
-                        ce = F.cross_entropy(logits, group_labels.clamp_min(0), reduction="none")
-                        hit = (logits.argmax(-1) == group_labels).double()
-                        rows = group[labelled.numpy()]
-                        out.log_loss[rows] = ce[labelled].numpy()
-                        out.correct[rows] = hit[labelled].numpy()
-    finally:
-        model.train(was_training)
+    with evaluating(model), torch.inference_mode():
+        for group in plan_predict_batches(lengths, token_budget):
+            batch = collate([values[i] for i in group])
+            mask = batch.mask
+            output, forecast = forward_in_data_units(model, norm, batch.values, mask)
+            data = batch.values
+            valid = (mask[:, :-1] & mask[:, 1:]).double()
+            # In the common units: (forecast - target) / unit std.
+            err = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double().square().mean(-1) * valid
+            naive = ((data[:, :-1] - data[:, 1:]) / unit_std).double().square().mean(-1) * valid
+            out.steps[group] = valid.sum(1).long().numpy()
+            out.sse[group] = err.sum(1).numpy()
+            out.naive_sse[group] = naive.sum(1).numpy()
+            if output.logits is not None:
+                group_labels = torch.from_numpy(labels_arr[group])
+                labelled = group_labels != NO_LABEL
+                if bool(labelled.any()):
+                    logits = output.logits.double()
+                    ce = F.cross_entropy(logits, group_labels.clamp_min(0), reduction="none")
+                    hit = (logits.argmax(-1) == group_labels).double()
+                    rows = group[labelled.numpy()]
+                    out.log_loss[rows] = ce[labelled].numpy()
+                    out.correct[rows] = hit[labelled].numpy()
     return out

@@ -25,11 +25,11 @@ from streamtrain.model.forecasters import (
     Forecaster,
     LagSums,
     LinearChoice,
-    ServedModel,
     best_blend,
     choose_linear,
+    served_module,
 )
-from streamtrain.model.inference import plan_predict_batches
+from streamtrain.model.inference import evaluating, plan_predict_batches
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
@@ -162,7 +162,7 @@ class _Served:
 
     @property
     def served(self) -> torch.nn.Module:
-        return ServedModel(self.published.model, self.forecaster)
+        return served_module(self.published.model, self.forecaster)
 
 
 class ForecasterSelector:
@@ -360,13 +360,8 @@ class ForecasterSelector:
                     for i in present:
                         model = models[i]
                         assert model is not None
-                        module = model.served
-                        was_training = module.training
-                        module.eval()
-                        try:
+                        with evaluating(model.served) as module:
                             _, forecast = forward_in_data_units(module, model.norm, data, mask)
-                        finally:
-                            module.train(was_training)
                         errors[i] = ((forecast.float()[:, :-1] - data[:, 1:]) / unit_std).double()
                     # each target's channel mean of e_i e_j, summed over the event's targets
                     products = torch.einsum("ibtc,jbtc,bt->ijb", errors, errors, valid) / data.shape[-1]

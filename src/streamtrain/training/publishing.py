@@ -24,7 +24,7 @@ import torch
 from streamtrain.config import Settings
 from streamtrain.device import settle
 from streamtrain.metrics import Metrics
-from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, ServedModel
+from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster, served_module
 from streamtrain.model.network import SensorModel, build_model
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.selection import GateDecision, Selection
@@ -53,7 +53,7 @@ class PublishedModel:
     @cached_property
     def served(self) -> torch.nn.Module:
         """The module predict, OIP v2, scoring and export run (built once, on first use)."""
-        return self.model if self.forecaster.kind == "network" else ServedModel(self.model, self.forecaster).eval()
+        return served_module(self.model, self.forecaster)
 
 
 class ModelTrainer:

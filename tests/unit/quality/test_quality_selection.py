@@ -176,6 +176,21 @@ def test_the_linear_forecaster_serves_when_it_forecasts_the_holdout_best(tmp_pat
     assert report["forecaster"]["last_publication"]["holdout_mse"]["linear"] == pytest.approx(mse["linear"])
 
 
+def test_a_publication_leaves_every_published_network_in_eval_mode(tmp_path: Path) -> None:
+    """The selection scores forecasters built around published networks; one built in training
+    mode put the serving network into training mode when its mode was restored, and the
+    compiled predict forward, guarded on eval mode, recompiled (seconds of predict p99)."""
+    service = served_service(tmp_path)
+    feed(service, ar2_events(np.random.default_rng(1), 600, time.time()))
+    first = service.trainer.publish()
+    train(service, 3)
+    second = service.trainer.publish()
+    assert {first.forecaster.kind, second.forecaster.kind} != {"network"}  # wrappers were built and scored
+    for published in (first, second):
+        training = [name for name, module in published.model.named_modules() if module.training]
+        assert not training, f"version {published.version}: {training[:3]} in training mode"
+
+
 def test_on_random_walks_no_forecaster_beats_the_last_value_enough_to_replace_it(tmp_path: Path) -> None:
     service = served_service(tmp_path)
     feed(service, walk_events(np.random.default_rng(2), 600, time.time()))
