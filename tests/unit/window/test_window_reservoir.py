@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -223,19 +225,29 @@ def test_with_max_age_a_read_cuts_nothing_and_a_cut_is_final() -> None:
     assert cut_between.snapshot().offsets.tolist() == [4]  # only a newer event fills the hole
 
 
-def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
-    window = RecencyWindow(500, 30.0, rng=np.random.default_rng(0), slack=50)
+@contextlib.contextmanager
+def inserting_in_another_thread(window: RecencyWindow, start: int, pause_s: float = 0.0) -> Iterator[None]:
+    """A writer thread inserting batches of 40 (offsets from ``start``) until the block ends."""
     stop = threading.Event()
 
     def writer() -> None:
-        start = 0
-        while not stop.is_set():
-            window.insert_batch(make_batch(start, 40), {0: start + 40})
-            start += 40
+        offset = start
+        while not stop.wait(pause_s):
+            window.insert_batch(make_batch(offset, 40), {0: offset + 40})
+            offset += 40
 
     thread = threading.Thread(target=writer)
     thread.start()
     try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
+    window = RecencyWindow(500, 30.0, rng=np.random.default_rng(0), slack=50)
+    with inserting_in_another_thread(window, start=0):
         for _ in range(200):
             snap = window.snapshot()
             assert len(snap) <= 500
@@ -244,9 +256,6 @@ def test_snapshot_is_consistent_under_concurrent_inserts() -> None:
             assert all(np.all(v == o) for v, o in zip(snap.values, snap.offsets))
             if len(snap):
                 assert snap.offsets.max() < snap.next_offsets[0]  # state covers its offsets
-    finally:
-        stop.set()
-        thread.join()
 
 
 def test_stats() -> None:
@@ -1022,26 +1031,13 @@ def test_captures_held_by_another_thread_across_cuts_stay_whole() -> None:
     into them) and the offsets are those of the captured state."""
     window = RecencyWindow(200, 30.0, rng=np.random.default_rng(6), slack=20)
     feed(window, 400, 40)
-    stop = threading.Event()
-
-    def writer() -> None:
-        start = 400
-        while not stop.wait(0.001):  # every insert cuts (40 events, slack 20)
-            window.insert_batch(make_batch(start, 40), {0: start + 40})
-            start += 40
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
+    with inserting_in_another_thread(window, start=400, pause_s=0.001):  # every insert cuts (40 events, slack 20)
         for _ in range(60):
             capture = window.capture_state()
-            stop.wait(0.005)  # the writer cuts meanwhile
+            time.sleep(0.005)  # the writer cuts meanwhile
             state = capture()
             offsets, lengths = state["offsets"], state["lengths"]
             owners = np.repeat(offsets, lengths).astype(np.float32)
             assert np.array_equal(np.asarray(state["values"]).reshape(-1), owners)
             assert len(set(offsets.tolist())) == len(offsets) <= 200
             assert offsets.max() < int(state["next_offsets"]["0"])
-    finally:
-        stop.set()
-        thread.join()
