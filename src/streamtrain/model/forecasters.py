@@ -73,7 +73,9 @@ class LagSums:
     Bucket ``k`` holds the targets whose forecast origin ``t`` is at position ``k`` of its
     instance (the last bucket: ``P - 1`` or later), so a model that needs ``r`` real readings
     is fitted on the buckets from ``r - 1`` on, where none of its lags repeats a padded
-    reading. Orders below ``P`` use the leading blocks (their features are a prefix).
+    reading. Orders below ``P`` use the leading blocks (their features are a prefix), so
+    bucket ``k`` sums only its leading ``k + 2`` features (the intercept and the ``k + 1``
+    readings it has); the rest of its block stays zero, never read.
     """
 
     xtx: np.ndarray  # float64 [C, P, P+1, P+1]
@@ -134,23 +136,24 @@ class LagSums:
         targets = np.flatnonzero(has_target)
         bucket_of = np.minimum(targets - item_start[targets], max_order - 1)
         lags = np.arange(max_order, dtype=np.int64)
-        features = np.empty((min(targets.size, _CHUNK_ROWS), max_order + 1))
-        features[:, 0] = 1.0
         for begin in range(0, targets.size, _CHUNK_ROWS):
             buckets = bucket_of[begin : begin + _CHUNK_ROWS]
             order = np.argsort(buckets, kind="stable")  # each bucket's rows contiguous
             rows = targets[begin : begin + _CHUNK_ROWS][order]
             counts = np.bincount(buckets, minlength=max_order)
             bounds = np.concatenate([[0], np.cumsum(counts)])
-            index = np.maximum(item_start[rows, None], rows[:, None] - lags[None, :])  # [N, P]
             change = flat[rows + 1] - flat[rows]  # [N, C]
-            chunk = features[: rows.size]
-            for c in range(channels):  # one BLAS product per channel and position bucket
-                chunk[:, 1:] = flat[index, c]
-                for k in np.flatnonzero(counts).tolist():
-                    x, y = chunk[bounds[k] : bounds[k + 1]], change[bounds[k] : bounds[k + 1], c]
-                    sums.xtx[c, k] += x.T @ x
-                    sums.xty[c, k] += x.T @ y
+            for k in np.flatnonzero(counts).tolist():  # one BLAS product per position bucket and channel
+                origins = rows[bounds[k] : bounds[k + 1]]
+                # the k + 1 readings up to an origin at position k (or later) are all real
+                lagged = flat[origins[:, None] - lags[None, : k + 1]]  # [n, k + 1, C]
+                x = np.empty((origins.size, k + 2))
+                x[:, 0] = 1.0
+                for c in range(channels):
+                    x[:, 1:] = lagged[:, :, c]
+                    y = change[bounds[k] : bounds[k + 1], c]
+                    sums.xtx[c, k, : k + 2, : k + 2] += x.T @ x
+                    sums.xty[c, k, : k + 2] += x.T @ y
                     sums.yty[c, k] += y @ y
             sums.rows += counts
         sums.instances += float(lengths.size)
