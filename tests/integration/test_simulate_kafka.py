@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter, defaultdict
 
 import pytest
 from kafka.admin import KafkaAdminClient
-from kafka_helpers import consume_all
+from kafka_helpers import Broker, consume_all, wait_for
 
 from streamtrain.events import EventLimits, Rejection, SensorEvent, decode_event
 from streamtrain.tools.simulate import main, run_simulation
@@ -95,3 +98,33 @@ def test_command_line_entry_point_produces_the_requested_count(topic):
     )
     assert code == 0
     assert len(read_all(topic, 150)) == 150
+
+
+def test_ctrl_c_with_the_broker_gone_stops_within_the_close_timeout_and_says_what_is_in_flight(
+    private_broker: Broker, tmp_path
+):
+    private_broker.up()
+    log = tmp_path / "simulate.log"
+    with log.open("w") as out:
+        run = subprocess.Popen(
+            [sys.executable, "-m", "streamtrain.tools.simulate", "--bootstrap", private_broker.bootstrap]
+            + ["--rate", "2000", "--progress-interval-s", "0.5", "--close-timeout-s", "3"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: "progress: sent" in log.read_text(), 60, "the simulation to send")
+        private_broker.down()
+        time.sleep(2)  # records pile up in the producer, unacknowledged
+        run.send_signal(signal.SIGINT)
+        stopping = time.monotonic()
+        code = run.wait(timeout=60)
+        stopped_in_s = time.monotonic() - stopping
+    finally:
+        run.kill()
+    text = log.read_text()
+    assert code == 1, text[-2000:]
+    assert "were still unacknowledged when the run stopped (close_timeout_s 3)" in text
+    assert "Traceback" not in text
+    # 3 s of waiting, a send blocked on the full buffer or missing metadata (max_block_ms 15 s), exit
+    assert stopped_in_s < 25, f"took {stopped_in_s:.1f} s to stop"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, KafkaTimeoutError
 
 from streamtrain.tools.sensor_fleet import SensorFleet
 from streamtrain.tools.simulation_config import (
@@ -65,6 +65,8 @@ class TokenBucket:
 
 
 class _Future(Protocol):
+    def add_callback(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+
     def add_errback(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 
@@ -106,13 +108,19 @@ def kafka_producer(config: SimulationConfig) -> Producer:
 
 @dataclass
 class SimulationReport:
-    """What a run sent; ``delivery_errors`` counts records Kafka did not acknowledge."""
+    """What a run sent and what became of it.
+
+    ``delivery_errors`` counts records Kafka refused or that failed; ``unacknowledged`` those
+    still in flight when the stop's ``close_timeout_s`` ran out (the broker may or may not
+    have them).
+    """
 
     sent: int = 0
     malformed: int = 0
     malformed_by_reason: dict[str, int] = field(default_factory=dict)
     delivery_errors: int = 0
     first_delivery_error: str | None = None
+    unacknowledged: int = 0
     elapsed_s: float = 0.0
 
     @property
@@ -124,22 +132,31 @@ class SimulationReport:
         return (
             f"sent {self.sent} in {self.elapsed_s:.1f}s ({self.rate:.1f}/s), "
             f"malformed {self.malformed} ({share:.1%}), delivery errors {self.delivery_errors}"
+            + (f", unacknowledged {self.unacknowledged}" if self.unacknowledged else "")
         )
 
 
-class _DeliveryErrors:
-    """Counts failed sends; errbacks run on the producer's IO thread."""
+class _Deliveries:
+    """Counts acknowledged and failed sends; callbacks run on the producer's IO thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.count = 0
-        self.first: str | None = None
+        self.acknowledged = 0
+        self.failed = 0
+        self.first_failure: str | None = None
 
-    def __call__(self, exc: BaseException) -> None:
+    def acknowledge(self, _metadata: Any = None) -> None:
         with self._lock:
-            self.count += 1
-            if self.first is None:
-                self.first = f"{type(exc).__name__}: {exc}"
+            self.acknowledged += 1
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failed += 1
+            if self.first_failure is None:
+                self.first_failure = f"{type(exc).__name__}: {exc}"
+
+
+CLOSE_WAIT_SLICE_S = 0.25  # how often the wait for acknowledgements looks at ``abandon``
 
 
 def chunk_size(rate: float) -> int:
@@ -152,11 +169,15 @@ def run_simulation(
     producer_factory: Callable[[SimulationConfig], Producer] = kafka_producer,
     *,
     stop: threading.Event | None = None,
+    abandon: threading.Event | None = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     sleep: Callable[[float], Any] | None = None,
 ) -> SimulationReport:
     """Send the fleet's records until ``count``, ``duration_s`` or ``stop``, whichever comes first.
+
+    Then wait up to ``config.close_timeout_s`` for Kafka to acknowledge what is in flight;
+    ``abandon`` (a second Ctrl-C) cuts that wait short.
 
     ``sleep`` defaults to ``stop.wait`` (so a stop request cuts a pacing wait short) or
     ``time.sleep``. Injecting ``clock``/``sleep`` makes pacing testable without waiting.
@@ -166,7 +187,7 @@ def run_simulation(
     fleet = SensorFleet(config)
     chunk = chunk_size(config.rate)
     bucket = TokenBucket(config.rate, burst=chunk, clock=clock) if config.rate > 0 else None
-    errors = _DeliveryErrors()
+    deliveries = _Deliveries()
     by_reason: Counter[str] = Counter()
     report = SimulationReport()
     producer = producer_factory(config)
@@ -192,32 +213,63 @@ def run_simulation(
                     if stop.is_set():
                         break
             batch = fleet.generate_batch(n, now=wall_clock(), elapsed_s=clock() - start)
-            for key, value in zip(batch.keys, batch.values):
+            for key, value, reason in zip(batch.keys, batch.values, batch.reasons):
+                if stop.is_set():  # a stop ends the chunk too: each send may block (max_block_ms)
+                    break
                 try:
-                    producer.send(config.topic, value=value, key=key).add_errback(errors)
+                    future = producer.send(config.topic, value=value, key=key)
+                    future.add_callback(deliveries.acknowledge).add_errback(deliveries.fail)
                 except KafkaError as exc:  # a refused record (timeout, size) is counted, the run goes on
-                    errors(exc)
-            by_reason.update(r for r in batch.reasons if r is not None)
-            report.sent += n
+                    deliveries.fail(exc)
+                if reason is not None:
+                    by_reason[reason] += 1
+                report.sent += 1
             if clock() >= next_progress:
                 next_progress = clock() + config.progress_interval_s
-                _fill(report, by_reason, errors, clock() - start)
+                _fill(report, by_reason, deliveries, clock() - start)
                 logger.info("progress: %s", report.summary())
     finally:
-        try:
-            producer.flush(timeout=30)
-        finally:
-            producer.close(timeout=10)
-    _fill(report, by_reason, errors, clock() - start)
+        _close(producer, config.close_timeout_s, abandon or threading.Event(), clock)
+    _fill(report, by_reason, deliveries, clock() - start)
+    report.unacknowledged = report.sent - deliveries.acknowledged - deliveries.failed
     logger.info("done: %s", report.summary())
     return report
 
 
-def _fill(report: SimulationReport, by_reason: Counter[str], errors: _DeliveryErrors, elapsed_s: float) -> None:
+def _close(producer: Producer, timeout_s: float, abandon: threading.Event, clock: Callable[[], float]) -> None:
+    """Wait up to ``timeout_s`` for the records in flight (less if ``abandon`` is set), then close.
+
+    kafka-python 3.0's ``close(timeout)`` flushes first and, when the flush times out, raises
+    before it closes anything, leaving its sender retrying; a broker that has gone away would
+    keep a stopping run waiting out each batch in turn. So the wait here has one deadline and
+    short slices (a second signal ends it), and what is still in flight then is dropped by
+    closing the sender (``force_close``: its batches fail and are counted as unacknowledged).
+    """
+    deadline = clock() + timeout_s
+    flushed = False
+    while not flushed and not abandon.is_set():
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        try:
+            producer.flush(timeout=min(CLOSE_WAIT_SLICE_S, remaining))
+            flushed = True
+        except KafkaTimeoutError:
+            pass
+    try:
+        producer.close(timeout=max(0.0, deadline - clock()) if flushed else 0.0)
+    except KafkaTimeoutError:
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+        logger.warning("stopped with records in flight: Kafka did not acknowledge them within %.1fs", timeout_s)
+
+
+def _fill(report: SimulationReport, by_reason: Counter[str], deliveries: _Deliveries, elapsed_s: float) -> None:
     report.malformed = sum(by_reason.values())
     report.malformed_by_reason = dict(sorted(by_reason.items()))
-    report.delivery_errors = errors.count
-    report.first_delivery_error = errors.first
+    report.delivery_errors = deliveries.failed
+    report.first_delivery_error = deliveries.first_failure
     report.elapsed_s = elapsed_s
 
 
@@ -293,10 +345,10 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-    previous = _install_stop_handlers(stop)
+    stop, abandon = threading.Event(), threading.Event()
+    previous = _install_stop_handlers(stop, abandon)
     try:
-        report = run_simulation(config, stop=stop)
+        report = run_simulation(config, stop=stop, abandon=abandon)
     except KafkaError as exc:  # e.g. NoBrokersAvailable: one line, not a traceback
         from streamtrain.ingest.security import current_failure
 
@@ -313,23 +365,32 @@ def run_cli(args: argparse.Namespace) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    if report.delivery_errors:
-        print(
-            f"streamtrain simulate: {report.delivery_errors} of {report.sent} records were not delivered "
-            f"(first: {report.first_delivery_error})",
-            file=sys.stderr,
-        )
+    if report.delivery_errors or report.unacknowledged:
+        problems = []
+        if report.delivery_errors:
+            problems.append(f"{report.delivery_errors} were not delivered (first: {report.first_delivery_error})")
+        if report.unacknowledged:
+            problems.append(
+                f"{report.unacknowledged} were still unacknowledged when the run stopped "
+                f"(close_timeout_s {config.close_timeout_s:g}): the broker may or may not have them"
+            )
+        print(f"streamtrain simulate: of {report.sent} records, " + "; ".join(problems), file=sys.stderr)
         return 1
     return 0
 
 
-def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
-    """SIGINT/SIGTERM end the run cleanly (flush, report); only possible on the main thread."""
+def _install_stop_handlers(stop: threading.Event, abandon: threading.Event) -> dict[int, Any]:
+    """SIGINT/SIGTERM end the run cleanly (wait for acknowledgements, report); a second one
+    stops the wait. Only possible on the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+
+    def handle(*_: Any) -> None:
+        (abandon if stop.is_set() else stop).set()
+
     previous: dict[int, Any] = {}
     for signum in (signal.SIGINT, signal.SIGTERM):
-        previous[signum] = signal.signal(signum, lambda *_: stop.set())
+        previous[signum] = signal.signal(signum, handle)
     return previous
 
 

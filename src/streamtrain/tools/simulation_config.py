@@ -100,6 +100,12 @@ class SimulationConfig(BaseModel):
         1 << 20, ge=1024, description="the service's message size limit; too_large messages exceed it"
     )
     progress_interval_s: float = Field(5.0, gt=0, description="seconds between progress log lines")
+    close_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds a finished or stopped run waits for Kafka to acknowledge the records in flight; "
+        "a second Ctrl-C stops waiting",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> SimulationConfig:

@@ -51,6 +51,11 @@ class FakeFuture:
     def __init__(self, error: BaseException | None) -> None:
         self.error = error
 
+    def add_callback(self, fn, *args):
+        if self.error is None:
+            fn(*args, "metadata")
+        return self
+
     def add_errback(self, fn, *args):
         if self.error is not None:
             fn(*args, self.error)
@@ -119,7 +124,7 @@ def test_run_simulation_stops_on_duration_and_on_stop_event():
             return super().send(topic, value, key)
 
     report = run_simulation(config(rate=0.0), lambda c: StoppingProducer(), stop=stop)
-    assert report.sent == chunk_size(0.0)  # the chunk in flight completes, nothing after it
+    assert report.sent == 100 < chunk_size(0.0)  # a stop ends the chunk in flight too
 
 
 def test_run_simulation_counts_delivery_errors():
@@ -138,6 +143,67 @@ def test_run_simulation_counts_delivery_errors():
     report = run_simulation(config(rate=0.0, count=100), lambda c: RefusingProducer())
     assert (report.sent, report.delivery_errors) == (100, 4)
     assert "KafkaTimeoutError" in report.first_delivery_error
+
+
+class PendingFuture(FakeFuture):
+    """A record in flight: neither acknowledged nor failed."""
+
+    def add_callback(self, fn, *args):
+        return self
+
+    def add_errback(self, fn, *args):
+        return self
+
+
+class UnreachableBroker(FakeProducer):
+    """kafka-python 3.0 with its broker gone: nothing is acknowledged, ``flush(t)`` waits ``t``
+    and raises, ``close`` flushes first and raises; only its sender's ``force_close`` ends it."""
+
+    class Sender:
+        force_closed = False
+
+        def force_close(self):
+            self.force_closed = True
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self._sender = self.Sender()
+        self.waited: list[float] = []
+
+    def send(self, topic, value=None, key=None):
+        super().send(topic, value, key)
+        return PendingFuture(None)
+
+    def flush(self, timeout=None):
+        self.waited.append(timeout)
+        self.clock.sleep(timeout)
+        raise KafkaTimeoutError("Timeout waiting for future")
+
+    def close(self, timeout=None):
+        self.flush(timeout)
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_a_stop_with_the_broker_gone_waits_close_timeout_once_and_counts_what_is_in_flight(second_signal):
+    clock = FakeClock()
+    producer = UnreachableBroker(clock)
+    abandon = threading.Event()
+    if second_signal:
+        abandon.set()
+    report = run_simulation(
+        config(rate=0.0, count=300, close_timeout_s=5.0),
+        lambda c: producer,
+        abandon=abandon,
+        clock=clock,
+        wall_clock=lambda: NOW,
+        sleep=clock.sleep,
+    )
+    assert report.sent == report.unacknowledged == 300
+    assert report.delivery_errors == 0
+    assert producer._sender.force_closed  # nothing keeps retrying behind the report
+    waited = sum(producer.waited)
+    assert waited == pytest.approx(0.0 if second_signal else 5.0)  # one deadline for the flush and the close
+    assert max(producer.waited, default=0.0) <= 0.25  # in slices, so a second signal is seen
 
 
 # --- command line -----------------------------------------------------------------------
