@@ -58,6 +58,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests" / "integration"))
 from _series import SERIES, Series, sliding_windows  # noqa: E402
+from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, _fmt, emit, print_columns  # noqa: E402
 
 CONTEXT = 24  # readings per event and per forecast instance
@@ -239,15 +240,19 @@ def produce(bootstrap: str, topic: str, key: bytes, windows: list[np.ndarray], p
         producer.close(10)
 
 
-def service_process(bootstrap: str, topic: str, workdir: Path, channels: int, capacity: int) -> Any:
+def service_process(
+    bootstrap: str, topic: str, workdir: Path, channels: int, capacity: int, overrides: dict[str, str]
+) -> Any:
     """``streamtrain serve`` (not started yet) through the integration tests' ServiceProcess, with the service's own
-    defaults."""
+    defaults but for ``overrides`` (``--set``)."""
     from service_process import FAST_MODEL, ServiceProcess
 
     settings = {"CHANNELS": channels, "WINDOW_CAPACITY": capacity, "HALF_LIFE_S": "inf", "GROUP_ID": f"g-{topic}"}
+    settings.update(overrides)
     service = ServiceProcess(bootstrap, topic, workdir / "ckpt", workdir / "serve.log", **settings)
     for name in FAST_MODEL:  # ServiceProcess shrinks the model for tests; this bench measures the defaults
-        service.env.pop(f"STREAMTRAIN_{name}", None)
+        if name not in overrides:
+            service.env.pop(f"STREAMTRAIN_{name}", None)
     return service
 
 
@@ -301,7 +306,7 @@ def run_one(series: Series, regime: str, base: Baselines, args: argparse.Namespa
                     math.nan, math.nan, None, None, None, base.orders, math.nan, mse_last, mse_ar,
                     window_capacity=capacity, train_s=args.train_s)  # fmt: skip
     ensure_topics(args.bootstrap, {topic: 1, f"{topic}.dlq": 1})
-    service = service_process(args.bootstrap, topic, workdir, channels, capacity)
+    service = service_process(args.bootstrap, topic, workdir, channels, capacity, args.settings)
     served = None
     code = 0
     try:
@@ -440,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bootstrap", default=os.environ.get("STREAMTRAIN_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
     parser.add_argument("--json", action="store_true", help="one JSON object per line: the rows, then the summary")
     parser.add_argument("--plot", type=Path, help="PNG of the test part's forecasts, one panel per series")
+    add_set_option(parser)
     args = parser.parse_args(argv)
+    args.settings = service_settings(parser, args.set)
     names = [s.strip() for s in args.series.split(",") if s.strip()]
     unknown = [s for s in names if s not in SERIES]
     if unknown:

@@ -49,6 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _malloc import CHOICES, malloc_env  # noqa: E402
+from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.ingest.topics import ensure_topics  # noqa: E402
@@ -621,15 +622,10 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.malloc,
         help="the service's malloc: jemalloc preloaded as in the image (deploy/jemalloc.sh), glibc's, or auto",
     )
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="a service setting without its STREAMTRAIN_ prefix, e.g. --set COMPILE=off (repeatable)",
-    )  # fmt: skip
+    add_set_option(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    malformed = [item for item in args.set if "=" not in item]
-    if malformed:
-        parser.error(f"--set takes KEY=VALUE, got {malformed[0]!r}")
+    settings = service_settings(parser, args.set)
     rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)
     producers = args.producers if args.producers is not None else (3 if args.realistic else 1)
     fill_s = 1.2 * args.window_capacity / rate
@@ -653,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         window_capacity=args.window_capacity, out_dir=args.out, producers=producers,
         length_median=48.0 if args.realistic else defaults.length_median, small_model=not args.realistic,
         max_len=512 if args.realistic else defaults.max_len, malloc=args.malloc,
-        service_env=dict(item.split("=", 1) for item in args.set),
+        service_env=settings,
     )  # fmt: skip
     report = run_soak(config)
     emit(report_rows(report, args.max_rss_growth, args.max_p99_drift), args.json)
