@@ -8,13 +8,15 @@ import argparse
 def add_set_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="a service setting without its STREAMTRAIN_ prefix, e.g. --set COMPILE=off (repeatable)",
+        help="a service setting by its name (any case, without the STREAMTRAIN_ prefix), e.g. --set COMPILE=off "
+        "(repeatable)",
     )  # fmt: skip
 
 
 def service_settings(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, str]:
-    """The ``--set`` items as a dict; a malformed one ends the run with a usage error."""
-    malformed = [item for item in items if "=" not in item]
+    """The ``--set`` items as {name: value}, names lower-cased (Settings' field names; the
+    environment's names are case-insensitive); a malformed one ends the run with a usage error."""
+    malformed = [item for item in items if "=" not in item.strip("= ")]
     if malformed:
         parser.error(f"--set takes KEY=VALUE, got {malformed[0]!r}")
-    return dict(item.split("=", 1) for item in items)
+    return {name.strip().lower(): value.strip() for name, value in (item.split("=", 1) for item in items)}

@@ -73,6 +73,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _compile import wait_for_compiled  # noqa: E402
+from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
@@ -406,13 +407,7 @@ def main() -> None:
     parser.add_argument("--bare-calls", type=int, default=48, help="bare forward calls per baseline")
     parser.add_argument("--stream-rate", type=float, default=200.0, help="events/s the simulator sends meanwhile")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the bare forward (the service: 1)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a service setting, e.g. --set predict_concurrency=1 (repeatable)",
-    )
+    add_set_option(parser)
     parser.add_argument("--device", default="cpu", help="DEVICE of the service and the bare forward (cpu, cuda, ...)")
     parser.add_argument(
         "--in-process",
@@ -422,7 +417,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    overrides = {"device": args.device, **dict(item.split("=", 1) for item in args.set)}
+    overrides = {"device": args.device, **service_settings(parser, args.set)}
     routes = [r for r in args.routes.split(",") if r]
     unknown = set(routes) - set(ROUTES)
     if unknown:

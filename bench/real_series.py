@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of the test part's forecasts, one panel per series")
     add_set_option(parser)
     args = parser.parse_args(argv)
-    args.settings = service_settings(parser, args.set)
+    args.settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
     names = [s.strip() for s in args.series.split(",") if s.strip()]
     unknown = [s for s in names if s not in SERIES]
     if unknown:

@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     add_set_option(parser)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    settings = service_settings(parser, args.set)
+    settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
     rate = args.rate if args.rate is not None else (5000.0 if args.realistic else 1000.0)
     producers = args.producers if args.producers is not None else (3 if args.realistic else 1)
     fill_s = 1.2 * args.window_capacity / rate

@@ -43,8 +43,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _flops import matmul_flop_rate, training_flops  # noqa: E402
+from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, emit, print_columns  # noqa: E402
-from train_throughput import filled_window, parse_sets  # noqa: E402
+from train_throughput import filled_window  # noqa: E402
 
 import streamtrain.data.dataset as dataset_module  # noqa: E402
 import streamtrain.distributed.data_parallel as data_parallel  # noqa: E402
@@ -233,13 +234,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="profiled steps")
     parser.add_argument("--items", type=int, default=20_000, help="window size")
     parser.add_argument("--ops", type=int, default=20, help="ops listed by self time")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a setting (repeatable)")
+    add_set_option(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    settings = load_settings(window_capacity=args.items, seed=args.seed, device="cpu", **parse_sets(args.set))
+    settings = load_settings(
+        window_capacity=args.items, seed=args.seed, device="cpu", **service_settings(parser, args.set)
+    )
     window = filled_window(args.items, args.seed)
     trainer = Trainer(settings, window, Metrics())
     trainer.forward.compiled.wait()  # COMPILE=on: profile the compiled step, not the eager one before it

@@ -54,13 +54,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _flops import matmul_flop_rate, training_flops  # noqa: E402
+from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
 from streamtrain.config import Settings, load_settings  # noqa: E402
@@ -357,16 +357,6 @@ class _nothing:
         return None
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected NAME=VALUE")
-        out[name.strip().lower()] = value.strip()
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -382,9 +372,7 @@ def main() -> None:
         "--amp", choices=["bf16", "off"], default=None, help="AMP (default: the device's, off on the CPU)"
     )
     parser.add_argument("--arms", default="ours,fixed", help="which arms to run: ours, fixed or both")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="NAME=VALUE", help="any other setting (repeatable)"
-    )
+    add_set_option(parser)
     parser.add_argument("--profile-steps", type=int, default=30, help="steps of ours under torch.profiler (CUDA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -393,7 +381,7 @@ def main() -> None:
     if not arms or set(arms) - {"ours", "fixed"}:
         parser.error("--arms: ours, fixed or ours,fixed")
 
-    overrides = {"device": args.device, **({"amp": args.amp} if args.amp else {}), **parse_sets(args.set)}
+    overrides = {"device": args.device, **({"amp": args.amp} if args.amp else {}), **service_settings(parser, args.set)}
     settings = load_settings(window_capacity=args.items, seed=args.seed, **overrides)
     window = filled_window(args.items, args.seed)
     device = torch.device(settings.device)
