@@ -177,6 +177,10 @@ class Result:
     live_step: int | None = None  # /v1/model training.live_step: the trainer's, when the test part began
     window_items: int | None = None  # in the window when the test part was forecast (held-out events are not)
     train_s: float = 0.0
+    # the last publication's held-out MSE of the best network so far (the gate's reference) over the linear
+    # forecaster's, and the holdout's size: how the network does where it does not serve
+    holdout_network_linear: float | None = None
+    holdout_events: int | None = None
     error: str | None = None
 
 
@@ -286,6 +290,16 @@ def predict(service: Any, contexts: np.ndarray, batch: int = PREDICT_BATCH) -> t
     return np.asarray(forecasts, dtype=np.float64), sorted(set(versions))
 
 
+def holdout_network_linear(model: dict[str, Any]) -> tuple[float | None, int | None]:
+    """(the reference network's held-out MSE / the linear forecaster's, held-out events) of the last publication."""
+    publication = (model.get("forecaster") or {}).get("last_publication") or {}
+    mse = publication.get("holdout_mse") or {}
+    network, linear = mse.get("reference") or mse.get("candidate"), mse.get("linear")
+    ratio = float(network) / float(linear) if network is not None and linear else None
+    events = publication.get("holdout_events")
+    return ratio, int(events) if events is not None else None
+
+
 def forecaster_kind(model: dict[str, Any]) -> str | None:
     forecaster = model.get("forecaster")
     return str(forecaster.get("kind")) if isinstance(forecaster, dict) and forecaster.get("kind") is not None else None
@@ -332,6 +346,7 @@ def run_one(series: Series, regime: str, base: Baselines, args: argparse.Namespa
         result.live_step = int(live) if live is not None else None
         replays = model.get("replays_per_event")
         result.replays_per_event = float(replays) if isinstance(replays, int | float) else None
+        result.holdout_network_linear, result.holdout_events = holdout_network_linear(model)
         result.mse_served = base.mse(served)
         for name, value in ratios(result.mse_served, mse_last, mse_ar).items():
             setattr(result, name, value)

@@ -102,3 +102,12 @@ def test_window_capacity_is_five_to_ten_thousand_and_holds_every_event() -> None
     assert rs.window_capacity(333) == 5000
     assert rs.window_capacity(7000) == 7000
     assert rs.window_capacity(12_000) == 12_000
+
+
+def test_the_network_holdout_ratio_is_the_reference_over_the_linear_forecaster() -> None:
+    publication = {"holdout_events": 96, "holdout_mse": {"candidate": 9.0, "reference": 3.0, "linear": 2.0}}
+    assert rs.holdout_network_linear({"forecaster": {"last_publication": publication}}) == (1.5, 96)
+    publication["holdout_mse"] = {"candidate": 3.0, "reference": None, "linear": 2.0}  # no reference yet
+    assert rs.holdout_network_linear({"forecaster": {"last_publication": publication}}) == (1.5, 96)
+    assert rs.holdout_network_linear({"forecaster": {"last_publication": None}}) == (None, None)
+    assert rs.holdout_network_linear({}) == (None, None)
