@@ -48,7 +48,12 @@ from kafka.errors import (
 )
 
 from streamtrain.config import Settings
-from streamtrain.ingest.kafka_compat import forbid_topic_auto_creation, producer_failed, survive_refused_records
+from streamtrain.ingest.kafka_compat import (
+    close_producer,
+    forbid_topic_auto_creation,
+    producer_failed,
+    survive_refused_records,
+)
 from streamtrain.ingest.security import authorization_reason, client_options
 from streamtrain.ingest.topics import DLQ_HEADROOM_BYTES, ensure_dead_letter_topic
 from streamtrain.metrics import Metrics
@@ -186,7 +191,7 @@ class DeadLetterOutbox:
         producer, self._producer = self._producer, None
         if producer is not None:
             try:
-                producer.close(timeout=2)
+                close_producer(producer, 2.0)
             except Exception:  # noqa: BLE001 - closing is best effort
                 pass
 
@@ -298,7 +303,7 @@ class DeadLetterOutbox:
             return self._producer
         old, self._producer = self._producer, None
         if old is not None:
-            old.close(timeout=5)  # in-flight sends finish or fail (and come back through the callbacks)
+            close_producer(old, 5.0)  # in-flight sends finish or fail (and come back through the callbacks)
         try:
             self._producer = self._producer_factory(self._request_size)
             self._producer_request_size = self._request_size

@@ -1,4 +1,4 @@
-"""The kafka-python 3.0.12 patches: four bugs of its clients, each worked around as a client is opened.
+"""The kafka-python 3.0.12 patches: five bugs of its clients, each worked around where a client is opened or closed.
 
 Every consumer and producer the service opens gets the patches that apply to it before
 its first request (:func:`streamtrain.ingest.consumers.open_consumer` installs the three
@@ -20,6 +20,9 @@ fixes one, so the patch can go.
 - :func:`survive_refused_records`: an idempotent producer turns one record the broker
   refuses (too large for the topic, not authorized) into a fatal state that fails every
   later send; :func:`producer_failed` tells a producer left in that state.
+- :func:`close_producer`: ``close(timeout)`` flushes first and, when the flush times out
+  (a broker gone, records in flight), raises before closing anything, leaving the
+  producer's sender thread retrying for good.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 from typing import Any
 
 from kafka import KafkaConsumer
+from kafka.errors import KafkaTimeoutError
 
 __all__ = [
     "PARTITION_COUNTS_USER_DATA",
+    "close_producer",
     "forbid_topic_auto_creation",
     "keep_rejoin_pending",
     "producer_failed",
@@ -196,3 +201,25 @@ def producer_failed(producer: Any) -> bool:
     only a new producer sends again."""
     manager = _transaction_manager(producer, "producer_failed")
     return manager is not None and bool(manager.has_fatal_error())
+
+
+def close_producer(producer: Any, timeout_s: float) -> bool:
+    """Close a kafka-python producer within about ``timeout_s``; False when records were still in flight.
+
+    kafka-python 3.0.12's ``close(timeout)`` calls ``flush(timeout)`` first, which raises
+    ``KafkaTimeoutError`` when a batch is still unacknowledged (the broker is gone), and the
+    close stops there: its sender thread goes on retrying until the process exits. Then the
+    sender is closed the way ``close(0)`` did before that change (``force_close``): its batches
+    fail (their futures' errbacks run) and it stops.
+    """
+    try:
+        producer.close(timeout=max(0.0, timeout_s))
+        return True
+    except KafkaTimeoutError:
+        sender = getattr(producer, "_sender", None)
+        if sender is None or not hasattr(sender, "force_close"):
+            raise RuntimeError(
+                "kafka-python's producer changed: re-check streamtrain.ingest.kafka_compat.close_producer"
+            ) from None
+        sender.force_close()
+        return False

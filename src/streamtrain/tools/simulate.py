@@ -27,6 +27,7 @@ from typing import Any, Literal, Protocol
 
 from kafka.errors import KafkaError, KafkaTimeoutError
 
+from streamtrain.ingest.kafka_compat import close_producer
 from streamtrain.tools.sensor_fleet import SensorFleet
 from streamtrain.tools.simulation_config import (
     ENV_PREFIX,
@@ -144,16 +145,25 @@ class _Deliveries:
         self.acknowledged = 0
         self.failed = 0
         self.first_failure: str | None = None
+        self._frozen = False
 
     def acknowledge(self, _metadata: Any = None) -> None:
         with self._lock:
-            self.acknowledged += 1
+            if not self._frozen:
+                self.acknowledged += 1
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
+            if self._frozen:
+                return
             self.failed += 1
             if self.first_failure is None:
                 self.first_failure = f"{type(exc).__name__}: {exc}"
+
+    def freeze(self) -> None:
+        """Count nothing more: records that settle later (dropped at close) stay unacknowledged."""
+        with self._lock:
+            self._frozen = True
 
 
 CLOSE_WAIT_SLICE_S = 0.25  # how often the wait for acknowledgements looks at ``abandon``
@@ -229,21 +239,26 @@ def run_simulation(
                 _fill(report, by_reason, deliveries, clock() - start)
                 logger.info("progress: %s", report.summary())
     finally:
-        _close(producer, config.close_timeout_s, abandon or threading.Event(), clock)
+        _close(producer, config.close_timeout_s, abandon or threading.Event(), clock, deliveries)
     _fill(report, by_reason, deliveries, clock() - start)
     report.unacknowledged = report.sent - deliveries.acknowledged - deliveries.failed
     logger.info("done: %s", report.summary())
     return report
 
 
-def _close(producer: Producer, timeout_s: float, abandon: threading.Event, clock: Callable[[], float]) -> None:
+def _close(
+    producer: Producer,
+    timeout_s: float,
+    abandon: threading.Event,
+    clock: Callable[[], float],
+    deliveries: _Deliveries,
+) -> None:
     """Wait up to ``timeout_s`` for the records in flight (less if ``abandon`` is set), then close.
 
-    kafka-python 3.0's ``close(timeout)`` flushes first and, when the flush times out, raises
-    before it closes anything, leaving its sender retrying; a broker that has gone away would
-    keep a stopping run waiting out each batch in turn. So the wait here has one deadline and
-    short slices (a second signal ends it), and what is still in flight then is dropped by
-    closing the sender (``force_close``: its batches fail and are counted as unacknowledged).
+    A broker that has gone away would keep kafka-python's flush and close waiting out each
+    batch in turn, so the wait here has one deadline and short slices (a second signal ends
+    it); what is still in flight then is dropped (:func:`close_producer`) and counted as
+    unacknowledged.
     """
     deadline = clock() + timeout_s
     flushed = False
@@ -256,12 +271,9 @@ def _close(producer: Producer, timeout_s: float, abandon: threading.Event, clock
             flushed = True
         except KafkaTimeoutError:
             pass
-    try:
-        producer.close(timeout=max(0.0, deadline - clock()) if flushed else 0.0)
-    except KafkaTimeoutError:
-        sender = getattr(producer, "_sender", None)
-        if sender is not None:
-            sender.force_close()
+    if not flushed:
+        deliveries.freeze()
+    if not close_producer(producer, max(0.0, deadline - clock()) if flushed else 0.0):
         logger.warning("stopped with records in flight: Kafka did not acknowledge them within %.1fs", timeout_s)
 
 

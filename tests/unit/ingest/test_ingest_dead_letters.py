@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import namedtuple
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka.errors import (
     ClusterAuthorizationFailedError,
+    IllegalStateError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     NotEnoughReplicasError,
@@ -215,6 +217,70 @@ def test_a_producer_left_in_its_fatal_state_is_replaced() -> None:
     finally:
         box.close(1)
     assert len(made) == 2 and len(made[1].written) == 1
+
+
+class InFlight:
+    """A kafka-python future that never resolves by itself (its broker is gone)."""
+
+    def __init__(self) -> None:
+        self.errbacks: list[Callable[..., Any]] = []
+
+    def add_callback(self, fn: Callable[..., Any]) -> InFlight:
+        return self
+
+    def add_errback(self, fn: Callable[..., Any]) -> InFlight:
+        self.errbacks.append(fn)
+        return self
+
+
+class StuckInItsFatalState(FailingForGood):
+    """Fatal after its first send, whose record stays in flight: kafka-python 3.0.12's
+    ``close(timeout)`` raises on it, and only its sender's ``force_close`` fails it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: list[InFlight] = []
+        self._sender = SimpleNamespace(force_close=self._force_close)
+
+    def send(self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> Any:
+        if self.fatal:
+            return Done(ClusterAuthorizationFailedError())
+        self.fatal = True
+        self.in_flight.append(InFlight())
+        return self.in_flight[-1]
+
+    def close(self, timeout: float | None = None) -> None:
+        if self.in_flight:
+            raise KafkaTimeoutError("Timeout waiting for future")
+
+    def _force_close(self) -> None:
+        stuck, self.in_flight = self.in_flight, []
+        for future in stuck:
+            for errback in future.errbacks:
+                errback(IllegalStateError("Producer is closed forcefully."))
+
+
+def test_a_letter_in_flight_on_a_replaced_producer_is_sent_again_not_left_waiting() -> None:
+    made: list[ScriptedProducer] = []
+
+    def factory(size: int) -> ScriptedProducer:
+        made.append(StuckInItsFatalState() if not made else ScriptedProducer(lambda identity, attempt: None))
+        return made[-1]
+
+    box = DeadLetterOutbox(load_settings(topic="events", dlq_send_attempts=1000), Metrics(), producer_factory=factory)
+    box.start()
+    try:
+        box.submit(message(3), "decode")
+        wait_until = time.monotonic() + 10
+        while not made or not made[0].fatal:
+            assert time.monotonic() < wait_until, "the first letter was never sent"
+            time.sleep(0.01)
+        box.submit(message(4), "decode")  # due: the fatal producer is replaced, and closed
+        assert box.wait_acknowledged(None, 10)
+    finally:
+        box.close(1)
+    assert len(made) == 2
+    assert sorted(int(w["headers"]["source_offset"]) for w in made[1].written) == [103, 104]
 
 
 def test_after_the_allowed_attempts_a_stand_in_goes_instead() -> None:

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kafka.errors import KafkaTimeoutError
 
 from streamtrain.ingest.kafka_compat import (
     PARTITION_COUNTS_USER_DATA,
+    close_producer,
     forbid_topic_auto_creation,
     keep_rejoin_pending,
     producer_failed,
@@ -161,3 +163,34 @@ def test_a_moved_transaction_manager_is_refused_loudly() -> None:
         survive_refused_records(moved)
     with pytest.raises(RuntimeError, match="kafka_compat.producer_failed"):
         producer_failed(moved)
+
+
+class ClosingProducer:
+    """kafka-python 3.0.12's close: flush(timeout) first, which raises while a batch is unacknowledged."""
+
+    def __init__(self, in_flight: bool, sender: bool = True) -> None:
+        self.in_flight = in_flight
+        self.timeouts: list[float] = []
+        if sender:
+            self._sender = SimpleNamespace(force_closed=False)
+            self._sender.force_close = lambda: setattr(self._sender, "force_closed", True)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.timeouts.append(timeout)
+        if self.in_flight:
+            raise KafkaTimeoutError("Timeout waiting for future")
+
+
+def test_a_producer_closes_within_its_timeout_and_one_stuck_on_a_gone_broker_has_its_sender_stopped() -> None:
+    settled = ClosingProducer(in_flight=False)
+    assert close_producer(settled, 5.0) is True
+    assert settled.timeouts == [5.0] and not settled._sender.force_closed
+    stuck = ClosingProducer(in_flight=True)
+    assert close_producer(stuck, 2.0) is False
+    assert stuck.timeouts == [2.0] and stuck._sender.force_closed  # no sender left retrying
+    assert close_producer(ClosingProducer(in_flight=False), -1.0) is True  # a spent deadline closes at once
+
+
+def test_a_producer_without_the_sender_close_producer_stops_is_refused_naming_it() -> None:
+    with pytest.raises(RuntimeError, match=r"re-check streamtrain\.ingest\.kafka_compat\.close_producer"):
+        close_producer(ClosingProducer(in_flight=True, sender=False), 1.0)
