@@ -181,6 +181,8 @@ class Result:
     # forecaster's, and the holdout's size: how the network does where it does not serve
     holdout_network_linear: float | None = None
     holdout_events: int | None = None
+    # the trainer's network alone (the service's final checkpoint) on the test part: MSE / AR(p)'s
+    network_ar: float | None = None
     error: str | None = None
 
 
@@ -290,6 +292,20 @@ def predict(service: Any, contexts: np.ndarray, batch: int = PREDICT_BATCH) -> t
     return np.asarray(forecasts, dtype=np.float64), sorted(set(versions))
 
 
+def network_forecast(checkpoint_dir: Path, contexts: np.ndarray) -> np.ndarray:
+    """The one-step forecasts of the trainer's network in the newest checkpoint (the one written at
+    the service's stop), whatever forecaster the service served: what the network alone learned."""
+    import torch
+
+    from streamtrain.tools.export import bundle_from_checkpoint
+
+    model = bundle_from_checkpoint(checkpoint_dir).inference_model()
+    values = torch.tensor(contexts, dtype=torch.float32)
+    with torch.no_grad():
+        forecast = model(values, torch.full((len(contexts),), contexts.shape[1], dtype=torch.int64))[0]
+    return forecast.numpy().astype(np.float64)
+
+
 def holdout_network_linear(model: dict[str, Any]) -> tuple[float | None, int | None]:
     """(the reference network's held-out MSE / the linear forecaster's, held-out events) of the last publication."""
     publication = (model.get("forecaster") or {}).get("last_publication") or {}
@@ -362,6 +378,7 @@ def run_one(series: Series, regime: str, base: Baselines, args: argparse.Namespa
     if result.error is None and code not in (0, -signal.SIGTERM):
         result.error = f"service exit code {code}"
     if result.error is None:
+        result.network_ar = base.mse(network_forecast(workdir / "ckpt", base.contexts)) / mse_ar
         shutil.rmtree(workdir, ignore_errors=True)
     return result, served
 
@@ -379,11 +396,11 @@ def _cell(x: Any, digits: int = 2) -> str:
 
 def print_table(results: Sequence[Result]) -> None:
     header = ("series", "regime", "ch", "period", "events", "served/last", "AR/last", "served/AR", "served/best",
-              "forecaster", "steps", "replays/event")  # fmt: skip
+              "forecaster", "steps", "replays/event", "network/AR")  # fmt: skip
     body = [
         (r.series, r.regime, str(r.channels), r.period, _cell(r.events), _cell(r.served_last), _cell(r.ar_last),
          _cell(r.served_ar), _cell(r.served_best), r.forecaster or ("error" if r.error else "-"), _cell(r.steps),
-         _cell(r.replays_per_event, 1))
+         _cell(r.replays_per_event, 1), _cell(r.network_ar))
         for r in results
     ]  # fmt: skip
     print_columns(header, body)

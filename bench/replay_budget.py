@@ -1,0 +1,127 @@
+"""How many replays per event generalize: fixed budgets against early stopping, on real series.
+
+Issue 20 asks which bound on training a small stream generalizes: a replay budget per event
+(``MAX_REPLAYS_PER_EVENT``) or early stopping on held-out error. Offline and without the
+service: for each series of ``bench/_series.py``, the service's network (``SensorModel``, the
+default size) is trained on the sliding windows (24 readings) of the first 70%, less a final
+held-out block of a tenth of them and the 23 windows before it that share readings with it, by
+a plain loop (AdamW, learning rate 1e-3, weight decay 0.01, batches of 64 windows, gradients
+clipped to 1; not the service's trainer, its batches or its schedule). At 4, 8, 16, 32 and 64
+replays per training window (cumulative, one model per seed) its one-step forecasts of the last
+30% are scored as real_series.py scores the service (MSE / AR(p)'s), and so is early stopping:
+the replay count whose model forecast the held-out block best. Then the geometric means.
+
+    python bench/replay_budget.py                   # 11 series x 3 seeds, ~7 min on one core
+    python bench/replay_budget.py --series sunspots,goog --seeds 0,1 --json
+
+Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _series import SERIES, sliding_windows  # noqa: E402
+from _table import _fmt, print_columns  # noqa: E402
+from real_series import CONTEXT, baselines  # noqa: E402
+
+from streamtrain.model.network import SensorModel  # noqa: E402
+
+REPLAYS = (4, 8, 16, 32, 64)
+BATCH = 64
+HELD_OUT_SHARE = 0.1
+
+
+def forecast_last(model: SensorModel, z: np.ndarray) -> np.ndarray:
+    """The model's forecast after each context of ``z`` [N, L, C] (normalized units)."""
+    model.eval()
+    with torch.no_grad():
+        x = torch.tensor(z, dtype=torch.float32)
+        out = model(x, torch.ones(x.shape[:2], dtype=torch.bool)).forecast[:, -1].numpy().astype(np.float64)
+    model.train()
+    return out
+
+
+def run_series(name: str, seeds: list[int]) -> dict[str, float]:
+    """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), and the mean pick."""
+    values = SERIES[name]().values.astype(np.float64)
+    base = baselines(values)
+    mean, std = base.mean, base.std
+    windows = np.stack(sliding_windows(values, CONTEXT, base.cut))
+    z = ((windows - mean) / std).astype(np.float32)
+    held = max(8, len(z) // int(1 / HELD_OUT_SHARE))
+    train, holdout = z[: len(z) - held - (CONTEXT - 1)], z[len(z) - held :]
+    contexts = (base.contexts - mean) / std
+    mse_ar = base.mse(base.ar)
+    test: dict[int, list[float]] = {r: [] for r in REPLAYS}
+    stopped, picks = [], []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        torch.manual_seed(seed)
+        model = SensorModel(values.shape[1])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        done, held_mse = 0, {}
+        for replays in REPLAYS:
+            steps = max(1, round(replays * len(train) / BATCH))
+            for _ in range(steps - done):
+                x = torch.tensor(train[rng.choice(len(train), size=min(BATCH, len(train)), replace=False)])
+                out = model(x, torch.ones(x.shape[:2], dtype=torch.bool)).forecast
+                loss = ((out[:, :-1] - x[:, 1:]) ** 2).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+            done = steps
+            test[replays].append(base.mse(forecast_last(model, contexts) * std + mean) / mse_ar)
+            held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
+        pick = min(held_mse, key=held_mse.__getitem__)
+        stopped.append(test[pick][-1])
+        picks.append(pick)
+    out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
+    out["early_stopping"] = float(np.mean(stopped))
+    out["early_stopping_pick"] = float(np.mean(picks))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--series", default=",".join(SERIES), help=f"comma-separated subset of: {', '.join(SERIES)}")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each series' figures are their mean")
+    parser.add_argument("--json", action="store_true", help="one JSON object per series, then the geometric means")
+    args = parser.parse_args(argv)
+    names = [s.strip() for s in args.series.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SERIES]
+    if unknown:
+        parser.error(f"unknown series {unknown}; known: {', '.join(SERIES)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    torch.set_num_threads(1)
+    rows: dict[str, dict[str, float]] = {}
+    for name in names:
+        started = time.monotonic()
+        rows[name] = run_series(name, seeds)
+        print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+    arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
+    geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
+    if args.json:
+        for name, row in rows.items():
+            print(json.dumps({"bench": "replay_budget", "series": name, **row}))
+        print(json.dumps({"bench": "replay_budget", "series": "geometric mean", **geomean}))
+        return 0
+    header = ["series (MSE / AR(p))", *arms, "early stopping picked"]
+    body = [[name, *(_fmt(row[k]) for k in arms), _fmt(row["early_stopping_pick"])] for name, row in rows.items()]
+    body.append(["geometric mean", *(_fmt(geomean[k]) for k in arms), ""])
+    print_columns(header, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
