@@ -350,7 +350,7 @@ class Settings(BaseSettings):
         description="Window items (a random sample) the linear forecaster is fitted on at each publication",
     )
     max_replays_per_event: float = Field(
-        32.0,
+        8.0,
         ge=0,
         allow_inf_nan=False,
         description=(
