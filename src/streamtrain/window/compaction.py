@@ -1,0 +1,127 @@
+"""A window's readings compaction, off the ingest path: plan at a cut, gather on another thread,
+swap in at a later cut.
+
+A cut that finds the reading chunks holding too much garbage picks the sparse ones and
+plans a :class:`ChunkMerge`: which rows of which chunks are live, where their readings lie.
+Gathering those readings into one new chunk is most of a compaction's cost (it copies most
+of the window into memory the process never touched: seconds at millions of items, see
+docs/operations.md), and it needs nothing the writer changes: chunks are never written
+after insert. So :meth:`ChunkMerge.gather` runs on a thread of its own (:func:`run_in_background`)
+while ingest goes on, and the first cut after it finished swaps the merged chunk in
+(:meth:`ChunkMerge.new_starts`). Rows evicted meanwhile just leave garbage in the merged
+chunk; rows never enter an old chunk, so every row still in a sparse chunk at the swap was
+planned. :func:`run_inline` gathers inside the planning cut instead (tests, benchmarks):
+the cut then swaps at once, as a synchronous compaction would.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamtrain.window.storage import ItemReadings, chunk_array
+
+log = logging.getLogger(__name__)
+
+#: How a window runs a merge's gather: given the gather, start it (or run it) and return.
+CompactionRunner = Callable[[Callable[[], None]], None]
+
+
+def run_in_background(gather: Callable[[], None]) -> None:
+    """Gather on a daemon thread of its own: ingest does not wait for it, nor does an exiting process."""
+    threading.Thread(target=gather, name="window-compaction", daemon=True).start()
+
+
+def run_inline(gather: Callable[[], None]) -> None:
+    """Gather inside the cut that planned the merge: it is swapped in by that same cut."""
+    gather()
+
+
+@dataclass(frozen=True)
+class CompactionReport:
+    """The window's readings compactions since it was built or restored.
+
+    ``in_flight``: a merge is planned and not swapped in yet (gathering, or gathered and
+    waiting for the next cut); ``last_gather_s`` and ``last_bytes``: the gather of the
+    last merge swapped in and the readings it copied.
+    """
+
+    in_flight: bool
+    merges_total: int
+    bytes_total: int
+    last_gather_s: float | None
+    last_bytes: int
+
+
+class ChunkMerge:
+    """The live readings of some chunks (``sources``), as one cut found them, gathered into one new chunk.
+
+    A row is named by its place in the sources' concatenation (its key: the sizes of the
+    sources before its own, plus its start): the merged chunk holds the planned rows
+    ordered by key, so each source is read front to back, and a later cut finds a row's
+    new start by a binary search of its key.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[np.ndarray],
+        source_of: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        channels: int,
+    ) -> None:
+        """``source_of``, ``starts``, ``lengths``: each planned row's source (index into ``sources``),
+        start in it and length, in any order (copies of the writer's columns: a merge holds none of them)."""
+        self.sources = tuple(sources)
+        self._source_of = source_of
+        self._starts = starts
+        self._lengths = lengths
+        self._channels = channels
+        self.tokens = int(lengths.sum())
+        self.done = threading.Event()  # set once gathered (or failed: then ``merged`` is None)
+        self.merged: np.ndarray | None = None
+        self.gather_s = 0.0
+        self._keys = np.zeros(0, dtype=np.int64)
+        self._merged_starts = np.zeros(0, dtype=np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.tokens * self._channels
+
+    def _key_bases(self) -> np.ndarray:
+        sizes = np.fromiter((source.shape[0] for source in self.sources), np.int64, count=len(self.sources))
+        bases = np.zeros(sizes.size, dtype=np.int64)
+        np.cumsum(sizes[:-1], out=bases[1:])
+        return bases
+
+    def gather(self) -> None:
+        """Sort the planned rows by key and gather their readings into a new chunk (any thread, once)."""
+        began = time.perf_counter()
+        try:
+            keys = self._key_bases()[self._source_of] + self._starts
+            order = np.argsort(keys, kind="stable")
+            lengths = self._lengths[order]
+            merged = chunk_array(self.tokens, self._channels)
+            readings = ItemReadings(self.sources, self._source_of[order].astype(np.int32), self._starts[order], lengths)
+            readings.gather_into(merged)
+            merged_starts = np.zeros(lengths.shape[0], dtype=np.int64)
+            np.cumsum(lengths[:-1], out=merged_starts[1:])
+            self._keys, self._merged_starts, self.merged = keys[order], merged_starts, merged
+        except Exception:  # the sources stay as they are; a later cut may plan again
+            log.exception("a readings compaction of %d bytes failed; the window keeps its chunks", self.nbytes)
+        finally:
+            self.gather_s = time.perf_counter() - began
+            self.done.set()
+
+    def new_starts(self, source_of: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """Where rows still in the sources (``source_of``, ``starts``: all planned rows) start in ``merged``."""
+        keys = self._key_bases()[source_of] + starts
+        at = np.minimum(np.searchsorted(self._keys, keys), max(self._keys.size - 1, 0))
+        if keys.size and not np.array_equal(self._keys[at], keys):
+            raise RuntimeError("a row in a chunk being merged was not planned: rows must never enter an old chunk")
+        return self._merged_starts[at]
