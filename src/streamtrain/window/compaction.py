@@ -83,7 +83,8 @@ class ChunkMerge:
         self._lengths = lengths
         self._channels = channels
         self.tokens = int(lengths.sum())
-        self.done = threading.Event()  # set once gathered (or failed: then ``merged`` is None)
+        self.done = threading.Event()  # set once gathered, or once the gather failed
+        self.failed = False
         self.merged: np.ndarray | None = None
         self.gather_s = 0.0
         self._keys = np.zeros(0, dtype=np.int64)
@@ -113,6 +114,7 @@ class ChunkMerge:
             np.cumsum(lengths[:-1], out=merged_starts[1:])
             self._keys, self._merged_starts, self.merged = keys[order], merged_starts, merged
         except Exception:  # the sources stay as they are; a later cut may plan again
+            self.failed = True
             log.exception("a readings compaction of %d bytes failed; the window keeps its chunks", self.nbytes)
         finally:
             self.gather_s = time.perf_counter() - began

@@ -600,7 +600,7 @@ class RecencyWindow:
         if merge is None or not merge.done.is_set():
             return
         self._merge = None
-        if merge.merged is None:  # the gather failed (logged): the sources stay
+        if merge.failed:  # logged: the sources stay
             return
         position = {id(source): i for i, source in enumerate(merge.sources)}
         source_of_chunk = np.fromiter(
