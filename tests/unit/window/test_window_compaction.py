@@ -134,8 +134,8 @@ def test_a_merge_is_swapped_in_at_the_first_cut_after_its_gather_and_only_then()
 
 
 def test_readers_taken_before_the_swap_keep_their_readings() -> None:
-    """A snapshot, a pass's subset and a checkpoint capture taken while a merge gathers read the same
-    readings while a writer thread cuts, swaps the merge in and drops the merged chunks' sources."""
+    """A snapshot, a pass's subset and checkpoint captures taken while a merge gathers read the same
+    readings while (and after) a writer thread cuts, swaps the merge in and drops the merged chunks' sources."""
     go = threading.Event()
 
     def gather_when_told(gather: Callable[[], None]) -> None:
@@ -143,7 +143,7 @@ def test_readers_taken_before_the_swap_keep_their_readings() -> None:
 
     subject = window(math.inf, gather_when_told)
     start = fill_until_a_merge_is_in_flight(subject)
-    snap, capture = subject.snapshot(), subject.capture_state()
+    snap, capture, unread_capture = subject.snapshot(), subject.capture_state(), subject.capture_state()
     expected_values = [v.copy() for v in snap.values]
     expected_state = subject.state_dict()
     subset_index = np.arange(0, len(snap), 3)
@@ -178,6 +178,7 @@ def test_readers_taken_before_the_swap_keep_their_readings() -> None:
     assert not mismatches, mismatches[:3]
     assert all(np.array_equal(a, b) for a, b in zip(snap.values, expected_values))
     assert_same_items(capture(), expected_state)
+    assert_same_items(unread_capture(), expected_state)  # its state is first read after the swaps
 
 
 def test_a_checkpoint_taken_while_a_merge_is_in_flight_restores_exactly(tmp_path: Path) -> None:
