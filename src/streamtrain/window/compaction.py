@@ -44,7 +44,7 @@ def run_inline(gather: Callable[[], None]) -> None:
 
 @dataclass(frozen=True)
 class CompactionReport:
-    """The window's readings compactions since it was built or restored.
+    """The window's readings compactions since it was built (a restore drops one in flight, not the counts).
 
     ``in_flight``: a merge is planned and not swapped in yet (gathering, or gathered and
     waiting for the next cut); ``last_gather_s`` and ``last_bytes``: the gather of the

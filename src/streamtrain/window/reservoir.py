@@ -244,6 +244,9 @@ class RecencyWindow:
         self._version = 0
         self._evicted_at_start = 0  # evicted_total when this process took the window over
         self._rows_cache: tuple[_Published, float | None, np.ndarray | None] | None = None
+        self._compactions = CompactionReport(  # since the window was built, restores included
+            in_flight=False, merges_total=0, bytes_total=0, last_gather_s=None, last_bytes=0
+        )
         self._reset_storage(0)
         self._publish()
 
@@ -254,9 +257,6 @@ class RecencyWindow:
         self._threshold = -math.inf  # keys at or below it can never enter again
         self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
         self._merge: ChunkMerge | None = None  # a readings compaction planned and not swapped in yet
-        self._compactions = CompactionReport(
-            in_flight=False, merges_total=0, bytes_total=0, last_gather_s=None, last_bytes=0
-        )
         self._vocabulary = np.empty(1024, dtype=object)
         self._vocabulary_n = 0
         self._codes: dict[str, int] = {}
