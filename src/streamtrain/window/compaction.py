@@ -70,23 +70,24 @@ class ChunkMerge:
     def __init__(
         self,
         sources: Sequence[np.ndarray],
-        source_of: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
+        source_of_chunk: np.ndarray,
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray],
         channels: int,
     ) -> None:
-        """``source_of``, ``starts``, ``lengths``: each planned row's source (index into ``sources``),
-        start in it and length, in any order (copies of the writer's columns: a merge holds none of them)."""
+        """``source_of_chunk``: each chunk's index in ``sources`` (-1: not merged); ``columns``: the
+        planning cut's ``chunks``, ``starts`` and ``lengths`` of its rows, which it publishes and never
+        writes again. The merge reads its rows from them when it gathers, then lets go of them: the
+        writer plans in O(chunks), and the columns can be written again by the cut after next."""
         self.sources = tuple(sources)
-        self._source_of = source_of
-        self._starts = starts
-        self._lengths = lengths
+        self._source_of_chunk = source_of_chunk
+        self._columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = columns
         self._channels = channels
-        self.tokens = int(lengths.sum())
+        self.tokens = 0
         self.done = threading.Event()  # set once gathered, or once the gather failed
         self.failed = False
         self.merged: np.ndarray | None = None
         self.gather_s = 0.0
+        self._bases = np.zeros(0, dtype=np.int64)
         self._keys = np.zeros(0, dtype=np.int64)
         self._merged_starts = np.zeros(0, dtype=np.int64)
 
@@ -94,35 +95,40 @@ class ChunkMerge:
     def nbytes(self) -> int:
         return 4 * self.tokens * self._channels
 
-    def _key_bases(self) -> np.ndarray:
-        sizes = np.fromiter((source.shape[0] for source in self.sources), np.int64, count=len(self.sources))
-        bases = np.zeros(sizes.size, dtype=np.int64)
-        np.cumsum(sizes[:-1], out=bases[1:])
-        return bases
-
     def gather(self) -> None:
-        """Sort the planned rows by key and gather their readings into a new chunk (any thread, once)."""
+        """Read the planned rows, sort them by key and gather their readings into a new chunk (any thread, once)."""
         began = time.perf_counter()
         try:
-            keys = self._key_bases()[self._source_of] + self._starts
+            assert self._columns is not None, "a merge gathers once"
+            chunk_ids, column_starts, column_lengths = self._columns
+            row_sources = self._source_of_chunk[chunk_ids]
+            rows = np.flatnonzero(row_sources >= 0)
+            source_of, starts = row_sources[rows], column_starts[rows]
+            lengths = column_lengths[rows].astype(np.int64)
+            self._columns = None
+            sizes = np.fromiter((source.shape[0] for source in self.sources), np.int64, count=len(self.sources))
+            self._bases = np.zeros(sizes.size, dtype=np.int64)
+            np.cumsum(sizes[:-1], out=self._bases[1:])
+            keys = self._bases[source_of] + starts
             order = np.argsort(keys, kind="stable")
-            lengths = self._lengths[order]
+            lengths = lengths[order]
+            self.tokens = int(lengths.sum())
             merged = chunk_array(self.tokens, self._channels)
-            readings = ItemReadings(self.sources, self._source_of[order].astype(np.int32), self._starts[order], lengths)
-            readings.gather_into(merged)
+            ItemReadings(self.sources, source_of[order].astype(np.int32), starts[order], lengths).gather_into(merged)
             merged_starts = np.zeros(lengths.shape[0], dtype=np.int64)
             np.cumsum(lengths[:-1], out=merged_starts[1:])
             self._keys, self._merged_starts, self.merged = keys[order], merged_starts, merged
         except Exception:  # the sources stay as they are; a later cut may plan again
             self.failed = True
-            log.exception("a readings compaction of %d bytes failed; the window keeps its chunks", self.nbytes)
+            log.exception("a readings compaction of %d chunks failed; the window keeps them", len(self.sources))
         finally:
+            self._columns = None
             self.gather_s = time.perf_counter() - began
             self.done.set()
 
     def new_starts(self, source_of: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Where rows still in the sources (``source_of``, ``starts``: all planned rows) start in ``merged``."""
-        keys = self._key_bases()[source_of] + starts
+        keys = self._bases[source_of] + starts
         at = np.minimum(np.searchsorted(self._keys, keys), max(self._keys.size - 1, 0))
         if keys.size and not np.array_equal(self._keys[at], keys):
             raise RuntimeError("a row in a chunk being merged was not planned: rows must never enter an old chunk")

@@ -204,6 +204,9 @@ class RecencyWindow:
     # False: every cut takes new columns (bench/first_touch.py compares the two)
     reuse_cut_columns = True
 
+    # rows a compaction's swap works on at a time (its temporaries: a few MB, reused piece to piece)
+    _PIECE_ROWS = 1 << 18
+
     def __init__(
         self,
         capacity: int,
@@ -569,7 +572,7 @@ class RecencyWindow:
         alive = live_tokens > 0
         if not alive.all():
             self._keep_chunks(alive, None)
-            chunk_ids, live_tokens = cols["chunks"][:n], live_tokens[alive]
+            live_tokens = live_tokens[alive]
         if self._merge is not None:
             return
         sizes = np.fromiter((c.shape[0] for c in self._chunk_arrays), np.float64, count=len(self._chunk_arrays))
@@ -579,23 +582,24 @@ class RecencyWindow:
         candidates = np.flatnonzero(live_tokens < sizes)
         candidates = candidates[np.argsort(live_tokens[candidates] / sizes[candidates], kind="stable")]
         freed = np.cumsum(sizes[candidates] - live_tokens[candidates])
-        sparse = candidates[: int(np.searchsorted(freed, held - 1.1 * live)) + 1]
-        source_of_chunk = np.full(len(self._chunk_arrays), -1, dtype=np.int64)
-        source_of_chunk[sparse] = np.arange(sparse.size)
-        row_sources = source_of_chunk[chunk_ids]
-        rows = np.flatnonzero(row_sources >= 0)
+        sparse = np.sort(candidates[: int(np.searchsorted(freed, held - 1.1 * live)) + 1])  # rows' order, mostly
+        source_of_chunk = np.full(len(self._chunk_arrays), -1, dtype=np.int32)
+        source_of_chunk[sparse] = np.arange(sparse.size, dtype=np.int32)
         self._merge = ChunkMerge(
             [self._chunk_arrays[i] for i in sparse.tolist()],
-            row_sources[rows],
-            cols["starts"][rows],
-            lengths[rows].astype(np.int64),
+            source_of_chunk,
+            (cols["chunks"][:n], cols["starts"][:n], lengths),
             self.channels,
         )
         self._run_compaction(self._merge.gather)
         self._swap_in_merge()
 
     def _swap_in_merge(self) -> None:
-        """Put the merged chunk in place of its sources once it is gathered (in the cut's columns, unpublished)."""
+        """Put the merged chunk in place of its sources once it is gathered (in the cut's columns, unpublished).
+
+        Row by row in pieces of ``_PIECE_ROWS``: the temporaries stay small enough to reuse the
+        memory of the piece before (new memory costs a page fault a page; docs/operations.md).
+        """
         merge = self._merge
         if merge is None or not merge.done.is_set():
             return
@@ -604,13 +608,18 @@ class RecencyWindow:
             return
         position = {id(source): i for i, source in enumerate(merge.sources)}
         source_of_chunk = np.fromiter(
-            (position.get(id(chunk), -1) for chunk in self._chunk_arrays), np.int64, count=len(self._chunk_arrays)
+            (position.get(id(chunk), -1) for chunk in self._chunk_arrays), np.int32, count=len(self._chunk_arrays)
         )
-        n, cols = self._n, self._cols
-        row_sources = source_of_chunk[cols["chunks"][:n]]
-        rows = np.flatnonzero(row_sources >= 0)
-        cols["starts"][rows] = merge.new_starts(row_sources[rows], cols["starts"][rows])
-        self._keep_chunks(source_of_chunk < 0, merge.merged if rows.size else None)
+        moved = 0
+        for lo in range(0, self._n, self._PIECE_ROWS):
+            piece = slice(lo, min(lo + self._PIECE_ROWS, self._n))
+            row_sources = source_of_chunk[self._cols["chunks"][piece]]
+            rows = np.flatnonzero(row_sources >= 0)
+            if rows.size:
+                starts = self._cols["starts"][piece]
+                starts[rows] = merge.new_starts(row_sources[rows], starts[rows])
+                moved += rows.size
+        self._keep_chunks(source_of_chunk < 0, merge.merged if moved else None)
         done = self._compactions
         self._compactions = CompactionReport(
             in_flight=False,
@@ -630,8 +639,9 @@ class RecencyWindow:
         arrays = [self._chunk_arrays[i] for i in kept.tolist()]
         if merged is not None:
             arrays.append(merged)
-        chunk_ids = self._cols["chunks"][: self._n]
-        chunk_ids[...] = new_index[chunk_ids]
+        for lo in range(0, self._n, self._PIECE_ROWS):
+            chunk_ids = self._cols["chunks"][lo : min(lo + self._PIECE_ROWS, self._n)]
+            np.take(new_index, chunk_ids, out=chunk_ids)
         self._chunk_arrays = arrays
 
     @property
