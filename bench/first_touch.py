@@ -32,7 +32,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,51 +116,46 @@ CUT_MODES: dict[str, tuple[bool, CompactionRunner]] = {
 class _Cut:
     seconds: float
     faults: int
-    compacted: bool  # planned a readings compaction (inline: gathered and swapped in too)
+    planned: bool  # planned a readings compaction (inline: and gathered it)
     swapped: bool  # put a merged chunk in place of its sources
+
+
+def _longest(cuts: Sequence[_Cut], which: Callable[[_Cut], bool]) -> tuple[float, float]:
+    """(ms, page faults) of the longest of ``cuts`` that ``which`` picks; NaN when none."""
+    picked = [c for c in cuts if which(c)]
+    if not picked:
+        return math.nan, math.nan
+    longest = max(picked, key=lambda c: c.seconds)
+    return 1000 * longest.seconds, longest.faults
 
 
 def cut_stalls(
     size: int, cuts: int, batch_events: int, modes: Sequence[str] = ("reuse", "background")
 ) -> dict[str, dict[str, float]]:
-    """Per window of ``modes`` (``CUT_MODES``), over its cuts after the first two (the first has no columns
-    of a cut before; the second has the fill's, of another size), fed the same batches in turn: the
-    longest insert with a cut and its page faults, the same for the cuts that compacted no readings, the
-    longest insert of any kind after the second cut, the longest gather of a compaction and the most
-    bytes one gathered. A background window is fed until a merge it planned is swapped in as well."""
-    now = [1.7e9]
-    windows = {}
+    """One window per mode of ``modes`` (``CUT_MODES``), one after the other, each fed the same stream (a
+    fill to ``size`` items, then batches of ``batch_events``) until it has cut ``cuts`` times after the
+    first two (the first has no columns of a cut before; the second has the fill's, of another size)
+    and, gathering in the background, has swapped a merge in among them. Over those cuts: the longest
+    insert with a cut and its page faults (any cut; those that planned a compaction, inline with its
+    gather; those that swapped one in; those that did neither), the longest insert without a cut while
+    a gather ran, the longest gather of a compaction and the most bytes one gathered."""
+    result = {}
     for mode in modes:
         reuse, runner = CUT_MODES[mode]
-        windows[mode] = RecencyWindow(
-            size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0], run_compaction=runner
+        now = [1.7e9]
+        window = RecencyWindow(
+            size, 3600.0, rng=np.random.default_rng(1), clock=lambda now=now: now[0], run_compaction=runner
         )
-        windows[mode].reuse_cut_columns = reuse
-    source = EventSource(0, now[0])
-    for _ in range(size // 50_000):
-        fill = source.batch(50_000)
-        for window in windows.values():
-            window.insert_batch(fill)
-    found: dict[str, list[_Cut]] = {mode: [] for mode in windows}
-    longest_insert = dict.fromkeys(windows, 0.0)
-    gathers: dict[str, list[tuple[float, int]]] = {mode: [] for mode in windows}  # (seconds, bytes) of each merge
-    order = list(windows.items())
-
-    def measured(mode: str) -> list[_Cut]:
-        return found[mode][2 : cuts + 2]
-
-    def enough() -> bool:
-        return all(
-            len(found[mode]) >= cuts + 2
-            and (CUT_MODES[mode][1] is run_inline or any(c.swapped for c in measured(mode)))
-            for mode in windows
-        )
-
-    while not enough():
-        batch = source.batch(batch_events)
-        now[0] = source.ts
-        compacted = False
-        for mode, window in order:
+        window.reuse_cut_columns = reuse
+        source = EventSource(0, now[0])
+        for _ in range(size // 50_000):
+            window.insert_batch(source.batch(50_000))
+        found: list[_Cut] = []
+        beside_gather = 0.0  # the longest insert without a cut while a merge was in flight
+        gathers: list[tuple[float, int]] = []  # (seconds, bytes) of each merge swapped in
+        while len(found) < cuts + 2 or (runner is run_in_background and not any(c.swapped for c in found[2:])):
+            batch = source.batch(batch_events)
+            now[0] = source.ts
             columns = id(window._cols)  # the id only: a reference would keep them from being reused
             before = window.compactions
             faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
@@ -168,33 +163,28 @@ def cut_stalls(
             window.insert_batch(batch)
             elapsed = time.perf_counter() - t
             after = window.compactions
-            if len(found[mode]) >= 2:
-                longest_insert[mode] = max(longest_insert[mode], elapsed)
             if id(window._cols) != columns:  # a cut (the columns never grow once the window is full)
                 faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
                 swapped = after.merges_total > before.merges_total
-                planned = after.in_flight and not before.in_flight
-                found[mode].append(_Cut(elapsed, faults, planned or (swapped and not after.in_flight), swapped))
-                if swapped:
-                    gathers[mode].append((after.last_gather_s or 0.0, after.last_bytes))
-                compacted = compacted or planned or swapped
-        if compacted:  # compactions come every other cut: after each, the other window runs first
-            order.reverse()  # (at both kinds of cut, in turn: the second may take pages the first freed)
-    result = {}
-    for mode in windows:
-        cut = measured(mode)
-        longest = max(cut, key=lambda c: c.seconds)
-        plain = max((c for c in cut if not c.compacted and not c.swapped), key=lambda c: c.seconds, default=None)
-        result[mode] = {
-            "cut_ms": 1000 * longest.seconds,
-            "cut_faults": longest.faults,
-            "plain_cut_ms": math.nan if plain is None else 1000 * plain.seconds,
-            "plain_cut_faults": math.nan if plain is None else plain.faults,
-            "insert_ms": 1000 * longest_insert[mode],
-            "compactions": sum(c.compacted for c in cut),
-            "gather_s_most": max((s for s, _ in gathers[mode]), default=math.nan),
-            "chunk_mb_most": max((b for _, b in gathers[mode]), default=0) / 1e6,
-        }
+                planned = not before.in_flight and (after.in_flight or swapped)  # a cut that swaps plans none
+                found.append(_Cut(elapsed, faults, planned, swapped))
+                if swapped and len(found) > 2:
+                    gathers.append((after.last_gather_s or 0.0, after.last_bytes))
+            elif before.in_flight and len(found) >= 2:
+                beside_gather = max(beside_gather, elapsed)
+        measured = found[2:]
+        result[mode] = {"cuts": len(measured), "plans": sum(c.planned for c in measured)}
+        for name, which in (
+            ("cut", lambda c: True),
+            ("plan_cut", lambda c: c.planned),
+            ("swap_cut", lambda c: c.swapped and not c.planned),
+            ("plain_cut", lambda c: not c.planned and not c.swapped),
+        ):
+            result[mode][f"{name}_ms"], result[mode][f"{name}_faults"] = _longest(measured, which)
+        result[mode]["insert_beside_gather_ms"] = 1000 * beside_gather if runner is run_in_background else math.nan
+        result[mode]["gather_s_most"] = max((s for s, _ in gathers), default=math.nan)
+        result[mode]["chunk_mb_most"] = max((b for _, b in gathers), default=0) / 1e6
+        del window
     return result
 
 
@@ -228,20 +218,23 @@ def main() -> None:
             found["insert_ms_idle"],
         ),
         Row("first_touch", "page faults in that insert", found["insert_faults_busy"]),
-        Row("cut", f"longest insert with a cut ms, {args.cut_window} items, {pair}", one["cut_ms"], two["cut_ms"]),
-        Row("cut", f"page faults in that insert, {pair}", one["cut_faults"], two["cut_faults"]),
-        Row(
-            "cut",
-            f"longest insert with a cut that compacted no readings ms, {pair}",
-            one["plain_cut_ms"],
-            two["plain_cut_ms"],
-        ),
-        Row("cut", f"page faults in that insert, {pair}", one["plain_cut_faults"], two["plain_cut_faults"]),
-        Row("cut", f"longest insert of any kind after the second cut ms, {pair}", one["insert_ms"], two["insert_ms"]),
-        Row("cut", f"cuts of {args.cuts} that compacted readings, {pair}", one["compactions"], two["compactions"]),
-        Row("cut", f"longest gather of a compaction s, {pair}", one["gather_s_most"], two["gather_s_most"]),
-        Row(
-            "cut", f"most MB a compaction gathered into a new chunk, {pair}", one["chunk_mb_most"], two["chunk_mb_most"]
+        *(
+            Row("cut", f"{what}, {args.cut_window} items, {pair}", one[key], two[key])
+            for what, key in (
+                ("longest insert with a cut ms", "cut_ms"),
+                ("page faults in that insert", "cut_faults"),
+                ("longest insert with a cut that planned a compaction ms (inline: and gathered it)", "plan_cut_ms"),
+                ("page faults in that insert", "plan_cut_faults"),
+                ("longest insert with a cut that only swapped a merge in ms", "swap_cut_ms"),
+                ("page faults in that insert", "swap_cut_faults"),
+                ("longest insert with a cut that compacted nothing ms", "plain_cut_ms"),
+                ("page faults in that insert", "plain_cut_faults"),
+                ("longest insert without a cut while a gather ran ms", "insert_beside_gather_ms"),
+                ("cuts measured", "cuts"),
+                ("cuts that planned a compaction", "plans"),
+                ("longest gather of a compaction s", "gather_s_most"),
+                ("most MB a compaction gathered into a new chunk", "chunk_mb_most"),
+            )
         ),
         Row(
             "first_touch",

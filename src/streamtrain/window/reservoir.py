@@ -563,9 +563,11 @@ class RecencyWindow:
         64k tokens), and none is in flight; it takes the emptiest chunks first until they
         would hold at most 1.1x: memory stays close to the data, and a chunk is copied only
         once a fifth or more of it is garbage. Its gather runs on ``run_compaction``'s thread;
-        when that runs it inline, this cut swaps it in at once.
+        when that runs it inline, this cut swaps it in at once. A cut that swaps one in plans
+        none (the merged chunk already holds what this cut evicted: planning again at once
+        would gather twice as often as compacting inside the cut does).
         """
-        self._swap_in_merge()
+        swapped = self._swap_in_merge()
         n, cols = self._n, self._cols
         chunk_ids, lengths = cols["chunks"][:n], cols["lengths"][:n]
         live_tokens = np.bincount(chunk_ids, weights=lengths, minlength=len(self._chunk_arrays))
@@ -573,7 +575,7 @@ class RecencyWindow:
         if not alive.all():
             self._keep_chunks(alive, None)
             live_tokens = live_tokens[alive]
-        if self._merge is not None:
+        if self._merge is not None or swapped:  # the merged chunk holds a cut's evictions already: plan at the next
             return
         sizes = np.fromiter((c.shape[0] for c in self._chunk_arrays), np.float64, count=len(self._chunk_arrays))
         live, held = live_tokens.sum(), sizes.sum()
@@ -594,18 +596,19 @@ class RecencyWindow:
         self._run_compaction(self._merge.gather)
         self._swap_in_merge()
 
-    def _swap_in_merge(self) -> None:
-        """Put the merged chunk in place of its sources once it is gathered (in the cut's columns, unpublished).
+    def _swap_in_merge(self) -> bool:
+        """Put the merged chunk in place of its sources once it is gathered (in the cut's columns, unpublished);
+        whether it did.
 
         Row by row in pieces of ``_PIECE_ROWS``: the temporaries stay small enough to reuse the
         memory of the piece before (new memory costs a page fault a page; docs/operations.md).
         """
         merge = self._merge
         if merge is None or not merge.done.is_set():
-            return
+            return False
         self._merge = None
         if merge.failed:  # logged: the sources stay
-            return
+            return False
         position = {id(source): i for i, source in enumerate(merge.sources)}
         source_of_chunk = np.fromiter(
             (position.get(id(chunk), -1) for chunk in self._chunk_arrays), np.int32, count=len(self._chunk_arrays)
@@ -628,6 +631,7 @@ class RecencyWindow:
             last_gather_s=merge.gather_s,
             last_bytes=merge.nbytes,
         )
+        return True
 
     def _keep_chunks(self, keep: np.ndarray, merged: np.ndarray | None) -> None:
         """Keep the chunks ``keep`` (a mask) in order, then ``merged`` (where every row not in a kept
