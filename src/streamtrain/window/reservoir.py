@@ -14,10 +14,11 @@ extra items (default W / 8); once it holds more than W + S, one ``argpartition``
 back to the top W. Keys below the last cut's threshold can never enter again, so most of a
 uniform stream is dropped by one comparison. The admitted events' readings are copied into
 chunks of the window's own, off the malloc heap when large (``chunk_array``), and
-compacted once they hold more than 1.25x the live readings: planned at a cut, gathered on a
-thread of its own, swapped in at a later cut (:mod:`streamtrain.window.compaction`). Sensor ids are stored
-as integer codes into a vocabulary of the window's own (pruned at cuts), the other
-columns at the width they need: per item, the columns take 64 bytes beside the readings.
+compacted once they hold more than 1.25x the live readings: planned at a cut, gathered on
+a thread of its own, swapped in at a later cut (:mod:`streamtrain.window.compaction`).
+Sensor ids are stored as integer codes into a vocabulary of the window's own (pruned at
+cuts), the other columns at the width they need: per item, the columns take 64 bytes
+beside the readings.
 
 Readers never wait on the writer's work, nor the writer on theirs. The writer (one at a
 time) appends rows past what it last published and writes a cut into arrays no reader

@@ -57,13 +57,21 @@ def batch(start: int, n: int, seed: int) -> EventBatch:
     )
 
 
-def window(half_life: float, run_compaction: Callable[[Callable[[], None]], None]) -> RecencyWindow:
+def window(
+    half_life: float,
+    run_compaction: Callable[[Callable[[], None]], None],
+    *,
+    max_age_s: float | None = None,
+    now: list[float] | None = None,
+) -> RecencyWindow:
+    clock = now if now is not None else [0.0]
     made = RecencyWindow(
         CAPACITY,
         half_life,
+        max_age_s=max_age_s,
         slack=SLACK,
         rng=np.random.default_rng(11),
-        clock=lambda: 0.0,
+        clock=lambda: clock[0],
         run_compaction=run_compaction,
     )
     made._PIECE_ROWS = 37  # a swap works on many pieces here, as on millions of rows
@@ -90,17 +98,20 @@ def fill_until_a_merge_is_in_flight(subject: RecencyWindow, twin: RecencyWindow 
 @given(
     seed=st.integers(0, 1000),
     half_life=st.sampled_from([math.inf, 2000.0]),
+    max_age_s=st.sampled_from([None, 1500.0]),
     steps=st.lists(st.tuples(st.integers(40, 150), st.booleans()), min_size=40, max_size=70),
 )
 def test_a_window_compacting_in_the_background_holds_what_one_compacting_at_the_cut_holds(
-    seed: int, half_life: float, steps: list[tuple[int, bool]]
+    seed: int, half_life: float, max_age_s: float | None, steps: list[tuple[int, bool]]
 ) -> None:
     """Any batches, the merge's gather run at any point (or never): the same items, readings and counters
-    after every insert as a twin that compacts inside its cuts."""
-    held = HeldGathers()
-    background, inline = window(half_life, held), window(half_life, run_inline)
+    after every insert as a twin that compacts inside its cuts (with MAX_AGE_S: a clock at the newest event)."""
+    held, now = HeldGathers(), [0.0]
+    background = window(half_life, held, max_age_s=max_age_s, now=now)
+    inline = window(half_life, run_inline, max_age_s=max_age_s, now=now)
     start = 0
     for size, gather_now in steps:
+        now[0] = float(start + size)
         for target in (background, inline):
             target.insert_batch(batch(start, size, seed), {0: start + size})
         start += size
