@@ -2,13 +2,14 @@
 swap in at a later cut.
 
 A cut that finds the reading chunks holding too much garbage picks the sparse ones and
-plans a :class:`ChunkMerge`: which rows of which chunks are live, where their readings lie.
-Gathering those readings into one new chunk is most of a compaction's cost (it copies most
-of the window into memory the process never touched: seconds at millions of items, see
-docs/operations.md), and it needs nothing the writer changes: chunks are never written
-after insert. So :meth:`ChunkMerge.gather` runs on a thread of its own (:func:`run_in_background`)
-while ingest goes on, and the first cut after it finished swaps the merged chunk in
-(:meth:`ChunkMerge.new_starts`). Rows evicted meanwhile just leave garbage in the merged
+plans a :class:`ChunkMerge` of them, with that cut's columns (published, never written
+again), which say which of their rows are live and where their readings lie. Reading those
+rows and gathering their readings into one new chunk is most of a compaction's cost (it
+copies most of the window into memory the process never touched: seconds at millions of
+items, see docs/operations.md), and it needs nothing the writer changes: chunks are never
+written after insert. So :meth:`ChunkMerge.gather` runs on a thread of its own
+(:func:`run_in_background`) while ingest goes on, and the first cut after it finished swaps
+the merged chunk in (:meth:`ChunkMerge.new_starts`). Rows evicted meanwhile just leave garbage in the merged
 chunk; rows never enter an old chunk, so every row still in a sparse chunk at the swap was
 planned. :func:`run_inline` gathers inside the planning cut instead (tests, benchmarks):
 the cut then swaps at once, as a synchronous compaction would.
