@@ -100,13 +100,7 @@ class ChunkMerge:
         """Read the planned rows, sort them by key and gather their readings into a new chunk (any thread, once)."""
         began = time.perf_counter()
         try:
-            assert self._columns is not None, "a merge gathers once"
-            chunk_ids, column_starts, column_lengths = self._columns
-            row_sources = self._source_of_chunk[chunk_ids]
-            rows = np.flatnonzero(row_sources >= 0)
-            source_of, starts = row_sources[rows], column_starts[rows]
-            lengths = column_lengths[rows].astype(np.int64)
-            self._columns = None
+            source_of, starts, lengths = self._planned_rows()
             sizes = np.fromiter((source.shape[0] for source in self.sources), np.int64, count=len(self.sources))
             self._bases = np.zeros(sizes.size, dtype=np.int64)
             np.cumsum(sizes[:-1], out=self._bases[1:])
@@ -126,6 +120,17 @@ class ChunkMerge:
             self._columns = None
             self.gather_s = time.perf_counter() - began
             self.done.set()
+
+    def _planned_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each planned row's source, start and length, read from the planning cut's columns, which the
+        merge then lets go of (no name of this thread may hold them while it gathers: the cut after
+        next would take new columns, seconds of first touch at millions of items)."""
+        assert self._columns is not None, "a merge gathers once"
+        chunk_ids, starts, lengths = self._columns
+        self._columns = None
+        row_sources = self._source_of_chunk[chunk_ids]
+        rows = np.flatnonzero(row_sources >= 0)
+        return row_sources[rows], starts[rows], lengths[rows].astype(np.int64)
 
     def new_starts(self, source_of: np.ndarray, starts: np.ndarray) -> np.ndarray:
         """Where rows still in the sources (``source_of``, ``starts``: all planned rows) start in ``merged``."""

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.events import EventBatch
+from streamtrain.window import compaction
 from streamtrain.window.compaction import ChunkMerge, run_in_background, run_inline
 from streamtrain.window.reservoir import RecencyWindow
 from streamtrain.window.storage import ItemReadings
@@ -234,6 +235,36 @@ def test_a_checkpoint_taken_while_a_merge_is_in_flight_restores_exactly(tmp_path
             target.insert_batch(batch(offset, 60, 0), {0: offset + 60})
         held.run()
     assert_same_items(restored.state_dict(), twin_again.state_dict())
+
+
+def test_a_gathering_merge_lets_go_of_the_columns_it_read_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once its thread has read its rows, a merge holds none of the planning cut's columns: the cut after
+    next writes them again while the gather still runs (new columns cost seconds of first touch at 10M)."""
+    rows_read, release = threading.Event(), threading.Event()
+    new_chunk = compaction.chunk_array
+
+    def chunk_after_a_wait(tokens: int, channels: int) -> np.ndarray:  # asked for once the rows are read
+        rows_read.set()
+        release.wait(10)
+        return new_chunk(tokens, channels)
+
+    monkeypatch.setattr(compaction, "chunk_array", chunk_after_a_wait)
+    subject = window(math.inf, run_in_background)
+    start = fill_until_a_merge_is_in_flight(subject)
+    planning_columns = id(subject._cols)  # the id only: a reference would keep them from being written again
+    try:
+        assert rows_read.wait(10)
+        cuts = 0
+        while cuts < 2:
+            columns = id(subject._cols)
+            subject.insert_batch(batch(start, 60, 0), {0: start + 60})
+            start += 60
+            cuts += id(subject._cols) != columns
+        assert subject.compactions.in_flight  # still gathering
+        assert id(subject._cols) == planning_columns, "the cut after next took new columns: the merge held them"
+    finally:
+        release.set()
+    assert subject.wait_for_compaction(10)
 
 
 def test_restoring_drops_a_merge_in_flight() -> None:
