@@ -12,13 +12,16 @@ Two figures, each side by side in one run:
   insert and its page faults (an insert that faults thousands of times is the writer's own
   cut, paying first touch for new memory), and the sleeper's longest gap;
 * the window's cuts themselves: two windows of ``--cut-window`` items fed the same batches of
-  ``--cut-batch`` events one after the other until each has cut ``--cuts`` times, one writing
-  the columns of the cut before last again (``RecencyWindow.reuse_cut_columns``, the default)
-  and one taking new columns at every cut: the longest insert that contains a cut, its page
-  faults, and the most readings a cut's compaction gathered into a new chunk
-  (``chunk_array``: memory the process never touched either).
+  ``--cut-batch`` events one after the other until each has cut ``--cuts`` times, in two of the
+  ``CUT_MODES`` (``--cut-modes``): ``reuse`` writes the columns of the cut before last again
+  (``RecencyWindow.reuse_cut_columns``) and compacts readings inside the cut, ``new`` takes new
+  columns at every cut, ``background`` (the service's) reuses columns and gathers a compaction
+  on a thread of its own: the longest insert that contains a cut, its page faults, the longest
+  insert of any kind, and the longest gather of a compaction and the most readings it gathered
+  into a new chunk (``chunk_array``: memory the process never touched either).
 
-Run: ``python bench/first_touch.py [--mb 512] [--rounds 6] [--cut-window 2000000] [--cuts 6] [--json]``.
+Run: ``python bench/first_touch.py [--mb 512] [--rounds 6] [--cut-window 2000000] [--cuts 6]
+[--cut-modes reuse,background] [--json]``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _table import Row, emit  # noqa: E402
 from window_scale import EventSource, first_touch_rates  # noqa: E402
 
-from streamtrain.window import reservoir
+from streamtrain.window.compaction import CompactionRunner, run_in_background, run_inline
 from streamtrain.window.reservoir import RecencyWindow
 
 
@@ -98,69 +102,89 @@ def stalls(megabytes: int, rounds: int) -> dict[str, float]:
     }
 
 
-# A cut that allocated this much in readings chunks compacted readings (a batch's own chunk is kBs)
-COMPACTED_BYTES = 1 << 20
+# How each window of cut_stalls runs: whether a cut writes the columns of the cut before last
+# again (reuse_cut_columns), and where a readings compaction gathers (inside the cut, or on a
+# thread of its own while ingest goes on)
+CUT_MODES: dict[str, tuple[bool, CompactionRunner]] = {
+    "reuse": (True, run_inline),
+    "new": (False, run_inline),
+    "background": (True, run_in_background),
+}
+
+
+@dataclass
+class _Cut:
+    seconds: float
+    faults: int
+    planned: bool  # planned a readings compaction (inline: and gathered it)
+    swapped: bool  # put a merged chunk in place of its sources
+
+
+def _longest(cuts: Sequence[_Cut], which: Callable[[_Cut], bool]) -> tuple[float, float]:
+    """(ms, page faults) of the longest of ``cuts`` that ``which`` picks; NaN when none."""
+    picked = [c for c in cuts if which(c)]
+    if not picked:
+        return math.nan, math.nan
+    longest = max(picked, key=lambda c: c.seconds)
+    return 1000 * longest.seconds, longest.faults
 
 
 def cut_stalls(
-    size: int, cuts: int, batch_events: int, modes: Sequence[str] = ("reuse", "new")
+    size: int, cuts: int, batch_events: int, modes: Sequence[str] = ("reuse", "background")
 ) -> dict[str, dict[str, float]]:
-    """Per window of ``modes`` (``reuse``, ``new``), over its cuts after the first two (the first has no columns
-    of a cut before; the second has the fill's, of another size): the longest insert with a cut and
-    its page faults, the same for the cuts that compacted no readings, and the most bytes a cut's
-    compaction gathered into a new readings chunk."""
-    now = [1.7e9]
-    windows = {mode: RecencyWindow(size, 3600.0, rng=np.random.default_rng(1), clock=lambda: now[0]) for mode in modes}
-    for mode, window in windows.items():
-        window.reuse_cut_columns = mode == "reuse"
-    source = EventSource(0, now[0])
-    for _ in range(size // 50_000):
-        fill = source.batch(50_000)
-        for window in windows.values():
-            window.insert_batch(fill)
-    allocated: list[int] = []  # bytes of each readings chunk the window allocates
-    take_chunk = reservoir.chunk_array
-
-    def counted_chunk(tokens: int, channels: int) -> np.ndarray:
-        allocated.append(4 * tokens * channels)
-        return take_chunk(tokens, channels)
-
-    reservoir.chunk_array = counted_chunk  # type: ignore[assignment]
-    found: dict[str, list[tuple[float, int, int]]] = {mode: [] for mode in windows}
-    order = list(windows.items())
-    try:
-        while min(len(cut) for cut in found.values()) < cuts + 2:
+    """One window per mode of ``modes`` (``CUT_MODES``), one after the other, each fed the same stream (a
+    fill to ``size`` items, then batches of ``batch_events``) until it has cut ``cuts`` times after the
+    first two (the first has no columns of a cut before; the second has the fill's, of another size)
+    and, gathering in the background, has swapped a merge in among them. Over those cuts: the longest
+    insert with a cut and its page faults (any cut; those that planned a compaction, inline with its
+    gather; those that swapped one in; those that did neither), the longest insert without a cut while
+    a gather ran, the longest gather of a compaction and the most bytes one gathered."""
+    result = {}
+    for mode in modes:
+        reuse, runner = CUT_MODES[mode]
+        now = [1.7e9]
+        window = RecencyWindow(
+            size, 3600.0, rng=np.random.default_rng(1), clock=lambda now=now: now[0], run_compaction=runner
+        )
+        window.reuse_cut_columns = reuse
+        source = EventSource(0, now[0])
+        for _ in range(size // 50_000):
+            window.insert_batch(source.batch(50_000))
+        found: list[_Cut] = []
+        beside_gather = 0.0  # the longest insert without a cut while a merge was in flight
+        gathers: list[tuple[float, int]] = []  # (seconds, bytes) of each merge swapped in
+        while len(found) < cuts + 2 or (runner is run_in_background and not any(c.swapped for c in found[2:])):
             batch = source.batch(batch_events)
             now[0] = source.ts
-            compacted = False
-            for mode, window in order:
-                columns = id(window._cols)  # the id only: a reference would keep them from being reused
-                allocated.clear()
-                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-                t = time.perf_counter()
-                window.insert_batch(batch)
-                elapsed = time.perf_counter() - t
-                if id(window._cols) != columns:  # a cut (the columns never grow once the window is full)
-                    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
-                    found[mode].append((elapsed, faults, sum(allocated)))
-                    compacted = compacted or sum(allocated) >= COMPACTED_BYTES
-            if compacted:  # compactions come every other cut: after each, the other window runs first
-                order.reverse()  # (at both kinds of cut, in turn: the second may take pages the first freed)
-    finally:
-        reservoir.chunk_array = take_chunk  # type: ignore[assignment]
-    result = {}
-    for mode, all_cuts in found.items():
-        cut = all_cuts[2 : cuts + 2]
-        longest = max(cut)
-        plain = max((c for c in cut if c[2] < COMPACTED_BYTES), default=(math.nan, 0, 0))
-        result[mode] = {
-            "cut_ms": 1000 * longest[0],
-            "cut_faults": longest[1],
-            "plain_cut_ms": 1000 * plain[0],
-            "plain_cut_faults": plain[1],
-            "compactions": sum(c[2] >= COMPACTED_BYTES for c in cut),
-            "chunk_mb_most": max(c[2] for c in cut) / 1e6,
-        }
+            columns = id(window._cols)  # the id only: a reference would keep them from being reused
+            before = window.compactions
+            faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            t = time.perf_counter()
+            window.insert_batch(batch)
+            elapsed = time.perf_counter() - t
+            after = window.compactions
+            if id(window._cols) != columns:  # a cut (the columns never grow once the window is full)
+                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults
+                swapped = after.merges_total > before.merges_total
+                planned = not before.in_flight and (after.in_flight or swapped)  # a cut that swaps plans none
+                found.append(_Cut(elapsed, faults, planned, swapped))
+                if swapped and len(found) > 2:
+                    gathers.append((after.last_gather_s or 0.0, after.last_bytes))
+            elif before.in_flight and len(found) >= 2:
+                beside_gather = max(beside_gather, elapsed)
+        measured = found[2:]
+        result[mode] = {"cuts": len(measured), "plans": sum(c.planned for c in measured)}
+        for name, which in (
+            ("cut", lambda c: True),
+            ("plan_cut", lambda c: c.planned),
+            ("swap_cut", lambda c: c.swapped and not c.planned),
+            ("plain_cut", lambda c: not c.planned and not c.swapped),
+        ):
+            result[mode][f"{name}_ms"], result[mode][f"{name}_faults"] = _longest(measured, which)
+        result[mode]["insert_beside_gather_ms"] = 1000 * beside_gather if runner is run_in_background else math.nan
+        result[mode]["gather_s_most"] = max((s for s, _ in gathers), default=math.nan)
+        result[mode]["chunk_mb_most"] = max((b for _, b in gathers), default=0) / 1e6
+        del window
     return result
 
 
@@ -171,12 +195,19 @@ def main() -> None:
     parser.add_argument("--cut-window", type=int, default=2_000_000)
     parser.add_argument("--cuts", type=int, default=6)
     parser.add_argument("--cut-batch", type=int, default=25)
+    parser.add_argument(
+        "--cut-modes",
+        default="reuse,background",
+        help=f"two of {','.join(CUT_MODES)}: windows compared side by side (cut_stalls)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rates = first_touch_rates(args.mb)  # first: before this process frees any memory
     first, again = rates["first_touch_mb_s"], rates["touched_mb_s"]
-    cut = cut_stalls(args.cut_window, args.cuts, args.cut_batch)
-    reuse, new = cut["reuse"], cut["new"]
+    first_mode, second_mode = args.cut_modes.split(",")
+    cut = cut_stalls(args.cut_window, args.cuts, args.cut_batch, (first_mode, second_mode))
+    one, two = cut[first_mode], cut[second_mode]
+    pair = f"{first_mode} ({second_mode})"
     found = stalls(args.mb, args.rounds)
     rows = [
         Row("first_touch", f"write {args.mb} MB of new memory, MB/s (same memory again)", first, again),
@@ -187,27 +218,23 @@ def main() -> None:
             found["insert_ms_idle"],
         ),
         Row("first_touch", "page faults in that insert", found["insert_faults_busy"]),
-        Row(
-            "cut",
-            f"longest insert with a cut ms, {args.cut_window} items, reuse (new columns)",
-            reuse["cut_ms"],
-            new["cut_ms"],
-        ),
-        Row("cut", "page faults in that insert, reuse (new columns)", reuse["cut_faults"], new["cut_faults"]),
-        Row(
-            "cut",
-            "longest insert with a cut that compacted no readings ms, reuse (new columns)",
-            reuse["plain_cut_ms"],
-            new["plain_cut_ms"],
-        ),
-        Row(
-            "cut", "page faults in that insert, reuse (new columns)", reuse["plain_cut_faults"], new["plain_cut_faults"]
-        ),
-        Row(
-            "cut",
-            f"cuts of {args.cuts} that compacted readings (reuse); most MB gathered into a new chunk",
-            reuse["compactions"],
-            reuse["chunk_mb_most"],
+        *(
+            Row("cut", f"{what}, {args.cut_window} items, {pair}", one[key], two[key])
+            for what, key in (
+                ("longest insert with a cut ms", "cut_ms"),
+                ("page faults in that insert", "cut_faults"),
+                ("longest insert with a cut that planned a compaction ms (inline: and gathered it)", "plan_cut_ms"),
+                ("page faults in that insert", "plan_cut_faults"),
+                ("longest insert with a cut that only swapped a merge in ms", "swap_cut_ms"),
+                ("page faults in that insert", "swap_cut_faults"),
+                ("longest insert with a cut that compacted nothing ms", "plain_cut_ms"),
+                ("page faults in that insert", "plain_cut_faults"),
+                ("longest insert without a cut while a gather ran ms", "insert_beside_gather_ms"),
+                ("cuts measured", "cuts"),
+                ("cuts that planned a compaction", "plans"),
+                ("longest gather of a compaction s", "gather_s_most"),
+                ("most MB a compaction gathered into a new chunk", "chunk_mb_most"),
+            )
         ),
         Row(
             "first_touch",

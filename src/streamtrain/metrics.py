@@ -169,6 +169,16 @@ class Metrics:
         self.window_capacity = Gauge("streamtrain_window_capacity", "Most items the window holds", registry=registry)
         self.window_tokens = Gauge("streamtrain_window_tokens", "Sum of lengths in the window", registry=registry)
         self.window_evicted = Counter("streamtrain_window_evicted", "Items pushed out of the window", registry=registry)
+        self.window_compaction_bytes = Counter(
+            "streamtrain_window_compaction_bytes",
+            "Bytes of readings the window's compactions gathered into new chunks",
+            registry=registry,
+        )
+        self.window_compaction_in_flight = Gauge(
+            "streamtrain_window_compaction_in_flight",
+            "1 while a readings compaction is planned and not swapped in yet",
+            registry=registry,
+        )
         # Training
         self.train_steps = Counter("streamtrain_train_steps", "Optimizer steps", registry=registry)
         self.train_tokens = Counter("streamtrain_train_tokens", "Real (unpadded) tokens trained on", registry=registry)

@@ -203,6 +203,7 @@ class Ingestor:
         self._connected = False
         self._polled: dict[int, int] = {}  # next offset per partition of every polled batch
         self._reported_evicted = 0
+        self._reported_compaction_bytes = 0  # what window_compaction_bytes counted of window.compactions
         self._last_gauges = 0.0
         self._last_end_probe = 0.0
         self._started_at = time.monotonic()
@@ -540,6 +541,11 @@ class Ingestor:
             return
         self._last_gauges = now
         self.metrics.window_tokens.set(self.window.tokens)
+        compactions = self.window.compactions
+        self.metrics.window_compaction_in_flight.set(int(compactions.in_flight))
+        if compactions.bytes_total > self._reported_compaction_bytes:
+            self.metrics.window_compaction_bytes.inc(compactions.bytes_total - self._reported_compaction_bytes)
+            self._reported_compaction_bytes = compactions.bytes_total
         self._set_security_gauges()
         positions = self.window.next_offsets
         lag = 0

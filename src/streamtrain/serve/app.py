@@ -45,6 +45,7 @@ from streamtrain.serve.schemas import (
     PredictResponse,
     Quantiles,
     Readiness,
+    ReadingsCompactionReport,
     RollbackRequest,
     RollbackResult,
     WindowReport,
@@ -109,6 +110,7 @@ def window_report(service: ServiceDep) -> WindowReport:
         dead_letters_pending=service.ingest.dead_letters.pending,
         partitions=sorted(service.ingest.assigned),
         checkpoints=CheckpointChainReport.model_validate(vars(chain)),
+        readings_compaction=ReadingsCompactionReport.model_validate(vars(service.window.compactions)),
     )
 
 

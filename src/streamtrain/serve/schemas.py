@@ -38,6 +38,17 @@ class CheckpointChainReport(BaseModel):
     written: dict[str, int] = Field(description="Checkpoints this process wrote, by kind: base, delta")
 
 
+class ReadingsCompactionReport(BaseModel):
+    """The window's readings compactions since the process started: planned at a cut, gathered on a
+    thread of their own while ingest goes on, swapped in at a later cut."""
+
+    in_flight: bool = Field(description="A compaction is planned and not swapped in yet")
+    merges_total: int = Field(description="Compactions swapped in")
+    bytes_total: int = Field(description="Bytes of readings they gathered into new chunks")
+    last_gather_s: float | None = Field(description="How long the last one's gather took; null before one")
+    last_bytes: int = Field(description="Bytes of readings the last one gathered")
+
+
 class WindowReport(BaseModel):
     """The ``*_total`` fields count the Kafka messages the window's offsets cover, once each:
     a checkpoint saves them with the offsets, so they survive restarts and never count a
@@ -76,6 +87,9 @@ class WindowReport(BaseModel):
     )
     checkpoints: CheckpointChainReport | None = Field(
         None, description="What this process's checkpoints wrote of the window (scaled out: this rank's shards)"
+    )
+    readings_compaction: ReadingsCompactionReport | None = Field(
+        None, description="The window's readings compactions since the process started"
     )
 
 

@@ -14,9 +14,11 @@ extra items (default W / 8); once it holds more than W + S, one ``argpartition``
 back to the top W. Keys below the last cut's threshold can never enter again, so most of a
 uniform stream is dropped by one comparison. The admitted events' readings are copied into
 chunks of the window's own, off the malloc heap when large (``chunk_array``), and
-compacted at cuts once they hold more than 1.25x the live readings. Sensor ids are stored
-as integer codes into a vocabulary of the window's own (pruned at cuts), the other
-columns at the width they need: per item, the columns take 64 bytes beside the readings.
+compacted once they hold more than 1.25x the live readings: planned at a cut, gathered on
+a thread of its own, swapped in at a later cut (:mod:`streamtrain.window.compaction`).
+Sensor ids are stored as integer codes into a vocabulary of the window's own (pruned at
+cuts), the other columns at the width they need: per item, the columns take 64 bytes
+beside the readings.
 
 Readers never wait on the writer's work, nor the writer on theirs. The writer (one at a
 time) appends rows past what it last published and writes a cut into arrays no reader
@@ -69,6 +71,7 @@ one. A window saved with another ``channels`` cannot be restored (ValueError).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -83,6 +86,7 @@ from typing import Any
 import numpy as np
 
 from streamtrain.events import EventBatch
+from streamtrain.window.compaction import ChunkMerge, CompactionReport, CompactionRunner, run_in_background
 from streamtrain.window.snapshot import WindowSnapshot
 from streamtrain.window.storage import (
     ItemReadings,
@@ -178,7 +182,9 @@ class RecencyWindow:
     any number of readers, who never wait on the writer's work. ``rng`` supplies the key
     randomness; pass a seeded generator in tests, leave it None in production for OS
     entropy. ``slack`` is the overshoot S between cuts (default W / 8, at least 4,096 and
-    at most W): more slack, fewer cuts, more memory.
+    at most W): more slack, fewer cuts, more memory. ``run_compaction`` runs a readings
+    compaction's gather: on a thread of its own by default (ingest never waits for it),
+    ``compaction.run_inline`` inside the cut (a cut then compacts at once; tests).
     """
 
     # the stored rows: item columns (sensor ids as codes into a vocabulary, widths sized to
@@ -199,6 +205,9 @@ class RecencyWindow:
     # False: every cut takes new columns (bench/first_touch.py compares the two)
     reuse_cut_columns = True
 
+    # rows a compaction's swap works on at a time (its temporaries: a few MB, reused piece to piece)
+    _PIECE_ROWS = 1 << 18
+
     def __init__(
         self,
         capacity: int,
@@ -209,6 +218,7 @@ class RecencyWindow:
         slack: int | None = None,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.time,
+        run_compaction: CompactionRunner = run_in_background,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"window capacity must be >= 1, got {capacity}")
@@ -226,6 +236,7 @@ class RecencyWindow:
         self._decay = decay_rate(self.half_life_s)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._clock = clock
+        self._run_compaction = run_compaction
         self._lock = threading.Lock()  # guards only the swap of the published state
         self._write_lock = threading.Lock()  # serializes writers
         self._reference_ts: float | None = None
@@ -237,6 +248,9 @@ class RecencyWindow:
         self._version = 0
         self._evicted_at_start = 0  # evicted_total when this process took the window over
         self._rows_cache: tuple[_Published, float | None, np.ndarray | None] | None = None
+        self._compactions = CompactionReport(  # since the window was built, restores included
+            in_flight=False, merges_total=0, bytes_total=0, last_gather_s=None, last_bytes=0
+        )
         self._reset_storage(0)
         self._publish()
 
@@ -246,6 +260,7 @@ class RecencyWindow:
         self._n = 0  # stored rows; the window is their top `capacity` keys
         self._threshold = -math.inf  # keys at or below it can never enter again
         self._chunk_arrays: list[np.ndarray] = []  # readings, [tokens, C] each; rows point into them; never written
+        self._merge: ChunkMerge | None = None  # a readings compaction planned and not swapped in yet
         self._vocabulary = np.empty(1024, dtype=object)
         self._vocabulary_n = 0
         self._codes: dict[str, int] = {}
@@ -543,49 +558,106 @@ class RecencyWindow:
         return {name: np.empty(size, dtype=dtype) for name, dtype in self._COLUMNS}
 
     def _compact_chunks(self) -> None:
-        """Drop dead chunks; gather the live readings of the emptiest chunks into one new chunk.
+        """Drop dead chunks; swap in a merge gathered since an earlier cut; plan one if the chunks are sparse.
 
-        Only when the chunks hold more than 1.25x the live readings (plus 64k tokens), and
-        then the emptiest first until they hold at most 1.1x: memory stays close to the
-        data, and a chunk is copied only once a fifth or more of it is garbage.
+        A merge is planned only when the chunks hold more than 1.25x the live readings (plus
+        64k tokens), and none is in flight; it takes the emptiest chunks first until they
+        would hold at most 1.1x: memory stays close to the data, and a chunk is copied only
+        once a fifth or more of it is garbage. Its gather runs on ``run_compaction``'s thread;
+        when that runs it inline, this cut swaps it in at once. A cut that swaps one in plans
+        none (the merged chunk already holds what this cut evicted: planning again at once
+        would gather twice as often as compacting inside the cut does).
         """
+        swapped = self._swap_in_merge()
         n, cols = self._n, self._cols
         chunk_ids, lengths = cols["chunks"][:n], cols["lengths"][:n]
         live_tokens = np.bincount(chunk_ids, weights=lengths, minlength=len(self._chunk_arrays))
-        sizes = np.fromiter((c.shape[0] for c in self._chunk_arrays), np.float64, count=len(self._chunk_arrays))
         alive = live_tokens > 0
-        live, held = live_tokens.sum(), sizes[alive].sum()
-        sparse = np.zeros_like(alive)
-        if held > 1.25 * live + 65536:
-            candidates = np.flatnonzero(alive & (live_tokens < sizes))
-            candidates = candidates[np.argsort(live_tokens[candidates] / sizes[candidates], kind="stable")]
-            freed = np.cumsum(sizes[candidates] - live_tokens[candidates])
-            count = int(np.searchsorted(freed, held - 1.1 * live)) + 1
-            sparse[candidates[:count]] = True
-        if alive.all() and not sparse.any():
+        if not alive.all():
+            self._keep_chunks(alive, None)
+            live_tokens = live_tokens[alive]
+        if self._merge is not None or swapped:  # the merged chunk holds a cut's evictions already: plan at the next
             return
-        new_index = np.full(len(self._chunk_arrays), -1, dtype=np.int32)
-        kept = np.flatnonzero(alive & ~sparse)
-        new_index[kept] = np.arange(kept.size)
+        sizes = np.fromiter((c.shape[0] for c in self._chunk_arrays), np.float64, count=len(self._chunk_arrays))
+        live, held = live_tokens.sum(), sizes.sum()
+        if held <= 1.25 * live + 65536:
+            return
+        candidates = np.flatnonzero(live_tokens < sizes)
+        candidates = candidates[np.argsort(live_tokens[candidates] / sizes[candidates], kind="stable")]
+        freed = np.cumsum(sizes[candidates] - live_tokens[candidates])
+        sparse = np.sort(candidates[: int(np.searchsorted(freed, held - 1.1 * live)) + 1])  # rows' order, mostly
+        source_of_chunk = np.full(len(self._chunk_arrays), -1, dtype=np.int32)
+        source_of_chunk[sparse] = np.arange(sparse.size, dtype=np.int32)
+        self._merge = ChunkMerge(
+            [self._chunk_arrays[i] for i in sparse.tolist()],
+            source_of_chunk,
+            (cols["chunks"][:n], cols["starts"][:n], lengths),
+            self.channels,
+        )
+        self._run_compaction(self._merge.gather)
+        self._swap_in_merge()
+
+    def _swap_in_merge(self) -> bool:
+        """Put the merged chunk in place of its sources once it is gathered (in the cut's columns, unpublished);
+        whether it did.
+
+        Row by row in pieces of ``_PIECE_ROWS``: the temporaries stay small enough to reuse the
+        memory of the piece before (new memory costs a page fault a page; docs/operations.md).
+        """
+        merge = self._merge
+        if merge is None or not merge.done.is_set():
+            return False
+        self._merge = None
+        if merge.failed:  # logged: the sources stay
+            return False
+        position = {id(source): i for i, source in enumerate(merge.sources)}
+        source_of_chunk = np.fromiter(
+            (position.get(id(chunk), -1) for chunk in self._chunk_arrays), np.int32, count=len(self._chunk_arrays)
+        )
+        moved = 0
+        for lo in range(0, self._n, self._PIECE_ROWS):
+            piece = slice(lo, min(lo + self._PIECE_ROWS, self._n))
+            row_sources = source_of_chunk[self._cols["chunks"][piece]]
+            rows = np.flatnonzero(row_sources >= 0)
+            if rows.size:
+                starts = self._cols["starts"][piece]
+                starts[rows] = merge.new_starts(row_sources[rows], starts[rows])
+                moved += rows.size
+        self._keep_chunks(source_of_chunk < 0, merge.merged if moved else None)
+        done = self._compactions
+        self._compactions = CompactionReport(
+            in_flight=False,
+            merges_total=done.merges_total + 1,
+            bytes_total=done.bytes_total + merge.nbytes,
+            last_gather_s=merge.gather_s,
+            last_bytes=merge.nbytes,
+        )
+        return True
+
+    def _keep_chunks(self, keep: np.ndarray, merged: np.ndarray | None) -> None:
+        """Keep the chunks ``keep`` (a mask) in order, then ``merged`` (where every row not in a kept
+        chunk now points); renumber the rows' chunks. A new list: published states keep theirs."""
+        new_index = np.full(len(self._chunk_arrays), len(self._chunk_arrays), dtype=np.int32)
+        kept = np.flatnonzero(keep)
+        new_index[kept] = np.arange(kept.size, dtype=np.int32)
+        new_index[~keep] = kept.size
         arrays = [self._chunk_arrays[i] for i in kept.tolist()]
-        if sparse.any():
-            rows = np.flatnonzero(sparse[chunk_ids])
-            rows = rows[np.argsort(chunk_ids[rows], kind="stable")]
-            row_chunks, row_lengths = chunk_ids[rows], lengths[rows]
-            bounds = np.flatnonzero(np.diff(row_chunks)) + 1
-            merged = chunk_array(int(row_lengths.sum()), self.channels)
-            new_starts = np.zeros(rows.size, dtype=np.int64)
-            np.cumsum(row_lengths[:-1], out=new_starts[1:])
-            for group in np.split(np.arange(rows.size), bounds):  # one gather per sparse chunk: live readings only
-                source = self._chunk_arrays[int(row_chunks[group[0]])]
-                at = int(new_starts[group[0]])
-                piece = gather_tokens(source, cols["starts"][rows[group]], row_lengths[group])
-                merged[at : at + piece.shape[0]] = piece
-            cols["starts"][rows] = new_starts
+        if merged is not None:
             arrays.append(merged)
-            new_index[sparse] = len(arrays) - 1
-        cols["chunks"][:n] = new_index[chunk_ids]
-        self._chunk_arrays = arrays  # a new list: published states keep theirs
+        for lo in range(0, self._n, self._PIECE_ROWS):
+            chunk_ids = self._cols["chunks"][lo : min(lo + self._PIECE_ROWS, self._n)]
+            np.take(new_index, chunk_ids, out=chunk_ids)
+        self._chunk_arrays = arrays
+
+    @property
+    def compactions(self) -> CompactionReport:
+        """The readings compactions so far, and whether one is in flight (``/v1/window``)."""
+        return dataclasses.replace(self._compactions, in_flight=self._merge is not None)
+
+    def wait_for_compaction(self, timeout: float | None = None) -> bool:
+        """Wait until no merge is gathering (the next cut swaps a gathered one in); False on timeout."""
+        merge = self._merge
+        return merge is None or merge.done.wait(timeout)
 
     def _compact_vocabulary(self) -> None:
         """Forget sensor ids no stored row uses, once they are most of the vocabulary."""

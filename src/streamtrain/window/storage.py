@@ -119,24 +119,41 @@ class ItemReadings:
         out = gather_items(self.chunks, self.chunk_of, self.starts, self.lengths)
         return out if dtype is None else out.astype(dtype, copy=False)
 
-    def pieces(self, piece_bytes: int = READINGS_PIECE_BYTES) -> Iterator[memoryview]:
-        """The readings back to back (the bytes of ``np.asarray(self)``), gathered piece by piece
-        into one buffer of about ``piece_bytes``: each piece is valid until the next is asked for."""
+    def _piece_bounds(self, piece_bytes: int) -> list[tuple[int, int, int, int]]:
+        """(first item, end item, first token, end token) of pieces of about ``piece_bytes`` of readings
+        (an item is never split), in order; pieces of empty items only are left out."""
         tokens, channels = self.shape
         if not tokens:
-            return
+            return []
         ends = np.cumsum(self.lengths)
         piece_tokens = max(1, piece_bytes // (4 * channels))
         cuts = np.unique(np.searchsorted(ends, np.arange(piece_tokens, tokens, piece_tokens), side="right"))
         bounds = np.concatenate([[0], cuts[(cuts > 0) & (cuts < self.lengths.shape[0])], [self.lengths.shape[0]]])
         token_bounds = np.concatenate([[0], ends])[bounds]
-        buffer = np.empty((int(np.diff(token_bounds).max()), channels), dtype=np.float32)
-        for lo, hi, first, last in zip(bounds[:-1], bounds[1:], token_bounds[:-1], token_bounds[1:], strict=True):
-            if last == first:  # empty items only
-                continue
-            out = buffer[: last - first]
-            gather_items(self.chunks, self.chunk_of[lo:hi], self.starts[lo:hi], self.lengths[lo:hi], out=out)
+        pieces = zip(bounds[:-1].tolist(), bounds[1:].tolist(), token_bounds[:-1].tolist(), token_bounds[1:].tolist())
+        return [piece for piece in pieces if piece[3] > piece[2]]
+
+    def _gather_piece(self, piece: tuple[int, int, int, int], out: np.ndarray) -> None:
+        lo, hi, _, _ = piece
+        gather_items(self.chunks, self.chunk_of[lo:hi], self.starts[lo:hi], self.lengths[lo:hi], out=out)
+
+    def pieces(self, piece_bytes: int = READINGS_PIECE_BYTES) -> Iterator[memoryview]:
+        """The readings back to back (the bytes of ``np.asarray(self)``), gathered piece by piece
+        into one buffer of about ``piece_bytes``: each piece is valid until the next is asked for."""
+        bounds = self._piece_bounds(piece_bytes)
+        if not bounds:
+            return
+        buffer = np.empty((max(last - first for _, _, first, last in bounds), self.shape[1]), dtype=np.float32)
+        for piece in bounds:
+            out = buffer[: piece[3] - piece[2]]
+            self._gather_piece(piece, out)
             yield out.reshape(-1).view(np.uint8).data
+
+    def gather_into(self, out: np.ndarray, piece_bytes: int = READINGS_PIECE_BYTES) -> None:
+        """Write ``np.asarray(self)`` into ``out`` (``[tokens, C]``), piece by piece: a gather's token
+        positions (8 bytes a token) then stay bounded, however large the items' chunks are."""
+        for piece in self._piece_bounds(piece_bytes):
+            self._gather_piece(piece, out[piece[2] : piece[3]])
 
 
 def gather_items(

@@ -19,6 +19,7 @@ from scipy import stats
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window import storage
+from streamtrain.window.compaction import run_in_background, run_inline
 from streamtrain.window.reservoir import QuantileSummary, RecencyWindow, rekey, sorted_member
 from streamtrain.window.storage import SensorCodes, token_positions
 
@@ -555,10 +556,13 @@ def test_sensor_ids_survive_the_vocabulary_being_pruned() -> None:
     assert restored.snapshot().sensor_ids.tolist() == snap.sensor_ids.tolist()
 
 
-def test_reading_chunks_hold_little_more_than_the_live_readings() -> None:
+@pytest.mark.parametrize(("run_compaction", "late"), [(run_inline, 0), (run_in_background, 1)])
+def test_reading_chunks_hold_little_more_than_the_live_readings(run_compaction, late: int) -> None:
     """A uniform stream leaves holes everywhere in old chunks; compaction at cuts keeps the
-    chunks within 1.25x the window's readings (plus 64k tokens of leeway)."""
-    window = RecencyWindow(20_000, rng=np.random.default_rng(3), slack=2000)
+    chunks within 1.25x the window's readings (plus 64k tokens of leeway). Gathered in the
+    background, a merge planned at one cut is swapped in at the next (a cut every 4,000
+    events here): the chunks may hold one more cut's evictions (4,000 events of < 60 readings)."""
+    window = RecencyWindow(20_000, rng=np.random.default_rng(3), slack=2000, run_compaction=run_compaction)
     rng = np.random.default_rng(4)
     for start in range(0, 400_000, 2000):
         lengths = rng.integers(20, 60, 2000)
@@ -573,9 +577,11 @@ def test_reading_chunks_hold_little_more_than_the_live_readings() -> None:
                 offsets=np.arange(start, start + 2000),
             )
         )
+        assert window.wait_for_compaction(10)  # gathered before the next cut, which swaps it in
         snap = window.snapshot()
         held = sum(chunk.shape[0] for chunk in snap.flat_values)
-        assert held <= 1.25 * snap.tokens + 65536 + 2 * 2000 * 60  # plus what arrived since the last cut
+        assert held <= 1.25 * snap.tokens + 65536 + 2 * 2000 * 60 + late * 4000 * 60  # + arrivals since the last cut
+    assert window.compactions.merges_total >= 5
 
 
 # --------------------------------------------------------------------------------------- what the mutation run asked
@@ -722,7 +728,12 @@ def window_of_chunks(batches: list[list[tuple[int, bool]]]) -> RecencyWindow:
     flat = [event for batch in batches for event in batch]
     capacity = sum(kept for _, kept in flat)
     draws = [KEEP if kept else DROP for _, kept in flat]
-    window = RecencyWindow(capacity, slack=len(flat) - capacity - 1, rng=ScriptedDraws(draws))  # type: ignore[arg-type]
+    window = RecencyWindow(
+        capacity,
+        slack=len(flat) - capacity - 1,
+        rng=ScriptedDraws(draws),  # type: ignore[arg-type]
+        run_compaction=run_inline,  # the cut compacts at once
+    )
     offset = 0
     for batch in batches:
         window.insert_batch(events([length for length, _ in batch], first_offset=offset))
