@@ -202,15 +202,21 @@ class FailingForGood(ScriptedProducer):
         return Done(ClusterAuthorizationFailedError())
 
 
-def test_a_producer_left_in_its_fatal_state_is_replaced() -> None:
+def outbox_replacing(first: ScriptedProducer) -> tuple[DeadLetterOutbox, list[ScriptedProducer]]:
+    """A started outbox whose first producer is ``first`` and every later one accepts everything."""
     made: list[ScriptedProducer] = []
 
     def factory(size: int) -> ScriptedProducer:
-        made.append(FailingForGood() if not made else ScriptedProducer(lambda identity, attempt: None))
+        made.append(first if not made else ScriptedProducer(lambda identity, attempt: None))
         return made[-1]
 
     box = DeadLetterOutbox(load_settings(topic="events", dlq_send_attempts=1000), Metrics(), producer_factory=factory)
     box.start()
+    return box, made
+
+
+def test_a_producer_left_in_its_fatal_state_is_replaced() -> None:
+    box, made = outbox_replacing(FailingForGood())
     try:
         box.submit(message(3), "decode")
         assert box.wait_acknowledged(None, 10)
@@ -261,18 +267,12 @@ class StuckInItsFatalState(FailingForGood):
 
 
 def test_a_letter_in_flight_on_a_replaced_producer_is_sent_again_not_left_waiting() -> None:
-    made: list[ScriptedProducer] = []
-
-    def factory(size: int) -> ScriptedProducer:
-        made.append(StuckInItsFatalState() if not made else ScriptedProducer(lambda identity, attempt: None))
-        return made[-1]
-
-    box = DeadLetterOutbox(load_settings(topic="events", dlq_send_attempts=1000), Metrics(), producer_factory=factory)
-    box.start()
+    stuck = StuckInItsFatalState()
+    box, made = outbox_replacing(stuck)
     try:
         box.submit(message(3), "decode")
         wait_until = time.monotonic() + 10
-        while not made or not made[0].fatal:
+        while not stuck.fatal:
             assert time.monotonic() < wait_until, "the first letter was never sent"
             time.sleep(0.01)
         box.submit(message(4), "decode")  # due: the fatal producer is replaced, and closed
