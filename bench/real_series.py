@@ -479,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="PNG of the test part's forecasts, one panel per series")
     add_set_option(parser)
     args = parser.parse_args(argv)
+    # SIGTERM (kill, pkill) ends the run through its finally blocks, which stop the service it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args.settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
     names = [s.strip() for s in args.series.split(",") if s.strip()]
     unknown = [s for s in names if s not in SERIES]
