@@ -18,6 +18,7 @@ this process compiled; docs/performance.md has the measurements behind the choic
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -55,6 +56,19 @@ COMPILER_PACKAGES = ("_dynamo", "_inductor")
 MIN_DYNAMIC_SIZE = 3
 
 
+def _fx_tracing_flag_is_per_thread() -> bool:
+    """Whether this torch keeps FX's "tracing now" flag per thread (2.15 does; 2.11, as on the GPU
+    machine's image, keeps one for the process, so a compile seen mid-trace by another thread's
+    compile fails with "using FX to symbolically trace a dynamo-optimized function")."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    return hasattr(symbolic_trace, "_is_fx_tracing_tls")
+
+
+#: Held by a background compile where compiles must not overlap (see :func:`_fx_tracing_flag_is_per_thread`).
+_ONE_COMPILE_AT_A_TIME = threading.Lock()
+
+
 def pad_rows_and_positions(
     values: torch.Tensor, mask: torch.Tensor, minimum: int = MIN_DYNAMIC_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +97,8 @@ class CompiledForward(Generic[R]):
     ``warm_up(run)`` calls ``run`` (the compiled function) on example inputs exactly as the
     real callers will (same grad mode, training flag and dtypes: the compiled code is
     guarded on them), and runs the backward when the callers will. ``enabled=False``
-    never compiles.
+    never compiles. ``serialize`` (default: where this torch needs it) makes background
+    compiles of the process take turns.
     """
 
     def __init__(
@@ -94,8 +109,12 @@ class CompiledForward(Generic[R]):
         enabled: bool,
         warm_up: Callable[[Callable[..., R]], None],
         niceness: int = 0,
+        serialize: bool | None = None,
     ) -> None:
         self.name = name
+        # the training and predict forwards compile on threads of their own; with a process-wide
+        # FX flag they take turns (the one that waits stays eager meanwhile)
+        self._serialize = not _fx_tracing_flag_is_per_thread() if serialize is None else serialize
         self._eager = fn
         self._active: Callable[..., R] = fn
         self._warm_up = warm_up
@@ -149,8 +168,9 @@ class CompiledForward(Generic[R]):
         lower_thread_priority(self._niceness)
         started = time.perf_counter()
         try:
-            compiled = torch.compile(self._eager, dynamic=True)
-            self._warm_up(compiled)
+            with _ONE_COMPILE_AT_A_TIME if self._serialize else contextlib.nullcontext():
+                compiled = torch.compile(self._eager, dynamic=True)
+                self._warm_up(compiled)
         except Exception as err:  # noqa: BLE001 - any compiler failure: say it once, stay eager
             self._fail(err)
         else:

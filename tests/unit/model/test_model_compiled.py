@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,39 @@ def test_a_stop_while_compiling_leaves_without_the_interpreters_teardown(monkeyp
         release.set()
         forward._thread.join(60)
     assert not compiling()
+
+
+@pytest.mark.parametrize("serialize", [True, False])
+def test_background_compiles_take_turns_where_they_must(serialize: bool) -> None:
+    """With a process-wide FX tracing flag (torch 2.11), two overlapping compiles failed one of them."""
+    inside: list[int] = []
+    overlapped = threading.Event()
+    both_started = threading.Barrier(2, timeout=0.5)
+
+    def warm_up(_run: Any) -> None:
+        inside.append(1)
+        if len(inside) > 1:
+            overlapped.set()
+        try:
+            both_started.wait()  # returns at once when both are inside; breaks when they take turns
+        except threading.BrokenBarrierError:
+            pass
+        time.sleep(0.05)
+        inside.pop()
+
+    forwards = [
+        CompiledForward(lambda x: x, name=f"forward {i}", enabled=True, warm_up=warm_up, serialize=serialize)
+        for i in range(2)
+    ]
+    assert all(forward.wait(30) for forward in forwards)
+    assert all(forward.state == "compiled" for forward in forwards)
+    assert overlapped.is_set() is not serialize
+
+
+def test_compiles_take_turns_by_default_only_where_torchs_fx_flag_is_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    forward = CompiledForward(lambda x: x, name="test forward", enabled=False, warm_up=lambda run: None)
+    assert forward._serialize is not hasattr(symbolic_trace, "_is_fx_tracing_tls")
+    monkeypatch.delattr(symbolic_trace, "_is_fx_tracing_tls", raising=False)
+    assert CompiledForward(lambda x: x, name="test forward", enabled=False, warm_up=lambda run: None)._serialize
