@@ -193,11 +193,13 @@ class Arm:
         )
         return DevicePrefetcher(prefetcher, device)
 
-    def run_segment(self, until_tokens: int) -> None:
-        """Train until this arm's real tokens reach ``until_tokens`` (a fresh pipeline)."""
+    def run_segment(self, until_tokens: int, seconds: float = math.inf) -> None:
+        """Train until this arm's real tokens reach ``until_tokens`` or ``seconds`` have passed (a fresh
+        pipeline)."""
         started, tokens_before = time.perf_counter(), self.real_tokens
+        deadline = started + seconds
         with self.pipeline() as stage:
-            while self.real_tokens < until_tokens:
+            while self.real_tokens < until_tokens and time.perf_counter() < deadline:
                 waited = time.perf_counter()
                 batch = next(stage)
                 stepped = time.perf_counter()
@@ -274,16 +276,18 @@ class UtilizationSampler:
         return float(np.mean(self.samples)) if self.samples else math.nan
 
 
-def profiled_busy_share(arm: Arm, steps: int) -> tuple[float, str]:
-    """(share of wall time some kernel or copy ran on the GPU, how measured) over ``steps`` steps of ``arm``."""
+def profiled_busy_share(arm: Arm, steps: int, op_table: bool = False) -> tuple[float, str]:
+    """(share of wall time some kernel or copy ran on the GPU, how measured) over ``steps`` steps of ``arm``;
+    ``op_table`` also records the host's ops and prints both sides' op tables to stderr."""
     from torch.profiler import ProfilerActivity, profile
 
     device = arm.trainer.device
+    activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if op_table else [])]
     try:
         with arm.pipeline() as stage:
             next(stage)  # the pipeline's cold start is not part of the steady state
             torch.cuda.synchronize(device)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 started = time.perf_counter()
                 for _ in range(steps):
                     arm.trainer.train_step(next(stage))
@@ -296,6 +300,8 @@ def profiled_busy_share(arm: Arm, steps: int) -> tuple[float, str]:
         )
     except Exception as err:  # noqa: BLE001 - CUPTI may be unavailable: the row says why
         return math.nan, f"torch.profiler failed: {type(err).__name__}: {err}"
+    if op_table:
+        print_op_tables(prof, f"{steps} steps of {arm.name}, wall {wall_us / 1e3:.0f} ms", device_too=True)
     if not intervals:
         return math.nan, "torch.profiler recorded no GPU activity"
     busy, (start, end) = 0.0, intervals[0]
@@ -309,13 +315,41 @@ def profiled_busy_share(arm: Arm, steps: int) -> tuple[float, str]:
     return busy / wall_us, f"torch.profiler kernel+copy union over {steps} steps"
 
 
+def print_op_tables(prof: torch.profiler.profile, title: str, device_too: bool, rows: int = 25) -> None:
+    """The profile's ops by host time (and by device time), to stderr (a GPU check's log keeps them)."""
+    averages = prof.key_averages()
+    for key in ("self_cpu_time_total", *(["self_device_time_total"] if device_too else [])):
+        print(f"# op table ({title}), by {key}", file=sys.stderr)
+        print(averages.table(sort_by=key, row_limit=rows), file=sys.stderr)
+
+
+def profiled_host_ops(arm: Arm, steps: int) -> None:
+    """The host's op table over ``steps`` steps of ``arm`` (CPU), to stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with arm.pipeline() as stage:
+        next(stage)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                arm.trainer.train_step(next(stage))
+            wall_ms = (time.perf_counter() - started) * 1e3
+    print_op_tables(prof, f"{steps} steps of {arm.name}, wall {wall_ms:.0f} ms", device_too=False)
+
+
 def warm_up(trainer: Trainer, batch: Batch, steps: int = 2) -> None:
     for _ in range(steps):
         trainer.train_step(batch)
 
 
 def measure(
-    settings: Settings, window: RecencyWindow, tokens: int, segments: int, seed: int, arms: list[str]
+    settings: Settings,
+    window: RecencyWindow,
+    tokens: int,
+    segments: int,
+    seed: int,
+    arms: list[str],
+    max_seconds: float = math.inf,
 ) -> tuple[dict[str, Arm], int, float | None]:
     snapshot = window.snapshot()
     batch_size = fixed_batch_size(snapshot.lengths, settings.token_budget, seed)
@@ -331,8 +365,8 @@ def measure(
             lambda: fixed_random_batches(snapshot, batch_size, next(fixed_seed)),
         )
     # Compilation (COMPILE=on: a background thread), then allocator and kernel warm-up, outside the timing.
-    for arm in built.values():
-        arm.trainer.forward.compiled.wait()
+    for arm in built.values():  # at most max_seconds: then timed with whatever runs (the COMPILE row says)
+        arm.trainer.forward.compiled.wait(None if math.isinf(max_seconds) else max_seconds)
     for arm in built.values():
         with arm.pipeline() as stage:
             for _ in range(3):
@@ -345,7 +379,7 @@ def measure(
             goal = tokens * segment // segments
             order = list(built.values())
             for arm in order if segment % 2 else order[::-1]:
-                arm.run_segment(goal)
+                arm.run_segment(goal, max_seconds / segments / len(order))
     return built, batch_size, None if sampler is None else sampler.mean
 
 
@@ -374,6 +408,13 @@ def main() -> None:
     parser.add_argument("--arms", default="ours,fixed", help="which arms to run: ours, fixed or both")
     add_set_option(parser)
     parser.add_argument("--profile-steps", type=int, default=30, help="steps of ours under torch.profiler (CUDA)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=math.inf,
+        help="bound on the timed segments together (each arm and segment its share), and on the compile wait",
+    )
+    parser.add_argument("--op-table", action="store_true", help="print torch.profiler's op tables of ours to stderr")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -389,7 +430,9 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         reference = matmul_flop_rate(threads=1)  # this run's 1-thread fp32 matmul, before and after
         torch.set_num_threads(threads)
-        built, batch_size, utilization = measure(settings, window, args.tokens, args.segments, args.seed, arms)
+        built, batch_size, utilization = measure(
+            settings, window, args.tokens, args.segments, args.seed, arms, args.max_seconds
+        )
         reference = max(reference, matmul_flop_rate(threads=1))
         ours, fixed = built.get("ours"), built.get("fixed")
         tag = f"{BENCH}[threads={threads}]" if device.type == "cpu" and settings.amp == "off" else (
@@ -441,8 +484,10 @@ def main() -> None:
             if device.type == "cpu":
                 rows.append(Row(tag, "training GFLOP/s (ours) vs this run's 1-thread 1024² fp32 matmul GFLOP/s",
                                 ours.flops / ours.wall_seconds / 1e9, reference / 1e9, ">= 0.60"))  # fmt: skip
+            if args.op_table and not is_cuda(device):
+                profiled_host_ops(ours, args.profile_steps)
             if is_cuda(device):
-                busy, how = profiled_busy_share(ours, args.profile_steps)
+                busy, how = profiled_busy_share(ours, args.profile_steps, args.op_table)
                 rows.append(Row(tag, f"GPU busy share ({how})", busy, None, ">= 0.90"))
                 rows.append(
                     Row(
@@ -456,6 +501,11 @@ def main() -> None:
                 tag,
                 f"COMPILE, AMP (the service's): {settings.compile}, {settings.amp}",
                 float(next(iter(built.values())).trainer.forward.compiled.compiled),
+            ),
+            Row(
+                tag,
+                "compile seconds (training forward, background)",
+                next(iter(built.values())).trainer.forward.compiled.compile_seconds or math.nan,
             ),
             Row(tag, "PREFETCH_DEPTH (the service's)", settings.prefetch_depth),
             Row(tag, "PASS_MAX_ITEMS (the service's)", settings.pass_max_items),
