@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: Checkpoints record it in the model config, so one written for another input/output form
 #: of the network is refused with a clear line instead of a tensor-shape error.
@@ -50,6 +51,10 @@ def sinusoidal_positions(max_len: int, d_model: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(position * div)
     table[:, 1::2] = torch.cos(position * div)[:, : d_model // 2]
     return table.float()
+
+
+#: Attention kernels allowed on a GPU, in PyTorch's order of preference (cuDNN's left out).
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,6 +88,12 @@ class CausalSelfAttention(nn.Module):
                 mixed = F.scaled_dot_product_attention(
                     q.float(), k.float(), v.float(), dropout_p=dropout, is_causal=True
                 ).to(q.dtype)
+        elif x.device.type == "cuda":
+            # Not cuDNN's kernel: it builds a plan on the host for every new (batch, length),
+            # and the planner's batches rarely repeat one (docs/accelerators.md: 4 ms of host
+            # time per call on an H200, most of the step)
+            with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
+                mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
             mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         mixed = mixed.transpose(1, 2).reshape(batch, length, d_model)
