@@ -122,17 +122,30 @@ class HoldoutSplitter:
             )
 
 
-def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
-    """How many later events share readings with one, if each starts where ``current`` starts
-    within ``previous`` (a sliding window of stride s shares readings with ceil(L / s) - 1 others)."""
+def overlap_start(previous: np.ndarray | None, current: np.ndarray) -> int:
+    """Where ``current`` starts within ``previous`` when it repeats the end of it (a sliding
+    window: its stride), else 0. An event equal to the previous one is not counted as a slide."""
     if previous is None or len(previous) == 0 or len(current) == 0:
         return 0
     candidates = np.flatnonzero((previous == current[0]).all(axis=-1))
     for start in candidates.tolist():
         shared = min(len(previous) - start, len(current))
         if start > 0 and np.array_equal(previous[start : start + shared], current[:shared]):
-            return -(-len(current) // start) - 1
+            return int(start)
     return 0
+
+
+def repeated_readings(previous: np.ndarray | None, current: np.ndarray) -> int:
+    """How many of ``current``'s first readings ``previous`` already held (0 without overlap)."""
+    start = overlap_start(previous, current)
+    return min(len(previous) - start, len(current)) if start and previous is not None else 0
+
+
+def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
+    """How many later events share readings with one, if each starts where ``current`` starts
+    within ``previous`` (a sliding window of stride s shares readings with ceil(L / s) - 1 others)."""
+    start = overlap_start(previous, current)
+    return -(-len(current) // start) - 1 if start else 0
 
 
 class HoldoutBuffer:

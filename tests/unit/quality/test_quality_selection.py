@@ -26,7 +26,7 @@ from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.monitor import QualityMonitor
 from streamtrain.quality.scoring import score_events
-from streamtrain.quality.selection import ForecasterSelector, HoldoutErrors, TrainingSample
+from streamtrain.quality.selection import ForecasterSelector, HoldoutErrors, TrainingSample, fresh_targets_from
 from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 from streamtrain.tools.export import decode_bundle, encode_bundle
@@ -442,3 +442,52 @@ def test_the_linear_forecaster_chosen_on_the_window_yields_to_the_last_value_onl
         mse = {"last_value": float(np.mean(last**2)), "linear": float(np.mean(lin**2))}
         chosen, _, reason = selector._choose(errors, dict(mse), linear)
         assert chosen == kind, (worse, reason, mse)
+
+
+def sliding_windows_of(series: np.ndarray, count: int, length: int = 24) -> list[np.ndarray]:
+    """``count`` stride-1 windows of one sensor's ``series``, as a producer of sliding windows sends them."""
+    return [series[i : i + length, None].astype(np.float32) for i in range(count)]
+
+
+def test_sliding_windows_score_each_target_once_from_its_longest_context() -> None:
+    windows = sliding_windows_of(np.arange(40.0), 10)
+    other = [np.full((5, 1), 7.0, np.float32), np.full((5, 1), 9.0, np.float32)]  # no overlap: every target
+    values, sensors = [windows[0], other[0], *windows[1:], other[1]], ["a", "b", *["a"] * 9, "b"]
+    np.testing.assert_array_equal(fresh_targets_from(values, sensors), [0, 0, *[23] * 9, 0])
+    norm = RunningNorm.from_public([0.0], [1.0])
+    selector = ForecasterSelector(QualityConfig(), lambda local: local, lambda: np.array([24.0, 1.0]))
+    errors = selector._error_gram(values, sensors, [Frozen(Wiggle(0.0), norm, 1)], norm, lags=2)  # type: ignore[list-item]
+    assert errors.steps == (10 + 23 - 1) + 2 * 4 and errors.events == len(values)
+
+
+def test_a_small_holdout_of_sliding_windows_is_evidence_enough_and_not_for_luck() -> None:
+    """Three held-out blocks of 16 stride-1 windows hold 114 targets. Scored in every window that
+    holds them (1,104 forecasts, most from a short context) they needed a lag window as long as
+    the overlap and five such windows of events before any network could serve: on a small
+    stream, never. One block alone, one stretch of time, is still no evidence."""
+    norm = RunningNorm.from_public([0.0], [1.0])
+    selector = ForecasterSelector(
+        QualityConfig(holdout_min_events=16), lambda local: local, lambda: np.array([24.0, 1.0])
+    )  # the splitter's redundancy of stride-1 windows of 24
+    sensors = ["pump"] * 48
+
+    def blocks(series: np.ndarray) -> list[np.ndarray]:  # three blocks of 16, 100 readings apart
+        return [w for start in (0, 100, 200) for w in sliding_windows_of(series[start:], 16)]
+
+    process = sine_map_instances(np.random.default_rng(23), 1, 300)[0][:, 0]
+    training: Callable[[], TrainingSample] = lambda: (sine_map_instances(np.random.default_rng(21), 400, 24), 1.0)  # noqa: E731
+    knows = Frozen(TowardsTheSineMap(1.0), norm, 1)
+    served = selector.select(knows, None, training, blocks(process), sensors)
+    assert served.forecaster.kind == "network", served.reason
+    one_block = selector.select(knows, None, training, sliding_windows_of(process, 48), sensors)
+    assert one_block.forecaster.kind == "linear" and "network z = 0.00" in one_block.reason, one_block.reason
+
+    walk = np.cumsum(np.random.default_rng(24).normal(size=300))
+    nothing: Callable[[], TrainingSample] = lambda: ([], 1.0)  # noqa: E731
+    tries = [
+        selector.select(Frozen(Wiggle(phase), norm, 1), None, nothing, blocks(walk), sensors)
+        for phase in np.linspace(0, 6.2, 32)
+    ]
+    lucky = min(tries, key=lambda selection: selection.mse["candidate"])
+    assert lucky.mse["candidate"] < lucky.mse["last_value"]
+    assert lucky.forecaster.kind == "last_value", lucky.reason
