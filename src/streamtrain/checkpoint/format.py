@@ -17,7 +17,9 @@ The skeleton is the state with every bulky leaf replaced by a reference into the
 unchecked, and decoding verifies the digest before it decodes anything (it reads the
 payload's tensor table first, to place each tensor). Only tensors (safetensors) and plain
 JSON are read: nothing is ever unpickled. Neither side copies the payload whole: it is
-written from each tensor's own memory and read into a buffer per tensor.
+written from each tensor's own memory (the tensor table padded so that every tensor lies
+aligned in the file) and read into a buffer per tensor, or, for a file's large tensors,
+mapped from it once verified (:func:`read_checkpoint_file`).
 """
 
 from __future__ import annotations
