@@ -17,7 +17,9 @@ The skeleton is the state with every bulky leaf replaced by a reference into the
 unchecked, and decoding verifies the digest before it decodes anything (it reads the
 payload's tensor table first, to place each tensor). Only tensors (safetensors) and plain
 JSON are read: nothing is ever unpickled. Neither side copies the payload whole: it is
-written from each tensor's own memory and read into a buffer per tensor.
+written from each tensor's own memory (the tensor table padded so that every tensor lies
+aligned in the file) and read into a buffer per tensor, or, for a file's large tensors,
+mapped from it once verified (:func:`read_checkpoint_file`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import struct
 import warnings
@@ -90,7 +93,7 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
         allow_nan=False,
         separators=(",", ":"),
     ).encode("ascii")
-    payload = _payload_chunks(tensors)
+    payload = _payload_chunks(tensors, file_offset=_PREFIX.size + len(header))
     digest = hashlib.sha256(header)
     for chunk in payload:
         for piece in chunk_pieces(chunk):  # a window's readings are gathered once for this, once to write
@@ -99,12 +102,14 @@ def encode_checkpoint(state: Mapping[str, Any], *, step: int, created_at: float)
     return [_PREFIX.pack(MAGIC, len(header), payload_length, digest.digest()), header, *payload]
 
 
-def _payload_chunks(tensors: Mapping[str, PayloadTensor]) -> list[Chunk]:
+def _payload_chunks(tensors: Mapping[str, PayloadTensor], file_offset: int = 0) -> list[Chunk]:
     """A safetensors payload of ``tensors`` (CPU, contiguous; or a window's readings where they
-    lie): its table, then each tensor's bytes.
+    lie), to start at byte ``file_offset`` of its file: its table, then each tensor's bytes.
 
     The layout ``safetensors.torch.save`` writes (tensors by alignment, then name; the
-    table padded to 8 bytes), so any safetensors reader reads it.
+    table padded with spaces), so any safetensors reader reads it; the padding puts the
+    tensors' bytes at a multiple of 8 in the file, so each lies aligned where a restore
+    maps it (at ``file_offset`` 0 the bytes are exactly safetensors').
     """
     codes = {dtype: code for code, dtype in _TENSOR_DTYPES.items()}
     described = {name: _described(tensor) for name, tensor in tensors.items()}
@@ -119,7 +124,7 @@ def _payload_chunks(tensors: Mapping[str, PayloadTensor]) -> list[Chunk]:
         chunks.append(data)
         at += length
     encoded = json.dumps(table, separators=(",", ":")).encode("ascii")
-    encoded += b" " * (-len(encoded) % 8)
+    encoded += b" " * (-(file_offset + 8 + len(encoded)) % 8)
     return [struct.pack("<Q", len(encoded)), encoded, *chunks]
 
 
@@ -152,13 +157,17 @@ def decode_checkpoint(data: bytes | bytearray, path: Path | str = "<bytes>") -> 
 
 
 def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
-    """:func:`decode_checkpoint` of a file, each tensor read straight into a buffer of its own.
+    """:func:`decode_checkpoint` of a file: each large tensor mapped from it, each other one read
+    straight into a buffer of its own.
 
     A window of millions of items makes a payload of gigabytes: the bytes are read once,
     hashed as they arrive (on a second thread, while the next piece is read), and become
     the tensors as they are; each tensor's memory is freed when its last user lets go.
-    The payload's tensor table is read first, to know where each tensor goes; nothing is
-    decoded from the tensors or the header before the SHA-256 matches.
+    A tensor of :data:`MAP_MIN_BYTES` or more (a window's readings, its columns) whose
+    bytes lie aligned in the file is read through a small buffer, to hash it and bring it
+    into the page cache, then mapped (copy-on-write): it takes no memory of the process's
+    own, its pages are the page cache's. The payload's tensor table is read first, to know
+    where each tensor goes; nothing is decoded or mapped before the SHA-256 matches.
     """
     path = Path(path)
     with open(path, "rb", buffering=0) as file:
@@ -177,27 +186,79 @@ def read_checkpoint_file(path: Path | str) -> LoadedCheckpoint:
             unreadable: CorruptCheckpoint | None = None  # reported after the digest and the header are
             try:
                 table, _ = _tensor_table(read_hashed(8), read_hashed, payload_length, path)
-                sizes = [(name, end - start) for name, (start, end, _) in table]
+                sizes = [(name, end - start, entry[0].itemsize) for name, (start, end, entry) in table]
             except CorruptCheckpoint as err:  # the rest is read and hashed all the same
-                unreadable, sizes = err, [("", size - file.tell())]
-            buffers = {}
-            for name, length in sizes:
+                unreadable, sizes = err, [("", size - file.tell(), 1)]
+            buffers: dict[str, memoryview] = {}
+            mapped: dict[str, memoryview] = {}  # handed out once the digest matches
+            passing = _PassingPieces(digest)
+            for name, length, itemsize in sizes:
+                offset = file.tell()
+                mapping = None
+                if unreadable is None and length >= MAP_MIN_BYTES and offset % itemsize == 0:
+                    mapping = _mapping(file.fileno(), offset, length)
+                if mapping is not None:
+                    mapped[name] = mapping
+                    for at in range(0, length, _MAPPED_PIECE_BYTES):  # its pages stay cached: they are mapped
+                        passing.read(file, min(_MAPPED_PIECE_BYTES, length - at), path)
+                    continue
                 buffers[name] = buffer = _buffer(length)
                 for at in range(0, length, _PIECE_BYTES):  # pieces: the hasher works on one while the next is read
                     piece = buffer[at : at + _PIECE_BYTES]
-                    offset = file.tell()
                     _read_into(file, piece, path)
                     digest.update(piece)
-                    drop_cached(file.fileno(), offset, len(piece))  # read once: its cache pages serve the next
-        verified = _verified_header(bytes(header), digest.digest(), expected_digest, path)
+                    drop_cached(file.fileno(), offset + at, len(piece))  # read once: its cache pages serve the next
+    verified = _verified_header(bytes(header), digest.digest(), expected_digest, path)
     if unreadable is not None:
         raise unreadable
+    buffers.update(mapped)
     tensors = {name: _tensor(buffers.pop(name), entry) for name, (_, _, entry) in table}
     return _decode_state(verified, tensors, path)
 
 
+class _PassingPieces:
+    """Two buffers that bytes pass through on their way to the hasher: the next piece is read
+    into one while the other is hashed (memory touched once, however large the tensor)."""
+
+    def __init__(self, digest: _PipelinedDigest) -> None:
+        self._digest = digest
+        self._buffers: list[memoryview] = []
+        self._hashed: list[Future[None] | None] = [None, None]
+        self._turn = 0
+
+    def read(self, file: io.RawIOBase, size: int, path: Path) -> None:
+        """Read the next ``size`` bytes (at most ``_MAPPED_PIECE_BYTES``) of ``file`` and hash them."""
+        if not self._buffers:
+            self._buffers = [_buffer(_MAPPED_PIECE_BYTES), _buffer(_MAPPED_PIECE_BYTES)]
+        turn, self._turn = self._turn, 1 - self._turn
+        pending = self._hashed[turn]
+        if pending is not None:
+            pending.result()  # the piece read into it before is hashed: it may be filled again
+        piece = self._buffers[turn][:size]
+        _read_into(file, piece, path)
+        self._hashed[turn] = self._digest.update(piece)
+
+
+def _mapping(fd: int, offset: int, length: int) -> memoryview | None:
+    """``length`` bytes of the file ``fd`` from ``offset``, mapped copy-on-write, or None where the
+    file cannot be mapped (it is read then). A write, which the window never makes, takes a page
+    of the process's own; the file is never written. The mapping outlives the file's name (a
+    pruned checkpoint) and is unmapped when its last user lets go."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapping = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, ValueError):  # a file system without mmap, the address space or map count exhausted
+        return None
+    return memoryview(mapping)[offset - start :]
+
+
 _DIGEST_MISMATCH = "SHA-256 mismatch: the contents changed after writing (bit rot or partial overwrite)"
 _PIECE_BYTES = 64 << 20
+# Tensors this large are mapped from the file (read_checkpoint_file): below it, a mapping's
+# page rounding and its entry in the process's map count are not worth the memory saved.
+MAP_MIN_BYTES = 4 << 20
+# What a mapped tensor's bytes are read and hashed through, two buffers of this size
+_MAPPED_PIECE_BYTES = 8 << 20
 # safetensors' dtype names, for the dtypes flatten_state puts in a payload
 _TENSOR_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -306,9 +367,11 @@ class _PipelinedDigest:
     def __enter__(self) -> _PipelinedDigest:
         return self
 
-    def update(self, piece: bytes | memoryview) -> None:
+    def update(self, piece: bytes | memoryview) -> Future[None]:
+        """Hash ``piece`` after those before it; it must not change until the future is done."""
         self._pending = [future for future in self._pending if not future.done()]
         self._pending.append(self._pool.submit(self._sha256.update, piece))
+        return self._pending[-1]
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True)  # every piece hashed (or the read failed: the pieces are moot)

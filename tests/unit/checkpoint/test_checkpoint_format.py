@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from mapped_files import mapped_file, needs_proc_maps
 
 from streamtrain.checkpoint import format as format_module
 from streamtrain.checkpoint.format import (
@@ -159,7 +160,8 @@ def test_the_payload_is_what_any_safetensors_reader_reads(tmp_path: Path) -> Non
     header_length, payload_length = PREFIX.unpack_from(data)[1:3]
     payload = data[PREFIX.size + header_length :]
     assert len(payload) == payload_length
-    assert struct.unpack_from("<Q", payload)[0] % 8 == 0  # the table padded: every tensor's bytes aligned
+    data_start = PREFIX.size + header_length + 8 + struct.unpack_from("<Q", payload)[0]
+    assert data_start % 8 == 0  # the table padded: every tensor's bytes aligned in the file, where they are mapped
     by_safetensors = safetensors.torch.load(payload)
     for i, tensor in enumerate(EVERY_DTYPE.values()):  # named in the order flatten_state met them
         assert by_safetensors[str(i)].dtype == tensor.dtype and torch.equal(by_safetensors[str(i)], tensor)
@@ -518,3 +520,73 @@ def test_the_file_is_hashed_in_order_on_one_named_thread(tmp_path: Path, monkeyp
     (digest,) = made
     assert bytes(digest.hashed) == path.read_bytes()[PREFIX.size :]
     assert set(digest.threads) == {"checkpoint-sha256_0"}
+
+
+def _mapping_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(format_module, "MAP_MIN_BYTES", 4096)
+    monkeypatch.setattr(format_module, "_MAPPED_PIECE_BYTES", 1000)  # each mapped tensor hashed in many pieces
+
+
+@needs_proc_maps
+def test_a_large_tensor_is_mapped_from_the_file_and_outlives_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensors of MAP_MIN_BYTES or more are the file's pages (copy-on-write), the others memory of their own;
+    a pruned file stays readable through its mapping."""
+    _mapping_small_tensors(monkeypatch)
+    state = {
+        "values": torch.arange(10_000, dtype=torch.float32),  # 40 kB
+        "seq": torch.arange(3_000, dtype=torch.int64),  # 24 kB, before the values in the payload
+        "small": torch.arange(10, dtype=torch.int64),
+    }
+    path = tmp_path / "ckpt-000000000001-1000.stck"
+    path.write_bytes(b"".join(encode_checkpoint(state, step=1, created_at=0.0)))
+    written = path.read_bytes()
+    loaded = read_checkpoint_file(path).state
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert mapped_file(loaded["values"].data_ptr()) == str(path)
+    assert mapped_file(loaded["seq"].data_ptr()) == str(path)
+    assert mapped_file(loaded["small"].data_ptr()) is None
+    loaded["seq"][0] = -1  # a write takes a page of the process's own: the file never changes
+    assert path.read_bytes() == written
+    path.unlink()  # a checkpoint pruned (CHECKPOINT_KEEP) while a window still holds its readings
+    assert mapped_file(loaded["values"].data_ptr()) == f"{path} (deleted)"
+    assert torch.equal(loaded["values"], state["values"])
+    assert loaded["seq"][0] == -1 and torch.equal(loaded["seq"][1:], state["seq"][1:])
+
+
+@needs_proc_maps
+def test_a_damaged_tensor_that_would_be_mapped_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _mapping_small_tensors(monkeypatch)
+    values = torch.arange(10_000, dtype=torch.float32)
+    older, newer = tmp_path / "ckpt-000000000001-1000.stck", tmp_path / "ckpt-000000000002-1000.stck"
+    for step, path in enumerate((older, newer), start=1):
+        path.write_bytes(b"".join(encode_checkpoint({"values": values + step}, step=step, created_at=0.0)))
+    data = bytearray(newer.read_bytes())
+    data[-20_000] ^= 0x01  # inside the values, half way
+    newer.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match="SHA-256 mismatch"):
+        read_checkpoint_file(newer)
+    refused: list[tuple[Path, str]] = []
+    loaded = CheckpointStore(tmp_path, on_corrupt=lambda path, reason: refused.append((path, reason))).load_latest()
+    assert loaded is not None and loaded.path == older and torch.equal(loaded.state["values"], values + 1)
+    assert mapped_file(loaded.state["values"].data_ptr()) == str(older)
+    assert [(path, "SHA-256" in reason) for path, reason in refused] == [(newer, True)]
+
+
+@needs_proc_maps
+def test_a_file_whose_tensors_lie_unaligned_is_read_not_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files written before the table was padded for the file: a tensor may start at any byte there."""
+    _mapping_small_tensors(monkeypatch)
+    values = torch.arange(10_000, dtype=torch.float32)
+    payload = safetensors.torch.save({"0": values})
+    path = tmp_path / "ckpt-000000000004-1000.stck"
+    for pad in range(4):
+        header = _valid_header(skeleton={"$dict": [["v", {"$tensor": "0"}]]}, pad=" " * pad)
+        data = frame(header, payload)
+        data_start = len(data) - values.nbytes
+        path.write_bytes(data)
+        loaded = read_checkpoint_file(path).state["v"]
+        assert torch.equal(loaded, values)
+        assert (mapped_file(loaded.data_ptr()) == str(path)) == (data_start % 4 == 0), data_start

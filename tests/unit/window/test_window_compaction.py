@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mapped_files import mapped_file, needs_proc_maps
 
+from streamtrain.checkpoint import format as format_module
 from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.events import EventBatch
@@ -344,3 +346,45 @@ def test_the_default_runner_gathers_on_another_thread() -> None:
             assert thread.daemon
             thread.join(10)
     assert threads == ["window-compaction"]
+
+
+@needs_proc_maps
+def test_a_window_restored_from_mapped_files_is_the_one_read_and_compacts_after_they_are_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The readings of a base and a delta, mapped (checkpoint.format.MAP_MIN_BYTES), become the window's
+    chunks: the same window as restored from the files read, still readable once the files are pruned, and
+    a compaction gathers out of them."""
+    subject = window(math.inf, run_inline)
+    chain, store = WindowChain(compaction_ratio=100.0), CheckpointStore(tmp_path, keep=10)
+    start = 0
+    for step in (1, 2):
+        for _ in range(8):
+            subject.insert_batch(batch(start, 60, 3), {0: start + 60})
+            start += 60
+        pending = chain.window_state(subject.capture_state(), store.directory)
+        path = store.save({"window": pending.state}, step=step)
+        chain.written(pending, path)
+        assert pending.kind == ("base" if step == 1 else "delta")
+    expected = subject.state_dict()
+    restored = {}
+    for how, map_min_bytes in (("read", 1 << 62), ("mapped", 4096)):
+        monkeypatch.setattr(format_module, "MAP_MIN_BYTES", map_min_bytes)
+        loaded = CheckpointStore(tmp_path).load_latest()
+        assert loaded is not None and loaded.path == path
+        restored[how] = window(math.inf, run_inline)
+        restored[how].load_state_dict(loaded.state["window"])
+        del loaded
+        assert_same_items(restored[how].state_dict(), expected)
+    chunk_files = {mapped_file(chunk.ctypes.data) for chunk in restored["mapped"]._chunk_arrays}
+    assert chunk_files == {str(file) for file in tmp_path.glob("*.stck")}  # the base's readings and the delta's
+    assert {mapped_file(chunk.ctypes.data) for chunk in restored["read"]._chunk_arrays} == {None}
+    for file in tmp_path.glob("*.stck"):
+        file.unlink()
+    assert_same_items(restored["mapped"].state_dict(), expected)
+    while restored["mapped"].compactions.merges_total == 0:
+        assert start < 100_000, "no compaction ran"
+        for target in restored.values():
+            target.insert_batch(batch(start, 60, 3), {0: start + 60})
+        start += 60
+    assert_same_items(restored["mapped"].state_dict(), restored["read"].state_dict())
