@@ -23,6 +23,7 @@ FILES = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the subprocess's own limit: the suite's 300 s cut a slow machine's dry run (~7 min)
 def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMTRAIN_")}
     env.update(OUT=str(tmp_path), PYTHON=sys.executable)
