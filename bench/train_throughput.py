@@ -63,6 +63,7 @@ from _flops import matmul_flop_rate, training_flops  # noqa: E402
 from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, emit  # noqa: E402
 
+from streamtrain.cli import leave  # noqa: E402
 from streamtrain.config import Settings, load_settings  # noqa: E402
 from streamtrain.data import Batch, Prefetcher, collate  # noqa: E402
 from streamtrain.data.collate import collate_flat  # noqa: E402
@@ -524,3 +525,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # --max-seconds may stop waiting for the compile: the interpreter's teardown under a
+    # compile thread aborts (status 134), so leave as the service does
+    sys.exit(leave(0))
