@@ -110,6 +110,10 @@ def test_a_rejoin_whose_waiter_gave_up_is_lost_unless_kept_pending(
     if kept_pending:
         keep_rejoin_pending(consumer)
     listener = Recorder()
+    # The first join must see the topic's partition: one that assigns before the metadata has
+    # it ("No partition metadata") is the stall itself, too early for this test (as is, the
+    # first assignment then never came: seen once with another test file running beside it).
+    wait_for(lambda: consumer.partitions_for_topic(topic), 30, "the topic in the consumer's metadata")
     consumer.subscribe([topic], listener=listener)
     coordinator = consumer._coordinator
     try:
