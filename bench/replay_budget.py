@@ -9,7 +9,11 @@ a plain loop (AdamW, learning rate 1e-3, weight decay 0.01, batches of 64 window
 clipped to 1; not the service's trainer, its batches or its schedule). At 4, 8, 16, 32 and 64
 replays per training window (cumulative, one model per seed) its one-step forecasts of the last
 30% are scored as real_series.py scores the service (MSE / AR(p)'s), and so is early stopping:
-the replay count whose model forecast the held-out block best. Then the geometric means.
+the replay count whose model forecast the held-out block best. Beside them, at each replay
+count, the seeds' networks averaged (``ensemble_R``: the mean of their forecasts, one network
+per seed) and that average blended half and half with AR(p) (``ensemble_R+ar``): does
+averaging networks, alone or with the linear forecast, add what one network does not? Then
+the geometric means.
 
     python bench/replay_budget.py                   # 11 series x 3 seeds, ~7 min on one core
     python bench/replay_budget.py --series sunspots,goog --seeds 0,1 --json
@@ -52,7 +56,8 @@ def forecast_last(model: SensorModel, z: np.ndarray) -> np.ndarray:
 
 
 def run_series(name: str, seeds: list[int]) -> dict[str, float]:
-    """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), and the mean pick."""
+    """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
+    networks averaged, and the mean pick."""
     values = SERIES[name]().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -63,6 +68,7 @@ def run_series(name: str, seeds: list[int]) -> dict[str, float]:
     contexts = (base.contexts - mean) / std
     mse_ar = base.mse(base.ar)
     test: dict[int, list[float]] = {r: [] for r in REPLAYS}
+    forecasts: dict[int, list[np.ndarray]] = {r: [] for r in REPLAYS}  # per seed, in data units
     stopped, picks = [], []
     for seed in seeds:
         rng = np.random.default_rng(seed)
@@ -81,13 +87,18 @@ def run_series(name: str, seeds: list[int]) -> dict[str, float]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
             done = steps
-            test[replays].append(base.mse(forecast_last(model, contexts) * std + mean) / mse_ar)
+            forecasts[replays].append(forecast_last(model, contexts) * std + mean)
+            test[replays].append(base.mse(forecasts[replays][-1]) / mse_ar)
             held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
         pick = min(held_mse, key=held_mse.__getitem__)
         stopped.append(test[pick][-1])
         picks.append(pick)
     out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
     out["early_stopping"] = float(np.mean(stopped))
+    for r, each in forecasts.items():
+        averaged = np.mean(each, axis=0)
+        out[f"ensemble_{r}"] = base.mse(averaged) / mse_ar
+        out[f"ensemble_{r}+ar"] = base.mse(0.5 * averaged + 0.5 * base.ar) / mse_ar
     out["early_stopping_pick"] = float(np.mean(picks))
     return out
 
