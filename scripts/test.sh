@@ -19,9 +19,9 @@ trap cleanup EXIT
 export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:-9092}}"
 # With no test paths given: the unit tests on two workers (one per core, a file per worker),
 # then the integration tests, also two files at a time (they mostly wait on services and
-# brokers: 18 min against 30 one at a time, measured here the same day; their deadlines wait for steps,
-# not seconds, so a busier machine slows them without failing them). No unit test competes
-# with a service. With paths: pytest runs them as asked.
+# brokers: 18 min against 30 one at a time, measured here the same day; most deadlines wait
+# for steps, not seconds; a test that raced its broker beside another file was fixed to wait
+# for what it needs). No unit test competes with a service. With paths: pytest runs them as asked.
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
 done
