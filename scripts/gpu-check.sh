@@ -100,15 +100,16 @@ fi
 if [ "$MODE" = dry ]; then
   DEVICE=cpu
   TINY=(--items 2000 --segments 1 --set d_model=32 --set n_layers=1)
-  # The first training run and the predict step compile as on the GPU (the compile path is
-  # what most needs checking); the others skip the CPU's ~17 s compile wait each (the dry run
-  # is part of the test suite, whose time CI counts).
+  # The first training run compiles as on the GPU (the compile path is what most needs
+  # checking); the other steps skip the CPU's compile waits (~17 s each on a quiet machine; the
+  # predict step's four compiles took 143 s of a loaded one): the dry run is part of the test
+  # suite, whose time CI counts, and tests/unit/model/test_model_compiled.py compiles the predict forward.
   TRAIN_RUNS=(
     "bf16|--amp bf16 --tokens 30000 --max-seconds 30 --op-table --profile-steps 2 ${TINY[*]}"
     "float32|--amp off --tokens 20000 ${TINY[*]} --set compile=off"
     "bf16-budget-131072|--amp bf16 --tokens 20000 ${TINY[*]} --set token_budget=16384 --set compile=off"
   )
-  PREDICT_ARGS=(--requests 16 --rounds 1 --bare-calls 4 --stream-rate 200 --set d_model=32)
+  PREDICT_ARGS=(--requests 16 --rounds 1 --bare-calls 4 --stream-rate 200 --set d_model=32 --set compile=off)
   LATENCY_ARGS=(--rate 300 --warmup-s 2 --measure-s 4 --tail-s 2)
   LATENCY_CONFIG="device=cpu,d_model=32,compile=off"
   LIMIT_TESTS=600 LIMIT_TRAIN=(300 300 300) LIMIT_PREDICT=240 LIMIT_LATENCY=180

@@ -18,14 +18,14 @@ cleanup() { if [ "$started_broker" = 1 ]; then deploy/kafka.sh down || true; fi;
 trap cleanup EXIT
 export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:-9092}}"
 # With no test paths given: the unit tests on two workers (one per core, a file per worker),
-# then the integration tests, also two files at a time (they mostly wait on services and
-# brokers: 18 min against 30 one at a time, measured here the same day; most deadlines wait
-# for steps, not seconds; a test that raced its broker beside another file was fixed to wait
-# for what it needs). No unit test competes with a service. With paths: pytest runs them as asked.
+# then the integration tests three files at a time, longest first (they mostly wait on
+# services and brokers; tests/integration/conftest.py orders the files by their tests'
+# expected_seconds marks; measured figures: docs/testing.md). Most deadlines wait for steps,
+# not seconds. No unit test competes with a service. With paths: pytest runs them as asked.
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
 done
 status=0
 .venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests/unit || status=$?
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests/integration || status=$?
+.venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@" tests/integration || status=$?
 exit "$status"

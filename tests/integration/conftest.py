@@ -24,6 +24,24 @@ def _reachable(bootstrap: str) -> bool:
         return False
 
 
+#: what a test without an ``expected_seconds`` mark is taken to cost when files are ordered
+UNMARKED_SECONDS = 10.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest integration files first. scripts/test.sh gives each worker a file at a time
+    in collection order (``--dist loadfile --no-loadscope-reorder``), and the run ends when the
+    last file started does: a long file started last kept one worker busy minutes after the
+    others were done. A file's weight: its tests' ``expected_seconds`` marks."""
+    here = Path(__file__).parent
+    weight: dict[Path, float] = {}
+    for item in items:
+        if here in item.path.parents:
+            mark = item.get_closest_marker("expected_seconds")
+            weight[item.path] = weight.get(item.path, 0.0) + (float(mark.args[0]) if mark else UNMARKED_SECONDS)
+    items.sort(key=lambda item: -weight.get(item.path, 0.0))  # stable: a file's tests keep their order
+
+
 @pytest.fixture(autouse=True)
 def _no_holdout_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ingest audits here compare the window with every event sent; a held-out event never

@@ -98,6 +98,7 @@ def assert_one_release(ranks: list[Any], epsilon_at: Any) -> dict[str, Any]:
     return dps[0]
 
 
+@pytest.mark.expected_seconds(100)
 def test_two_dp_ranks_survive_a_kill_and_rescaling_with_participation_bounded(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:

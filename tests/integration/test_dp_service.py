@@ -29,6 +29,7 @@ DP_SETTINGS = dict(
 )
 
 
+@pytest.mark.expected_seconds(30)
 def test_dp_service_spends_bounded_epsilon_while_training(kafka_bootstrap, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=1)
     with ServiceProcess(kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log", **DP_SETTINGS) as service:

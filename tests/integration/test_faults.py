@@ -280,6 +280,7 @@ def stop_and_kill(service: FaultyService) -> None:
 # 1. broker outage
 
 
+@pytest.mark.expected_seconds(100)
 def test_broker_outage_keeps_serving_and_loses_nothing(private_broker: Broker, tmp_path: Path) -> None:
     private_broker.up()
     topic = "outage-events"
@@ -379,6 +380,7 @@ def kill_during_checkpoint_write(service: FaultyService, directory: Path, timeou
     raise AssertionError(f"no checkpoint write caught in {timeout_s}s")
 
 
+@pytest.mark.expected_seconds(120)
 def test_sigkill_at_random_moments_keeps_the_window_exact(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
@@ -503,6 +505,7 @@ def wrong_checksum(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.expected_seconds(45)
 def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
@@ -559,6 +562,7 @@ def test_corrupt_checkpoints_fall_back_to_the_previous_good_one(
 # 4. checkpoint directory unwritable, then full
 
 
+@pytest.mark.expected_seconds(35)
 def test_unwritable_or_full_checkpoint_dir_is_counted_retried_and_reported(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ FILES = {
 }  # fmt: skip
 
 
+@pytest.mark.expected_seconds(200)
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the subprocess's own limit: the suite's 300 s cut a slow machine's dry run (~7 min)
 def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path: Path) -> None:

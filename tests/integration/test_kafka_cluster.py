@@ -209,6 +209,7 @@ def dead_letters(bootstrap: str, expected: int) -> list[Any]:
         consumer.close()
 
 
+@pytest.mark.expected_seconds(100)
 def test_a_leader_killed_then_a_second_broker_then_both_back_loses_nothing_and_doubles_nothing(
     cluster: Cluster, tmp_path: Path
 ) -> None:

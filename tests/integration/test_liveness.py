@@ -332,6 +332,7 @@ def test_the_watchdog_recreates_a_stalled_consumer_and_ingest_stays_exact(
 # the group coordinator restarts
 
 
+@pytest.mark.expected_seconds(40)
 def test_a_restarted_coordinator_loses_and_doubles_nothing(private_broker: Broker) -> None:
     private_broker.up()
     bootstrap = private_broker.bootstrap

@@ -128,6 +128,7 @@ def assert_same(outputs: dict[str, Any], reference: dict[str, Any], tolerance: f
         )
 
 
+@pytest.mark.expected_seconds(20)
 def test_tritonclient_json_and_binary_equal_v1_predict(
     service: ServiceProcess, batch: tuple[np.ndarray, np.ndarray]
 ) -> None:
@@ -174,6 +175,7 @@ def test_kserve_client_json_and_binary_equal_v1_predict(
     assert v1_predict(service, values, lengths)["version"] == reference["version"]
 
 
+@pytest.mark.expected_seconds(65)
 def test_export_from_the_running_service_answers_as_it_does(service: ServiceProcess,
                                                             batch: tuple[np.ndarray, np.ndarray],
                                                             tmp_path: Path) -> None:  # fmt: skip

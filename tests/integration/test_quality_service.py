@@ -22,6 +22,7 @@ def simulate(bootstrap: str, topic: str, count: int, seed: int) -> int:
     return report.sent - report.malformed
 
 
+@pytest.mark.expected_seconds(30)
 def test_prequential_skill_is_positive_on_a_learnable_stream(kafka_bootstrap, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=2)
     service = ServiceProcess(

@@ -209,6 +209,7 @@ class Endpoint:
             return False
 
 
+@pytest.mark.expected_seconds(35)
 def test_torchrun_two_ranks_train_one_model_over_three_partitions(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
@@ -274,6 +275,7 @@ def test_torchrun_two_ranks_train_one_model_over_three_partitions(
     assert_checkpoint_exact(checkpoint_dir, topic, placements)
 
 
+@pytest.mark.expected_seconds(50)
 def test_a_killed_rank_stops_the_others_and_a_restart_restores_exactly_once(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:
@@ -327,6 +329,7 @@ def test_a_killed_rank_stops_the_others_and_a_restart_restores_exactly_once(
     assert newest_manifest(checkpoint_dir).world_size == 2
 
 
+@pytest.mark.expected_seconds(75)
 def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path
 ) -> None:

@@ -76,6 +76,7 @@ def learning_service(kafka_bootstrap, make_topic, tmp_path):
         yield service
 
 
+@pytest.mark.expected_seconds(120)
 def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     s = learning_service
     window = wait_for(lambda: (w := s.get("/v1/window"))["size"] == s.valid_sent and w, 60, "window holds the stream")
@@ -211,6 +212,7 @@ def test_serves_learns_and_answers(learning_service: ServiceProcess) -> None:
     assert ok.status_code == 200 and ok.json()["path"].endswith(".stck")
 
 
+@pytest.mark.expected_seconds(75)
 def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=2)
     settings = dict(max_len=128, window_capacity=50000, half_life_s="inf", checkpoint_interval_s=1)
@@ -254,6 +256,7 @@ def test_sigkill_and_restart_restore_window_and_step_exactly(kafka_bootstrap, ma
         second.terminate()
 
 
+@pytest.mark.expected_seconds(35)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_exits_0_after_the_final_checkpoint(kafka_bootstrap, make_topic, tmp_path, sig) -> None:
     """One process, stopped as Kubernetes (SIGTERM) or a terminal (SIGINT) stops it: status 0, not -15/143."""

@@ -100,6 +100,7 @@ def test_command_line_entry_point_produces_the_requested_count(topic):
     assert len(read_all(topic, 150)) == 150
 
 
+@pytest.mark.expected_seconds(30)
 def test_ctrl_c_with_the_broker_gone_stops_within_the_close_timeout_and_says_what_is_in_flight(
     private_broker: Broker, tmp_path
 ):

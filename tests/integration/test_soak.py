@@ -29,6 +29,7 @@ def load_soak_module():
     return module
 
 
+@pytest.mark.expected_seconds(90)
 def test_a_60_second_soak_has_no_errors_and_bounded_memory(kafka_bootstrap: str, tmp_path: Path) -> None:
     soak = load_soak_module()
     config = soak.SoakConfig(bootstrap=kafka_bootstrap, duration_s=60, warmup_s=20, rate=200, predict_rps=20,
