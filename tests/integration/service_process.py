@@ -87,8 +87,15 @@ class ServiceProcess:
         track(self.process)
         return self
 
-    def wait_healthy(self, timeout_s: float = 60) -> None:
-        wait_for(self._healthy, timeout_s, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
+    def wait_healthy(self, timeout_s: float = 120) -> None:
+        """Until /healthz answers (a start beside other services and brokers on two cores took over
+        60 s); a process that never does is stopped, not left to run beside the next tests."""
+        try:
+            wait_for(self._healthy, timeout_s, f"service health on :{self.port} (log {self.log_path})", interval=0.2)
+        except BaseException:
+            if self.process is not None and self.process.poll() is None:
+                self.terminate(timeout_s=10)
+            raise
 
     def _healthy(self) -> bool:
         assert self.process is not None

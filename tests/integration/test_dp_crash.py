@@ -78,6 +78,7 @@ def resumed_lines(log_text: str) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.expected_seconds(170)
+@pytest.mark.timeout(600)  # five lives of 2K steps and more: 146-209 s here, past 300 s beside other test files
 def test_sigkill_at_the_worst_moments_never_admits_an_event_twice(
     kafka_bootstrap: str, make_topic: Any, tmp_path: Path, started: list[FaultyService]
 ) -> None:

@@ -67,7 +67,7 @@ def test_replicas_sharing_one_record_admit_each_event_once_and_bound_each_sensor
                 pipe_output=True, dp_admission_dir=shared, group_instance_id=f"dp-{name}", **SETTINGS,
             ).spawn()  # fmt: skip
         for name in names:
-            running[name].wait_healthy(90)
+            running[name].wait_healthy()
 
     def progressed(steps: int) -> None:
         marks = {name: operator(service)["record_synced_step"] for name, service in running.items()}

@@ -131,6 +131,10 @@ def test_two_dp_ranks_survive_a_kill_and_rescaling_with_participation_bounded(
 
             again = Group(2, kafka_bootstrap, topic, ckpt, logs, **settings).start()
             groups.append(again)
+            # a slow start spends its first steps empty: each rank admits in this life, then 3K more steps
+            restored = [operator(rank)["admitted_total"] for rank in again.ranks]
+            wait_for(lambda: all(operator(r)["admitted_total"] > n for r, n in zip(again.ranks, restored, strict=True)),
+                     90, "both ranks to admit again")  # fmt: skip
             progressed(again.ranks, 3 * K, "two ranks again: 3K durable steps")
             assert_one_model(again.ranks, min_step=0)  # one version: the same parameters and predictions
             dp = assert_one_release(again.ranks, epsilon_at)

@@ -166,7 +166,7 @@ class FaultyService(ServiceProcess):
 
     def start(self) -> FaultyService:
         self.spawn()
-        self.wait_healthy(90)
+        self.wait_healthy()
         return self
 
     @property
