@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -21,8 +21,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from streamtrain.device import Precision, check_device_spec, fast_bf16_matmul, resolve_device
 from streamtrain.ingest import security as kafka_security
+
+if TYPE_CHECKING:
+    from streamtrain.device import Precision
 
 ENV_PREFIX = "STREAMTRAIN_"
 
@@ -454,6 +456,8 @@ class Settings(BaseSettings):
     @classmethod
     def _device_exists(cls, value: Any) -> str:
         """cpu and cuda[:N] are checked against this machine here; auto is decided with DP (below)."""
+        from streamtrain.device import check_device_spec, resolve_device  # torch, imported only to check settings
+
         spec = check_device_spec(value)
         if spec != "auto":
             spec = str(resolve_device(spec))
@@ -517,7 +521,13 @@ class Settings(BaseSettings):
         return self
 
     def _place_on_device(self) -> None:
-        """Resolve ``auto``, refuse what DP mode cannot do, and apply the GPU profile on a GPU."""
+        """Resolve ``auto``, refuse what DP mode cannot do, and apply the GPU profile on a GPU.
+
+        The device helpers (and torch) are imported here, not with this module: the CLI's import
+        stays light for the processes that import it without loading settings (the decode worker
+        the ``streamtrain`` script spawns imports the script again)."""
+        from streamtrain.device import fast_bf16_matmul, resolve_device
+
         if self.dp == "on":
             if self.amp == "auto":
                 self.__dict__["amp"] = "off"  # DP's clipping and noise stay float32

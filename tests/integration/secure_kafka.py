@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from kafka import KafkaConsumer, TopicPartition
-from kafka_helpers import REPO, free_ports
+from kafka_helpers import REPO, free_ports, wait_for
 from service_process import ServiceProcess
 
 TOPIC, GROUP = "sensor-events", "streamtrain"
@@ -122,6 +122,19 @@ def readiness_reasons(service: ServiceProcess) -> list[str]:
 def failing(service: ServiceProcess, kind: str) -> list[str]:
     """The service's readiness reasons that start with ``kind`` (e.g. ``kafka_auth_failed:``)."""
     return [reason for reason in readiness_reasons(service) if reason.startswith(kind)]
+
+
+def refused_and_still_running(service: ServiceProcess, kind: str, retrying_s: float = 8.0) -> list[str]:
+    """Wait until ``kind`` (``kafka_auth_failed``, ``kafka_authorization_failed``) is a readiness
+    reason, let the service retry for ``retrying_s``, then check it still runs, has read nothing
+    and said the failure once. Returns the reasons of that kind."""
+    reasons = wait_for(lambda: failing(service, f"{kind}:"), 90, kind)
+    time.sleep(retrying_s)
+    assert service.process is not None and service.process.poll() is None
+    assert service.get("/v1/window")["seen_total"] == 0
+    said = log_lines(service, kind)
+    assert len(said) == 1, said
+    return reasons
 
 
 def dead_letters(broker: SecureBroker) -> list[Any]:

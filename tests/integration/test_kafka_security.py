@@ -6,7 +6,6 @@ module) and is stopped afterwards. Certificates, mutual TLS: test_kafka_tls.py.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from secure_kafka import (
     failing,
     log_lines,
     record,
+    refused_and_still_running,
     running_secure_broker,
     secured_service,
     simulate,
@@ -63,18 +63,14 @@ def test_wrong_password_is_a_readiness_reason_once_logged_and_recovers(broker: S
     password_file = tmp_path / "svc.password"
     password_file.write_text("not-the-password-4711\n")
     with secured_service(broker, tmp_path, "wrong", broker.scram("svc", password_file)) as service:
-        reasons = wait_for(lambda: failing(service, "kafka_auth_failed:"), 60, "kafka_auth_failed")
+        reasons = refused_and_still_running(service, "kafka_auth_failed", retrying_s=15)  # several retries
         assert reasons == [
             "kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"
         ]
-        time.sleep(15)  # several retries: still running, still one line
-        assert service.process is not None and service.process.poll() is None
         assert service.client.get("/healthz").status_code == 200
-        assert service.get("/v1/window")["seen_total"] == 0
         metrics = service.client.get("/metrics").text
         assert 'streamtrain_kafka_security_failing{kind="kafka_auth_failed"} 1.0' in metrics
         record(broker, service)
-        assert len(log_lines(service, "kafka_auth_failed")) == 1, log_lines(service, "kafka_auth_failed")
         lines = service.log_path.read_text().splitlines()
         said = next(i for i, line in enumerate(lines) if "kafka_auth_failed" in line)
         after = [line for line in lines[said:] if " kafka." in line]
@@ -97,17 +93,9 @@ def test_a_denied_principal_reads_nothing_and_is_told_what_is_missing(
 ) -> None:
     security = broker.scram("denied") if how == "scram" else broker.mutual_tls("denied")
     with secured_service(broker, tmp_path, f"denied-{how}", security) as service:
-        reasons = wait_for(
-            lambda: failing(service, "kafka_authorization_failed:"),
-            60,
-            "kafka_authorization_failed",
-        )
+        reasons = refused_and_still_running(service, "kafka_authorization_failed")
         assert reasons[0].startswith(f"kafka_authorization_failed: CREATE on topic {TOPIC} "), reasons
         assert "an operator creates it" in reasons[0] and "3 partitions" in reasons[0]
-        time.sleep(8)
-        assert service.get("/v1/window")["seen_total"] == 0
-        assert service.process is not None and service.process.poll() is None
-        assert len(log_lines(service, "kafka_authorization_failed")) == 1
         assert not log_lines(service, "AuthorizationFailed")
         record(broker, service)
     broker.seen.append(service.log_path.read_text())

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import streamtrain.config as config_module
+import streamtrain.device as device_module
 from device_params import CUDA, DEVICES, needs_cuda
 from streamtrain.checkpoint.format import decode_checkpoint, encode_checkpoint
 from streamtrain.config import GPU_PROFILE, SettingsError, load_settings
@@ -98,7 +98,7 @@ def test_dp_mode_refuses_bf16_and_a_gpu_and_runs_auto_on_the_cpu(monkeypatch: py
     dp = dict(dp="on", shuffle="crypto")
     with pytest.raises(SettingsError, match=r"^invalid settings: amp=bf16 with dp=on: .*float32 or better.*AMP=off$"):
         load_settings(amp="bf16", **dp)
-    monkeypatch.setattr(config_module, "resolve_device", _stand_in_gpu)
+    monkeypatch.setattr(device_module, "resolve_device", _stand_in_gpu)  # settings import it when they validate
     with pytest.raises(SettingsError, match=r"^invalid settings: device=cuda:0 with dp=on: .*DEVICE=cpu or auto$"):
         load_settings(device="cuda", **dp)
     settings = load_settings(**dp)  # auto, on a machine with a GPU: DP stays on the CPU
@@ -130,7 +130,7 @@ def test_on_the_cpu_the_defaults_stay() -> None:
 
 def test_a_gpu_gets_the_profile_for_every_setting_not_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("STREAMTRAIN_AMP", raising=False)  # tests/conftest.py sets it; here AMP is not set
-    monkeypatch.setattr(config_module, "resolve_device", _stand_in_gpu)
+    monkeypatch.setattr(device_module, "resolve_device", _stand_in_gpu)  # settings import it when they validate
     settings = load_settings()
     assert settings.device == "cuda:0"
     assert settings.gpu_profile_applied == tuple(GPU_PROFILE)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -75,3 +77,11 @@ def test_ctrl_c_leaves_the_worker_to_the_service() -> None:
         assert same(future.result(timeout=30), decode_batch(*ARGS))
     finally:
         decoder.close()
+
+
+def test_the_cli_module_imports_without_torch() -> None:
+    """A spawned decode worker imports the ``streamtrain`` script, hence ``streamtrain.cli``, again:
+    with torch in that import every service start paid ~2 s more of a core for its worker."""
+    probe = "import sys, streamtrain.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stdout
