@@ -18,15 +18,15 @@ cleanup() { if [ "$started_broker" = 1 ]; then deploy/kafka.sh down || true; fi;
 trap cleanup EXIT
 export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:-9092}}"
 # With no test paths given: the unit tests on two workers (one per core, a file per worker),
-# then the integration tests three files at a time, longest first (tests/integration/conftest.py
-# orders the files by their tests' expected_seconds marks): their services mostly start, wait
-# and stop (a start is ~9 s of a core, ~60% of the services' CPU), so a third file overlaps the
-# waits (README, "Development"). Deadlines wait for steps and admissions, not for a pace. No
+# then the integration tests two files at a time, longest first (tests/integration/conftest.py
+# orders the files by their tests' expected_seconds marks). Their services mostly start, wait
+# and stop, but three files at a time were no faster in a fresh-clone CI run (26 min, 14.7
+# here; README, "Development"). Deadlines wait for steps and admissions, not for a pace. No
 # unit test competes with a service. With paths: pytest runs them as asked.
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
 done
 status=0
 .venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests/unit || status=$?
-.venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder "$@" tests/integration || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@" tests/integration || status=$?
 exit "$status"
