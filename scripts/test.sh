@@ -20,8 +20,8 @@ export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:
 # With no test paths given: the unit tests on two workers (one per core, a file per worker),
 # then the integration tests two files at a time, longest first (tests/integration/conftest.py
 # orders the files by their tests' expected_seconds marks). Their services mostly start, wait
-# and stop, but three files at a time were no faster in a fresh-clone CI run (26 min, 14.7
-# here; README, "Development"). Deadlines wait for steps and admissions, not for a pace. No
+# and stop, but three files at a time were no faster in a fresh-clone CI run without the
+# venv's bytecode (26 min, 14.7 here; README, "Development"). Deadlines wait for steps and admissions, not for a pace. No
 # unit test competes with a service. With paths: pytest runs them as asked.
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
