@@ -24,7 +24,7 @@ export STREAMTRAIN_TEST_KAFKA="${STREAMTRAIN_TEST_KAFKA:-127.0.0.1:${KAFKA_PORT:
 # venv's bytecode (26 min, 14.7 here; README, "Development"). Deadlines wait for steps and admissions, not for a pace. No
 # unit test competes with a service. With paths: pytest runs them as asked.
 for arg in "$@"; do
-  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec .venv/bin/python -m pytest "$@"; fi
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then .venv/bin/python -m pytest "$@"; exit; fi  # not exec: the EXIT trap stops the broker
 done
 status=0
 .venv/bin/python -m pytest -n 2 --dist loadfile "$@" tests/unit || status=$?
