@@ -30,6 +30,7 @@ served <= 0.85x AR(p).
     python bench/real_series.py                                    # 11 series x 2 regimes, ~65 min
     python bench/real_series.py --series occupancy,sunspots --train-s 40 --regime both
     python bench/real_series.py --json --plot real_series.png
+    python bench/real_series.py --series unseen --regime burst      # the 10 series no default was tuned on
 
 Needs the broker (``deploy/kafka.sh up``, or ``--bootstrap``) and the bench extra (statsmodels,
 matplotlib: the series' files).
@@ -57,7 +58,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests" / "integration"))
-from _series import SERIES, Series, sliding_windows  # noqa: E402
+from _series import SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
 from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, _fmt, emit, print_columns  # noqa: E402
 
@@ -69,6 +70,9 @@ PREDICT_BATCH = 256  # the service's default max_predict_batch
 TARGET_LAST = 1.0  # on every series: served <= 1.0x the last value
 TARGET_BEST = 1.05  # on every series: served <= 1.05x min(last value, AR(p))
 TARGET_GEOMEAN_AR = 0.85  # geometric mean over series: served <= 0.85x AR(p)
+# the service forecasts in float32 through its normalization: the last value served as such
+# scores ~1e-7 relative away from the exact last value's MSE, which is not a miss
+ROUNDING = 1e-6
 REGIMES = ("burst", "paced")
 
 
@@ -200,8 +204,8 @@ def targets_met(results: Sequence[Result]) -> dict[str, tuple[bool, str]]:
     """The issue's three targets over one regime's series: name -> (met, detail)."""
     ok = [r for r in results if r.error is None]
     failed = [r.series for r in results if r.error is not None]
-    over_last = [r.series for r in ok if not r.served_last <= TARGET_LAST]
-    over_best = [r.series for r in ok if not r.served_best <= TARGET_BEST]
+    over_last = [r.series for r in ok if not r.served_last <= TARGET_LAST + ROUNDING]
+    over_best = [r.series for r in ok if not r.served_best <= TARGET_BEST + ROUNDING]
     g = geomean([r.served_ar for r in ok])
     missing = f"; no result: {', '.join(failed)}" if failed else ""
 
@@ -471,7 +475,12 @@ def plot(results: Sequence[Result], forecasts: dict[tuple[str, str], np.ndarray]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--series", default=",".join(SERIES), help=f"comma-separated subset of: {', '.join(SERIES)}")
+    parser.add_argument(
+        "--series",
+        default=",".join(SERIES),
+        help=f"comma-separated names, or 'unseen' (the series no default was tuned on: {', '.join(UNSEEN)}); "
+        f"default: {', '.join(SERIES)}",
+    )
     parser.add_argument("--regime", choices=(*REGIMES, "both"), default="both")
     parser.add_argument("--train-s", type=float, default=150.0, help="seconds of training (burst) or of stream (paced)")
     parser.add_argument("--bootstrap", default=os.environ.get("STREAMTRAIN_KAFKA_BOOTSTRAP", "127.0.0.1:9092"))
@@ -482,17 +491,18 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, pkill) ends the run through its finally blocks, which stop the service it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args.settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
-    names = [s.strip() for s in args.series.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SERIES]
+    known = {**SERIES, **UNSEEN}
+    names = [n for s in args.series.split(",") if s.strip() for n in (UNSEEN if s.strip() == "unseen" else [s.strip()])]
+    unknown = [s for s in names if s not in known]
     if unknown:
-        parser.error(f"unknown series {unknown}; known: {', '.join(SERIES)}")
+        parser.error(f"unknown series {unknown}; known: {', '.join(known)}")
     regimes = REGIMES if args.regime == "both" else (args.regime,)
 
     results: list[Result] = []
     forecasts: dict[tuple[str, str], np.ndarray] = {}
     bases: dict[str, Baselines] = {}
     for name in names:
-        series = SERIES[name]()
+        series = known[name]()
         bases[name] = base = baselines(series.values)
         for regime in regimes:
             started = time.monotonic()
