@@ -55,6 +55,11 @@ RELATIVE_PENALTIES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: critical value with a constant (MacKinnon's asymptotic value; a t-statistic above it keeps the root).
 ADF_LAGS = 4
 ADF_CRITICAL_T = -2.86
+#: A family serves only where its best model's estimated error is at least this share below the
+#: last value's on the window: a smaller edge is within what a change of regime after the window
+#: takes away (a random walk's fit "gains" 1-2% in sample and loses as much later: docs/quality.md),
+#: and serving the last value there costs at most that share.
+LINEAR_MIN_GAIN = 0.02
 _CHUNK_ROWS = 65_536  # positions per chunk when summing outer products
 
 Family = Literal["levels", "changes", "changes_no_drift"]
@@ -314,13 +319,14 @@ def family_members(
 
 def averaged(members: Sequence[LinearModel], sums: LagSums, channel: int) -> FamilyFit | None:
     """``members`` averaged (see :class:`FamilyFit`); None when not even the best beats the
-    last value's error (every coefficient zero) on the targets it was fitted on."""
+    last value's error (every coefficient zero) on the targets it was fitted on by
+    :data:`LINEAR_MIN_GAIN`."""
     if not members:
         return None
     members = sorted(members, key=lambda m: m.gcv_mse)
     best = members[0]
     _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
-    if not best.gcv_mse < yty / rows:  # the last value's error on the same targets
+    if not best.gcv_mse < (1.0 - LINEAR_MIN_GAIN) * yty / rows:  # the last value's error on the same targets
         return None
     logs = np.log(np.maximum([m.gcv_mse for m in members], 1e-300))
     weights = np.exp(-0.5 * best.distinct_targets * (logs - logs[0]))
