@@ -223,7 +223,7 @@ class Settings(BaseSettings):
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
     warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warm-up steps")
     grad_clip_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip (non-DP training)")
-    min_window_items: int = Field(64, ge=1, description="Training waits until the window holds this many")
+    min_window_items: int = Field(16, ge=1, description="Training waits until the window holds this many")
     publish_interval_s: float = Field(2.0, gt=0, description="Seconds between model publications")
     publish_max_share: float = Field(
         0.1,

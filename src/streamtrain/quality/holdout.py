@@ -29,6 +29,8 @@ class _SensorBlocks:
     block: int  # events per block: HOLDOUT_BLOCK_EVENTS, or twice the overlap once its events overlap
     guard: int = 0  # neighbours of a held-out block kept out too (overlapping events)
     last: np.ndarray | None = None  # its previous event's readings (to see overlap)
+    grown: bool = False  # its blocks grew to twice the overlap (see HoldoutSplitter)
+    trail: int = 0  # next events kept out as guards of the event held just before its blocks grew
 
 
 class HoldoutSplitter:
@@ -59,7 +61,9 @@ class HoldoutSplitter:
         self._sensors: OrderedDict[str, _SensorBlocks] = OrderedDict()
 
     def _held(self, sensor: _SensorBlocks, block: int) -> bool:
-        return block >= 0 and (block + sensor.phase) % self.period == 0
+        # the first block of grown blocks always trains: a short stream of sliding windows keeps
+        # its first readings (a held first block and its guard took 70 of 77 events)
+        return block >= (1 if sensor.grown else 0) and (block + sensor.phase) % self.period == 0
 
     def _phase(self, sensor_id: str) -> int:
         key = int.from_bytes(hashlib.blake2b(sensor_id.encode(), digest_size=8).digest(), "little") >> 1
@@ -85,9 +89,15 @@ class HoldoutSplitter:
                 self._sensors.move_to_end(sensor_id)
                 state.guard = _overlapping_neighbours(state.last, values)
                 if 2 * state.guard > state.block:  # blocks grow once, when the overlap is first seen
-                    state.block, state.count = 2 * state.guard, 0
+                    # the events that share readings with a held event just before are its guard
+                    previous_held = self._held(state, (state.count - 1) // state.block)
+                    state.block, state.count, state.grown = 2 * state.guard, 0, True
+                    state.trail = state.guard if previous_held else 0
             block, at = divmod(state.count, state.block)
-            if self._held(state, block):
+            if state.trail > 0:
+                guard.append(i)
+                state.trail -= 1
+            elif self._held(state, block):
                 held.append(i)
             elif (self._held(state, block + 1) and at >= state.block - state.guard) or (
                 self._held(state, block - 1) and at < state.guard
@@ -109,17 +119,24 @@ class HoldoutSplitter:
             "phases": np.array([v.phase for v in self._sensors.values()], dtype=np.int64),
             "guards": np.array([v.guard for v in self._sensors.values()], dtype=np.int64),
             "blocks": np.array([v.block for v in self._sensors.values()], dtype=np.int64),
+            "grown": np.array([v.grown for v in self._sensors.values()], dtype=np.bool_),
+            "trails": np.array([v.trail for v in self._sensors.values()], dtype=np.int64),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._sensors.clear()
-        for name, count, phase, guard, block in zip(
+        blocks = np.asarray(state["blocks"]).tolist()
+        # saved before the first grown block trained: such a state's grown blocks keep their schedule
+        grown = np.asarray(state.get("grown", np.zeros(len(blocks), np.bool_))).tolist()
+        trails = np.asarray(state.get("trails", np.zeros(len(blocks), np.int64))).tolist()
+        for name, count, phase, guard, block, was_grown, trail in zip(
             state["sensors"], np.asarray(state["counts"]).tolist(), np.asarray(state["phases"]).tolist(),
-            np.asarray(state["guards"]).tolist(), np.asarray(state["blocks"]).tolist(), strict=True,
+            np.asarray(state["guards"]).tolist(), blocks, grown, trails, strict=True,
         ):  # fmt: skip
             self._sensors[str(name)] = _SensorBlocks(
-                int(count), int(phase) % max(self.period, 1), int(block), int(guard)
-            )
+                int(count), int(phase) % max(self.period, 1), int(block), int(guard),
+                grown=bool(was_grown), trail=int(trail),
+            )  # fmt: skip
 
 
 def overlap_start(previous: np.ndarray | None, current: np.ndarray) -> int:
