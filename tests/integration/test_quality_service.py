@@ -53,3 +53,51 @@ def test_prequential_skill_is_positive_on_a_learnable_stream(kafka_bootstrap, ma
         assert window["accepted_total"] + held_out == first + second
         metrics = service.client.get("/metrics").text
         assert "streamtrain_prequential_events_total" in metrics and "streamtrain_prequential_mse" in metrics
+
+
+@pytest.mark.expected_seconds(40)
+def test_a_short_series_of_sliding_windows_is_served_on_the_default_window_and_holdout(
+    kafka_bootstrap, make_topic, tmp_path
+) -> None:
+    """100 yearly readings, the first 70 sent as 47 sliding windows of 24, as a user with a short
+    series sends them: with the defaults the service became ready for none of three such series
+    (a window below MIN_WINDOW_ITEMS 64; a sensor whose holdout phase held its first block kept
+    only what followed that block and its guard). The sensor here has that phase."""
+    import numpy as np
+    import orjson
+    from kafka import KafkaProducer
+
+    from streamtrain.config import Settings
+    from streamtrain.quality.holdout import HoldoutSplitter
+
+    defaults = Settings.model_fields
+    share, seed = defaults["holdout_share"].default, defaults["seed"].default
+    probe = HoldoutSplitter(share, defaults["holdout_block_events"].default, defaults["shuffle"].default, seed)
+    sensor = next(f"river-{i}" for i in range(1000) if probe._phase(f"river-{i}") == 0)
+    rng = np.random.default_rng(7)
+    level = np.empty(70)
+    level[0] = 0.0
+    for t in range(1, 70):  # a level that reverts to its mean, as a yearly flow does
+        level[t] = 0.6 * level[t - 1] + rng.normal()
+    windows = [level[i : i + 24] for i in range(70 - 24 + 1)]
+    topic = make_topic()
+    service = ServiceProcess(
+        kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log", max_len=64, half_life_s="inf",
+        min_window_items=defaults["min_window_items"].default, holdout_share=share,
+    )  # fmt: skip
+    with service:
+        producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        try:
+            for i, window in enumerate(windows):
+                event = {"sensor_id": sensor, "ts": 1.7e9 + i, "values": [float(v) for v in window]}
+                producer.send(topic, key=sensor.encode(), value=orjson.dumps(event))
+            producer.flush(30)
+        finally:
+            producer.close(10)
+        read = wait_for(lambda: (w := service.get("/v1/window"))["seen_total"] == len(windows) and w, 60, "47 events")
+        held = read["held_out_total"]  # held out and their guards: never in the window
+        assert read["accepted_total"] + held == len(windows)
+        assert read["accepted_total"] >= defaults["min_window_items"].default, (read["accepted_total"], held)
+        service.wait_ready(120)
+        answer = service.client.post("/v1/predict", json={"instances": [{"values": windows[-1].tolist()}]})
+        assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
