@@ -187,6 +187,8 @@ class Result:
     holdout_events: int | None = None
     # the trainer's network alone (the service's final checkpoint) on the test part: MSE / AR(p)'s
     network_ar: float | None = None
+    # /v1/model forecaster.last_publication.reason: why what serves was chosen
+    forecaster_reason: str | None = None
     error: str | None = None
 
 
@@ -367,6 +369,7 @@ def run_one(series: Series, regime: str, base: Baselines, args: argparse.Namespa
         replays = model.get("replays_per_event")
         result.replays_per_event = float(replays) if isinstance(replays, int | float) else None
         result.holdout_network_linear, result.holdout_events = holdout_network_linear(model)
+        result.forecaster_reason = ((model.get("forecaster") or {}).get("last_publication") or {}).get("reason")
         result.mse_served = base.mse(served)
         for name, value in ratios(result.mse_served, mse_last, mse_ar).items():
             setattr(result, name, value)
