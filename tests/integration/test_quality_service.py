@@ -60,9 +60,10 @@ def test_a_short_series_of_sliding_windows_is_served_on_the_default_window_and_h
     kafka_bootstrap, make_topic, tmp_path
 ) -> None:
     """100 yearly readings, the first 70 sent as 47 sliding windows of 24, as a user with a short
-    series sends them: with the defaults the service became ready for none of three such series
-    (a window below MIN_WINDOW_ITEMS 64; a sensor whose holdout phase held its first block kept
-    only what followed that block and its guard). The sensor here has that phase."""
+    series sends them: with the defaults three such real series never became ready (windows of
+    24-51 items below MIN_WINDOW_ITEMS 64), and a sensor whose holdout phase holds its first
+    block kept only what followed that block and its guard (none of 47). The sensor here has
+    that phase."""
     import numpy as np
     import orjson
     from kafka import KafkaProducer

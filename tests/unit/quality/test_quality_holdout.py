@@ -97,9 +97,9 @@ def test_the_holdout_buffer_keeps_each_events_sensor_through_a_checkpoint() -> N
 
 
 def test_a_short_stream_of_sliding_windows_keeps_its_first_readings_to_train_on_whatever_its_phase() -> None:
-    """100 yearly readings make 77 sliding windows of 24 (70% of them 54): a sensor whose phase
-    held its first block lost it and its guard, 70 of the 77 events, and the window never
-    reached the trainer's minimum. Now the first block of a sensor's grown blocks trains, and
+    """100 yearly readings make 77 sliding windows of 24: a sensor whose phase held its first
+    block lost it and its guard, 70 of the 77 events, and the window could not reach the
+    trainer's minimum. Now the first block of a sensor's grown blocks trains, and
     an event held before its blocks grew keeps its overlapping neighbours out as guards."""
     rng = np.random.default_rng(3)
     phases, kept = set(), []
