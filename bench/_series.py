@@ -141,11 +141,16 @@ def _statsmodels_csv(name: str, file: str | None = None) -> list[dict[str, str]]
     return _rows(_package_dir("statsmodels") / "datasets" / name / (file or f"{name}.csv"))
 
 
+def _statsmodels_yearly(name: str, year: str, value: str, channel: str) -> Series:
+    """A statsmodels data set of one reading a year (``year`` and ``value`` columns)."""
+    rows = _statsmodels_csv(name)
+    ts = np.array([_utc(int(float(r[year]))) for r in rows])
+    values = np.array([[float(r[value])] for r in rows], dtype=np.float32)
+    return Series(name, ts, values, (channel,), period="yearly", source="statsmodels")
+
+
 def sunspots() -> Series:
-    rows = _statsmodels_csv("sunspots")
-    ts = np.array([_utc(int(float(r["YEAR"]))) for r in rows])
-    values = np.array([[float(r["SUNACTIVITY"])] for r in rows], dtype=np.float32)
-    return Series("sunspots", ts, values, ("sunspots",), period="yearly", source="statsmodels")
+    return _statsmodels_yearly("sunspots", "YEAR", "SUNACTIVITY", "sunspots")
 
 
 def co2() -> Series:
@@ -210,10 +215,7 @@ def uk_coal_employment() -> Series:
 
 
 def nile() -> Series:
-    rows = _statsmodels_csv("nile")
-    ts = np.array([_utc(int(float(r["year"]))) for r in rows])
-    values = np.array([[float(r["volume"])] for r in rows], dtype=np.float32)
-    return Series("nile", ts, values, ("volume",), period="yearly", source="statsmodels")
+    return _statsmodels_yearly("nile", "year", "volume", "volume")
 
 
 def elec_equip() -> Series:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kafka_helpers import wait_for
+from kafka_helpers import produce, wait_for
 from service_process import ServiceProcess
 
 from streamtrain.tools.simulate import run_simulation
@@ -66,7 +66,6 @@ def test_a_short_series_of_sliding_windows_is_served_on_the_default_window_and_h
     that phase."""
     import numpy as np
     import orjson
-    from kafka import KafkaProducer
 
     from streamtrain.config import Settings
     from streamtrain.quality.holdout import HoldoutSplitter
@@ -87,14 +86,10 @@ def test_a_short_series_of_sliding_windows_is_served_on_the_default_window_and_h
         min_window_items=defaults["min_window_items"].default, holdout_share=share,
     )  # fmt: skip
     with service:
-        producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
-        try:
-            for i, window in enumerate(windows):
-                event = {"sensor_id": sensor, "ts": 1.7e9 + i, "values": [float(v) for v in window]}
-                producer.send(topic, key=sensor.encode(), value=orjson.dumps(event))
-            producer.flush(30)
-        finally:
-            producer.close(10)
+        produce(kafka_bootstrap, topic, [
+            (sensor.encode(), orjson.dumps({"sensor_id": sensor, "ts": 1.7e9 + i, "values": window.tolist()}))
+            for i, window in enumerate(windows)
+        ])  # fmt: skip
         read = wait_for(lambda: (w := service.get("/v1/window"))["seen_total"] == len(windows) and w, 60, "47 events")
         held = read["held_out_total"]  # held out and their guards: never in the window
         assert read["accepted_total"] + held == len(windows)
