@@ -50,14 +50,22 @@ def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30
     return records
 
 
-def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval: float = 0.1) -> Any:
+def wait_for(
+    condition: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    interval: float = 0.1,
+    describe: Callable[[], str] | None = None,
+) -> Any:
+    """Poll ``condition`` until truthy; on timeout fail, with ``describe()`` saying what was seen."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    seen = f"; {describe()}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{seen}")
 
 
 class Broker:

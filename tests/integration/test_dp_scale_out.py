@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import signal
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,15 @@ def progressed(ranks: list[Any], steps: int, what: str) -> None:
     """Until rank 0's record is durable ``steps`` steps further (the group syncs it together)."""
     mark = operator(ranks[0])["record_synced_step"]
     wait_for(lambda: operator(ranks[0])["record_synced_step"] > mark + steps, 120, what)
+
+
+def admission_state(ranks: list[Any], ckpt: Path, restored: list[int]) -> str:
+    """What a stalled admission looked like: each rank's counters and the ledger's use per sensor."""
+    keys = ("steps", "arrived_total", "admitted_total", "pending_steps", "window_records", "watermarks")
+    seen = [{key: operator(rank).get(key) for key in keys} for rank in ranks]
+    candidacies = Counter(s for entry in _read_lines(ckpt / "dp-admissions" / LEDGER_LOG) for s in entry["c"])
+    by_count = sorted(Counter(candidacies.values()).items())
+    return f"admitted at start {restored}, ranks {seen}, sensors by candidacies {by_count}"
 
 
 def public_epsilon() -> Any:
@@ -135,7 +145,8 @@ def test_two_dp_ranks_survive_a_kill_and_rescaling_with_participation_bounded(
             # a slow start spends its first steps empty: each rank admits in this life, then 3K more steps
             restored = [operator(rank)["admitted_total"] for rank in again.ranks]
             wait_for(lambda: all(operator(r)["admitted_total"] > n for r, n in zip(again.ranks, restored, strict=True)),
-                     240, "both ranks to admit again")  # fmt: skip
+                     240, "both ranks to admit again",
+                     describe=lambda: admission_state(again.ranks, ckpt, restored))  # fmt: skip
             progressed(again.ranks, 3 * K, "two ranks again: 3K durable steps")
             assert_one_model(again.ranks, min_step=0)  # one version: the same parameters and predictions
             dp = assert_one_release(again.ranks, epsilon_at)
