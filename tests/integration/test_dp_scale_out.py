@@ -72,7 +72,7 @@ def progressed(ranks: list[Any], steps: int, what: str) -> None:
 
 def admission_state(ranks: list[Any], ckpt: Path, restored: list[int]) -> str:
     """What a stalled admission looked like: each rank's counters and the ledger's use per sensor."""
-    keys = ("steps", "arrived_total", "admitted_total", "pending_steps", "window_records", "watermarks")
+    keys = ("arrived_total", "admitted_total", "turned_away", "pending_steps", "window_records", "watermarks")
     seen = [{key: operator(rank).get(key) for key in keys} for rank in ranks]
     candidacies = Counter(s for entry in _read_lines(ckpt / "dp-admissions" / LEDGER_LOG) for s in entry["c"])
     by_count = sorted(Counter(candidacies.values()).items())

@@ -478,6 +478,7 @@ class DPEngine:
             "arrived_total": self.window.arrived_total,
             "admitted_total": self.window.admitted_total,
             "expired_total": self.window.expired_total,
+            "turned_away": dict(self.window.turned_away),
             "pending_steps": self.window.pending_steps,
             "sensors_in_ledger": len(self.window.ledger),
             "watermarks": {str(p): o for p, o in sorted(self.window.watermarks.items())},

@@ -36,6 +36,11 @@ from streamtrain.data.randomness import Randomness
 from streamtrain.events import EventBatch, SensorEvent
 
 UNITS = ("event", "sensor")
+#: Why an arrival was never offered, or a group never became a candidate: its partition is
+#: not this process's, its offset was decided before (a redelivery), its sensor was out of
+#: the ledger's rule when it arrived (spent, or a candidate fewer than K steps ago), or its
+#: group was proposed at the step's close and the shared ledger refused it.
+TURNED_AWAY = ("not_owned", "decided_before", "sensor_ruled_out", "group_refused")
 
 
 @dataclass
@@ -140,6 +145,9 @@ class DPWindow:
         self.arrived_total = 0
         self.admitted_total = 0  # records
         self.expired_total = 0
+        #: Arrivals this process turned away, by reason, since it started (operator plane only):
+        #: what tells a window that stops admitting apart from a stream that stopped.
+        self.turned_away: dict[str, int] = dict.fromkeys(TURNED_AWAY, 0)
         self.next_offsets: dict[int, int] = {}
         self.watermarks: dict[int, int] = {}  # partition -> one past the highest decided offset
         self.ledger: dict[str, tuple[int, int]] = {}  # sensor -> (candidate groups so far, last candidate step)
@@ -176,10 +184,13 @@ class DPWindow:
                 rows = partitions == partition
                 if self.owned is not None and partition not in self.owned:
                     fresh &= ~rows
+                    self.turned_away["not_owned"] += int(rows.sum())
                     continue
                 mark = self.watermarks.get(int(partition))
                 if mark is not None:
-                    fresh &= ~(rows & (offsets >= 0) & (offsets < mark))
+                    decided = rows & (offsets >= 0) & (offsets < mark)
+                    fresh &= ~decided
+                    self.turned_away["decided_before"] += int(decided.sum())
             keep = np.flatnonzero(fresh)
             if keep.size == 0:
                 return step
@@ -228,6 +239,7 @@ class DPWindow:
         for j, key in zip(keep.tolist(), keys.tolist(), strict=True):
             sensor = str(batch.sensor_ids[j])
             if not self._may_be_candidate(sensor, step):
+                self.turned_away["sensor_ruled_out"] += 1
                 continue  # ruled out already; ledger entries only grow before the step closes
             group = pending.groups.get(sensor)
             if group is None:
@@ -272,6 +284,7 @@ class DPWindow:
                     accepted = {sensor for sensor in proposed if self._may_be_candidate(sensor, step)}
                     for sensor in accepted:
                         self.ledger[sensor] = (self.ledger.get(sensor, (0, 0))[0] + 1, step)
+                self.turned_away["group_refused"] += len(proposed) - len(accepted)
                 eligible = []
                 for sensor, (group_key, items) in pending.groups.items():
                     if sensor in accepted:

@@ -265,3 +265,4 @@ def test_partitions_whose_watermarks_cannot_be_read_are_not_admitted(tmp_path: P
     assert any(r.startswith("dp_partitions_not_admitted:") for r in service.readiness()[1])
     trainer.admit(arrivals(0, range(0, 10)), {0: 10})
     assert trainer.engine.window.arrived_total == 0
+    assert trainer.operator_report()["turned_away"]["not_owned"] == 10  # why nothing arrives, on /v1/admin/dp

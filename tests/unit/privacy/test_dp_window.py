@@ -142,6 +142,7 @@ def test_an_offset_below_the_watermark_is_never_offered_again() -> None:
     window.own([0], {0: 100})  # a recorded watermark from another process
     window.admit(kafka_batch([50, 150]), step=3)
     assert window.close_step(3).admitted == {0: [150]}
+    assert window.turned_away["decided_before"] == 3  # 1, 2 and 50, for the operator to see
 
 
 def test_a_revoked_partition_is_no_longer_admitted() -> None:
@@ -153,6 +154,7 @@ def test_a_revoked_partition_is_no_longer_admitted() -> None:
     window.admit(kafka_batch([2], partition=1), step=1)  # an in-flight batch applied after the revocation
     decision = window.close_step(1)
     assert decision.admitted == {0: [0, 1]} and 1 not in decision.watermarks
+    assert window.turned_away == {"not_owned": 1, "decided_before": 0, "sensor_ruled_out": 0, "group_refused": 0}
 
 
 def test_resume_continues_after_the_recorded_step_and_never_reuses_a_step() -> None:
@@ -208,6 +210,17 @@ def test_a_sensor_is_a_candidate_at_most_once_every_k_steps_and_max_groups_times
             admitted_at.append(step)
     assert admitted_at == [1, 4]  # never two groups in the window, two groups in its life
     assert window.ledger["a"] == (2, 4) and window.most_groups() == 2
+    assert window.turned_away["sensor_ruled_out"] == 9  # every other arrival, each counted
+
+
+def test_a_group_the_shared_ledger_refuses_at_the_close_is_counted_and_never_admitted() -> None:
+    """Another process (or rank) took the sensor between its arrival and the step's close."""
+    window = sensor_window(b=1, k=3)
+    window.claim = lambda step, sensors, allowed: {s for s in sensors if s != "taken" and allowed(s, step)}
+    window.admit(kafka_batch([0, 1], sensors=["taken", "free"]), step=1)
+    decision = window.close_step(1)
+    assert decision.candidates == {0: ["free"]} and decision.admitted_records == 1
+    assert window.turned_away["group_refused"] == 1 and window.turned_away["sensor_ruled_out"] == 0
 
 
 def test_a_sensors_candidacy_does_not_depend_on_other_sensors() -> None:
