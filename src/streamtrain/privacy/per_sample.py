@@ -50,6 +50,34 @@ def clip_factors(norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return (clip_norm / (norms + NORM_EPS)).clamp(max=1.0)
 
 
+#: Float64 bytes per block of the grid sum's passes: the float64 copies stay in cache and are
+#: reused, where one [B, P] float64 array is fresh memory on every micro-batch (page faults:
+#: docs/performance.md, the DP step).
+_BLOCK_BYTES = 1 << 20
+
+
+def _column_blocks(rows: torch.Tensor) -> list[slice]:
+    width = max(256, _BLOCK_BYTES // (8 * max(1, rows.shape[0])))
+    return [slice(start, start + width) for start in range(0, rows.shape[1], width)]
+
+
+def _integers(values: torch.Tensor, factor: torch.Tensor, block: slice) -> torch.Tensor:
+    """``trunc(values * factor)`` on a block of columns, as float64 (a cast to int32 truncates)."""
+    return (values[:, block] * factor[:, None]).to(torch.int32).double()
+
+
+def _exact_sums(values: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of ``trunc(values * factor)``, exactly: each row's squared L2 norm ([B] float64) and the
+    sum over the rows ([P] int64)."""
+    squared = torch.zeros(values.shape[0], dtype=torch.float64, device=values.device)
+    total = torch.empty(values.shape[1], dtype=torch.int64, device=values.device)
+    for block in _column_blocks(values):
+        wide = _integers(values, factor, block)
+        squared += torch.linalg.vecdot(wide, wide)
+        total[block] = wide.sum(dim=0).to(torch.int64)
+    return squared, total
+
+
 class PerSampleGradients:
     """Clipped per-sample gradient sums of ``model`` for padded micro-batches."""
 
@@ -136,20 +164,20 @@ class PerSampleGradients:
         )
         if not bool(finite.all()):
             flat = torch.where(finite[:, None], flat, torch.zeros((), dtype=flat.dtype))
-        scaled = (
-            flat.mul_(scale.to(flat.dtype)[:, None]) if flat.is_contiguous() else flat * scale.to(flat.dtype)[:, None]
-        )
-        # Integers of magnitude <= 2^16 (1 + 2^-20): exact in float32 and, with their squares and
-        # every partial sum below 2^53, in float64 — so the checks and the sum below are exact.
-        wide = torch.trunc(scaled).double()
+        factor = scale.to(flat.dtype)
+        # Each vector is trunc(flat * factor): integers of magnitude <= 2^16 (1 + 2^-20), exact in
+        # float32 and, with their squares and every partial sum below 2^53, in float64, so the
+        # checks and the sum below are exact. Computed a block of columns at a time.
         limit = grid * grid
-        squared = torch.einsum("bp,bp->b", wide, wide)
-        while bool((over := squared > limit).any()):  # float rounding pushed a few units over: shrink them
-            shrink = (torch.sqrt(limit / squared[over]) * (1 - 2.0**-20)).to(scaled.dtype)
-            scaled[over] = scaled[over] * shrink[:, None]
-            wide[over] = torch.trunc(scaled[over]).double()
-            squared = torch.einsum("bp,bp->b", wide, wide)
-        total = wide.sum(dim=0).to(torch.int64)
+        squared, total = _exact_sums(flat, factor)
+        if bool((over := squared > limit).any()):  # float rounding pushed a few units over: shrink those vectors
+            scaled, squared = flat[over] * factor[over][:, None], squared[over]
+            total -= _exact_sums(scaled, torch.ones(scaled.shape[0], dtype=scaled.dtype))[1]
+            while bool((still := squared > limit).any()):
+                shrink = (torch.sqrt(limit / squared[still]) * (1 - 2.0**-20)).to(scaled.dtype)
+                scaled[still] = scaled[still] * shrink[:, None]
+                squared[still] = _exact_sums(scaled[still], torch.ones(int(still.sum()), dtype=scaled.dtype))[0]
+            total += _exact_sums(scaled, torch.ones(scaled.shape[0], dtype=scaled.dtype))[1]
         out: dict[str, torch.Tensor] = {}
         offset = 0
         for name, shape in shapes.items():

@@ -234,6 +234,21 @@ def test_a_grid_vector_that_rounding_pushed_outside_the_ball_is_shrunk_back_insi
     assert vector == [GRID // 2 - 1] * 4 + [0]  # shrunk by a hair, then rounded toward zero
 
 
+def test_a_shrunk_vector_enters_the_sum_of_many_only_as_shrunk() -> None:
+    """Beside vectors that fit, among enough columns to take several blocks of the sum."""
+    half, width = float(2**19), 70_000
+    rows = torch.zeros(3, width)
+    rows[0, :5] = torch.tensor([half, half, half, half, 16.0])  # pushed outside the ball by rounding
+    rows[1, ::7] = 2.0**14  # fits: clipped to the ball, then rounded
+    rows[2, -3:] = torch.tensor([3.0, -4.0, 0.5])
+    gradients = PerSampleGradients(torch.nn.Linear(1, 1), clip_norm=2.0**20)
+    gradients.per_sample = lambda x, mask, labels: {"w": rows.clone()}  # type: ignore[method-assign]
+    total = _grid_vector(gradients)
+    alone = [_grid_vector(_fixed_gradient(row.tolist(), clip_norm=2.0**20)) for row in rows]
+    assert total == [sum(column) for column in zip(*alone, strict=True)]
+    assert alone[1][0] > 0 and total[:5] == [GRID // 2 - 1 + alone[1][0]] + [GRID // 2 - 1] * 3 + [0]
+
+
 def test_a_grid_vector_exactly_on_the_ball_is_kept_as_it_is() -> None:
     assert _grid_vector(_fixed_gradient([2.0**20], clip_norm=2.0**20)) == [GRID]
 
