@@ -172,12 +172,13 @@ class PerSampleGradients:
         squared, total = _exact_sums(flat, factor)
         if bool((over := squared > limit).any()):  # float rounding pushed a few units over: shrink those vectors
             scaled, squared = flat[over] * factor[over][:, None], squared[over]
-            total -= _exact_sums(scaled, torch.ones(scaled.shape[0], dtype=scaled.dtype))[1]
+            ones = torch.ones(scaled.shape[0], dtype=scaled.dtype)  # ``scaled`` is already scaled
+            total -= _exact_sums(scaled, ones)[1]
             while bool((still := squared > limit).any()):
                 shrink = (torch.sqrt(limit / squared[still]) * (1 - 2.0**-20)).to(scaled.dtype)
                 scaled[still] = scaled[still] * shrink[:, None]
-                squared[still] = _exact_sums(scaled[still], torch.ones(int(still.sum()), dtype=scaled.dtype))[0]
-            total += _exact_sums(scaled, torch.ones(scaled.shape[0], dtype=scaled.dtype))[1]
+                squared[still] = _exact_sums(scaled[still], ones[still])[0]
+            total += _exact_sums(scaled, ones)[1]
         out: dict[str, torch.Tensor] = {}
         offset = 0
         for name, shape in shapes.items():
