@@ -5,7 +5,8 @@ half-life 1 h) is filled with lognormal-length events (median 48, σ 0.8, one ch
 a fleet of 10,000 sensors, each event with its own sensor-id string as the decoder makes
 them. Then a steady stream of 5,000 events/s (batches of 100 every 20 ms) goes in from a
 writer thread for ``--steady-s`` seconds while the main thread takes what a service takes:
-pass snapshots (``snapshot()`` and a ``PASS_MAX_ITEMS`` subset), and two checkpoints as the
+passes (``snapshot()``, the service's pass selection on it, ``PassSampler.select`` with the
+default settings, and the subset it chose), and two checkpoints as the
 service writes them (``capture_state`` under the lock, the state built outside it by
 ``WindowChain``, ``CheckpointStore.save``): a base at a third of the phase, a delta on it at
 two thirds.
@@ -17,9 +18,10 @@ Reported per size:
   labels, lengths, offsets, seq: 8 bytes each; partition and sensor code: 4 each);
 * ``snapshot lock``: the longest time the reader held the window's lock for one snapshot
   or one ``capture_state``;
+* ``snapshot()`` and the pass selection: the median of each (no lock held);
 * ``insert_batch``: the writer's median and p99 batch insert in the steady phase, and its
   longest alone (the first quarter of the phase, the main thread asleep: what the
-  machine's scheduling costs it), beside the pass snapshots and during the checkpoint (it
+  machine's scheduling costs it), beside the passes and during the checkpoint (it
   waits on no lock then, but shares the interpreter with the reader; its own cuts are in
   these figures too);
 * checkpoints: build, write and size of the base (the whole window: what every checkpoint
@@ -57,6 +59,8 @@ from _table import Row, emit  # noqa: E402
 
 from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.store import CheckpointStore
+from streamtrain.config import Settings
+from streamtrain.data.passes import pass_sampler_from_settings
 from streamtrain.events import NO_LABEL, EventBatch
 from streamtrain.window.reservoir import RecencyWindow
 
@@ -174,8 +178,9 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     quiet_start = time.perf_counter()
     time.sleep(steady_s / 4)  # the writer alone: what the machine's scheduling costs it, with no reader
     quiet_end = time.perf_counter()
-    rng = np.random.default_rng(2)
+    sampler = pass_sampler_from_settings(Settings(pass_max_items=PASS_MAX_ITEMS))
     snapshot_s: list[float] = []
+    select_s: list[float] = []
     directory = Path(tempfile.mkdtemp(prefix="window-scale-"))
     store = CheckpointStore(directory, keep=1)
     chain = WindowChain()
@@ -186,7 +191,10 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
         t = time.perf_counter()
         snap = window.snapshot()
         snapshot_s.append(time.perf_counter() - t)
-        pass_items = snap.subset(np.sort(rng.choice(len(snap), min(PASS_MAX_ITEMS, len(snap)), replace=False)))
+        t = time.perf_counter()
+        selection = sampler.select(snap)
+        select_s.append(time.perf_counter() - t)
+        pass_items = snap.subset(selection.index)
         pass_items.gather_values(np.arange(len(pass_items)))
         del snap, pass_items
         due = end - steady_s * (2 - len(checkpoints)) / 3  # the base at a third, the delta at two thirds
@@ -248,6 +256,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
         "snapshot_lock_ms": 1000 * max(lock.holds),
         "snapshot_ms_p50": 1000 * float(np.median(snapshot_s)),
         "snapshots": len(snapshot_s),
+        "select_ms_p50": 1000 * float(np.median(select_s)),
         "insert_ms_p50": 1000 * float(np.median(steady)),
         "insert_ms_p99": 1000 * float(np.quantile(steady, 0.99)),
         "insert_ms_max_alone": 1000 * float(steady[alone].max()),
@@ -302,7 +311,8 @@ def rows_for(result: dict[str, float]) -> list[Row]:
         Row(label, "snapshot() p50 ms (whole call)", result["snapshot_ms_p50"]),
         Row(label, "insert_batch p99 ms (p50 baseline)", result["insert_ms_p99"], result["insert_ms_p50"]),
         Row(label, "insert_batch longest ms, writer alone (scheduling noise)", result["insert_ms_max_alone"]),
-        Row(label, "insert_batch longest ms, beside snapshots", result["insert_ms_max"]),
+        Row(label, "pass selection p50 ms (PassSampler.select)", result["select_ms_p50"]),
+        Row(label, "insert_batch longest ms, beside the passes", result["insert_ms_max"]),
         Row(label, "insert_batch longest ms, during the checkpoints", result["insert_ms_max_checkpoint"]),
         Row(
             label,

@@ -41,9 +41,11 @@ import numpy as np
 
 from streamtrain.data.bucketing import label_codes, rank_within_groups
 from streamtrain.data.randomness import Randomness
+from streamtrain.window.storage import SensorCodes
 
 SamplingName = Literal["uniform", "sensor_balanced", "stratified", "curriculum"]
 SAMPLING_POLICIES: Final[tuple[str, ...]] = get_args(SamplingName)
+CODE_PIECE_ITEMS: Final = 1 << 20  # codes renumbered per call in first_appearance_codes (~8 ms each)
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,35 @@ class SamplingPolicy(ABC):
 
 
 # ------------------------------------------------------------------------------ building blocks
-def group_codes(values: Sequence[Any] | np.ndarray) -> tuple[np.ndarray, int]:
+def group_codes(values: Sequence[Any] | np.ndarray | SensorCodes) -> tuple[np.ndarray, int]:
     """Dense int64 codes of ``values`` in order of first appearance, and how many distinct.
 
-    A dict lookup per item: about 0.1 us per item for sensor-id strings, several times
-    faster than ``np.unique`` on an object array (which sorts).
+    A window's snapshot holds its sensor ids as codes into a table of distinct ids
+    (:class:`SensorCodes`): those are renumbered with numpy, O(n) with no Python per item
+    (a dict lookup per item took 3.1 s a pass at 10M items, and holding the interpreter,
+    up to 0.15 s of ingest). Other values get a dict lookup per item: about 0.1 us per item
+    for sensor-id strings, several times faster than ``np.unique`` on an object array.
     """
+    if isinstance(values, SensorCodes):
+        return first_appearance_codes(values.codes, len(values.strings))
     index: dict[Any, int] = {}
     items = values.tolist() if isinstance(values, np.ndarray) else list(values)
     codes = np.fromiter((index.setdefault(v, len(index)) for v in items), dtype=np.int64, count=len(items))
     return codes, len(index)
+
+
+def first_appearance_codes(codes: np.ndarray, table_size: int) -> tuple[np.ndarray, int]:
+    """``codes`` (each in ``[0, table_size)``) renumbered densely in order of first appearance,
+    and how many distinct: what :func:`group_codes` gives for the values they stand for."""
+    n = int(codes.shape[0])
+    first = np.full(table_size, n, dtype=np.int64)
+    for start in range(0, n, CODE_PIECE_ITEMS):  # in pieces: other threads run in between
+        stop = min(n, start + CODE_PIECE_ITEMS)
+        np.minimum.at(first, codes[start:stop], np.arange(start, stop))
+    present = np.flatnonzero(first < n)
+    rank = np.zeros(table_size, dtype=np.int64)
+    rank[present[np.argsort(first[present], kind="stable")]] = np.arange(present.size)
+    return rank[codes], int(present.size)
 
 
 def newest_fresh(fresh_order: np.ndarray, cap: int) -> np.ndarray:
@@ -119,7 +140,7 @@ def the_rest(n: int, taken: np.ndarray) -> np.ndarray:
 
 def uniform_sample(population: np.ndarray, k: int, rng: Randomness) -> np.ndarray:
     """``k`` distinct items of ``population``, every ``k``-subset equally likely."""
-    return population[rng.permutation(population.size)[:k]]
+    return population[rng.sample(population.size, k)]
 
 
 def gumbel_top_k(population: np.ndarray, log_weights: np.ndarray, k: int, rng: Randomness) -> np.ndarray:

@@ -23,6 +23,9 @@ Why the derived draws are exact (no modulo or rounding bias), given uniform word
   ``p`` 64 bits at a time and only draws more bits on an exact tie, so
   ``P(U < p) == p`` for every float64 ``p`` (floats are dyadic rationals), not just to
   2**-53.
+* :meth:`Randomness.sample` keeps the first ``k`` distinct values of i.i.d. uniform draws
+  in order of first appearance; the draws' law does not change when the values are
+  relabelled, so every ordered ``k``-tuple of distinct values is equally likely.
 * :meth:`CryptoRandomness.permutation` argsorts i.i.d. uniform 64-bit keys. An i.i.d.
   vector's law does not change when its coordinates are permuted, and "all keys
   distinct" is a permutation-invariant event, so conditioned on it every ordering of
@@ -124,6 +127,28 @@ class Randomness(ABC):
             sorted_keys = keys[order]
             if n < 2 or not np.any(sorted_keys[1:] == sorted_keys[:-1]):
                 return order.astype(np.int64, copy=False)
+
+    def sample(self, n: int, k: int) -> np.ndarray:
+        """``k`` distinct ints of ``range(n)`` as int64, every ordered ``k``-tuple equally likely.
+
+        The first ``k`` distinct values of a sequence of i.i.d. uniform draws, in the order
+        they first appear: by exchangeability that is a uniform ordered ``k``-tuple, and the
+        work is O(k), where a permutation's is O(n) (a pass of 8,192 items from a window of
+        10M: docs/operations.md). Where ``k`` is a large share of ``n`` and draws would
+        repeat often, the first ``k`` of a permutation.
+        """
+        n = require_int(n, "n")
+        k = require_int(k, "k")
+        if k > n:
+            raise ValueError(f"cannot take {k} distinct items of {n}")
+        if 4 * k > n:
+            return self.permutation(n)[:k]
+        draws = self.integers(n, k + k * k // n + 16)  # ~k**2 / 2n repeats expected
+        while True:
+            values, first = np.unique(draws, return_index=True)
+            if values.size >= k:
+                return draws[np.sort(first)[:k]]
+            draws = np.concatenate([draws, self.integers(n, 2 * (k - values.size) + 16)])
 
 
 class SeededRandomness(Randomness):

@@ -409,7 +409,7 @@ class Trainer(ModelTrainer):
         limit = self.settings.linear_fit_items
         if n > limit:
             rng = make_randomness(self.settings.shuffle, self.settings.seed, self._version, purpose="linear")
-            snapshot = snapshot.subset(np.sort(rng.permutation(n)[:limit]))
+            snapshot = snapshot.subset(np.sort(rng.sample(n, limit)))
         return snapshot.values, (min(1.0, limit / n) if n else 1.0)
 
     def _on_drift(self, drift: Drift) -> None:

@@ -96,7 +96,6 @@ from streamtrain.window.storage import (
     gather_tokens,
     held_only_by,
     readings_size,
-    take_objects,
 )
 
 log = logging.getLogger(__name__)
@@ -684,9 +683,10 @@ class RecencyWindow:
         """
         return self._snapshot_of(self._current(), self._clock())
 
-    def _snapshot_of(self, state: _Published, now: float, *, sensor_codes: bool = False) -> WindowSnapshot:
-        """The snapshot of ``state`` at ``now``; ``sensor_codes``: its sensor ids as :class:`SensorCodes`
-        (a checkpoint's capture), not one Python object per item."""
+    def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
+        """The snapshot of ``state`` at ``now``, its sensor ids as :class:`SensorCodes` (the window's
+        codes): one Python object per item would cost a pass at 10M items seconds of interpreter
+        time and hold ingest back for up to ~0.3 s (docs/operations.md)."""
         rows = self._window_rows(state, now)
         chunks = tuple(state.chunks[: state.n_chunks]) or (np.zeros((0, self.channels), np.float32),)
         sizes = np.fromiter((c.shape[0] for c in chunks), np.int64, count=len(chunks))
@@ -703,9 +703,7 @@ class RecencyWindow:
             ts=column("ts"),
             labels=column("labels"),
             keys=column("keys"),
-            sensor_ids=SensorCodes(column("sensors"), state.vocabulary[: state.vocabulary_n])
-            if sensor_codes
-            else take_objects(state.vocabulary, column("sensors")),
+            sensor_ids=SensorCodes(column("sensors"), state.vocabulary[: state.vocabulary_n]),
             partitions=column("partitions"),
             offsets=column("offsets"),
             next_offsets=dict(state.next_offsets),
@@ -853,7 +851,7 @@ class WindowCapture:
 
     @cached_property
     def _snapshot(self) -> WindowSnapshot:
-        return self._window._snapshot_of(self._state, self._now, sensor_codes=True)
+        return self._window._snapshot_of(self._state, self._now)
 
     @property
     def settings(self) -> tuple[int, float, int]:

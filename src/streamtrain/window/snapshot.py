@@ -32,7 +32,7 @@ class WindowSnapshot:
     ts: np.ndarray
     labels: np.ndarray
     keys: np.ndarray
-    sensor_ids: np.ndarray | SensorCodes  # SensorCodes only in a checkpoint's capture
+    sensor_ids: np.ndarray | SensorCodes  # a window's snapshots: SensorCodes (the window's codes)
     partitions: np.ndarray
     offsets: np.ndarray
     next_offsets: dict[int, int] = field(default_factory=dict)

@@ -52,12 +52,13 @@ def take_objects(table: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SensorCodes:
-    """A sensor-id column as codes into a table of distinct ids: what a checkpoint's capture holds.
+    """A sensor-id column as codes into a table of distinct ids: what a window's snapshots hold.
 
     Millions of items as Python objects cost an object array whose allocation alone holds
-    the interpreter for a tenth of a second; the codes are numbers, and a checkpoint stores
-    ids this way anyway (each distinct id once). ``np.asarray(column, dtype=object)`` gives
-    the ids, built in pieces.
+    the interpreter for a tenth of a second; the codes are numbers, a pass groups items by
+    them (``streamtrain.data.policies.group_codes``), and a checkpoint stores ids this way
+    anyway (each distinct id once). ``np.asarray(column, dtype=object)`` and :meth:`tolist`
+    give the ids, built in pieces.
     """
 
     codes: np.ndarray  # int32 [n], indices into ``strings``
@@ -75,6 +76,10 @@ class SensorCodes:
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         return take_objects(self.strings, self.codes.reshape(-1)).reshape(self.codes.shape)
+
+    def tolist(self) -> list[Any]:
+        """The ids, one per item, as ``numpy.ndarray.tolist`` gives an object column's."""
+        return np.asarray(self).tolist()
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def test_selection_and_planning_draw_from_distinct_streams() -> None:
     sampler.passes = 3
     chosen = sampler.select(window.snapshot()).index
     rest = np.arange(1000)
-    assert np.array_equal(np.sort(rest[SeededRandomness(5, 3, purpose="select").permutation(1000)[:100]]), chosen)
+    assert np.array_equal(np.sort(rest[SeededRandomness(5, 3, purpose="select").sample(1000, 100)]), chosen)
 
 
 def test_a_bounded_pass_smaller_than_the_minimum_window_still_trains() -> None:

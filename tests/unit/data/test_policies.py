@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -11,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from streamtrain.data import policies as policies_module
 from streamtrain.data.bucketing import TokenBudget, label_codes, label_deviation, label_sequence, plan_batches
 from streamtrain.data.passes import PassSampler
 from streamtrain.data.policies import (
@@ -28,7 +30,10 @@ from streamtrain.data.policies import (
     water_fill,
 )
 from streamtrain.data.randomness import CryptoRandomness, Randomness, SeededRandomness
+from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.window.reservoir import RecencyWindow
 from streamtrain.window.snapshot import WindowSnapshot
+from streamtrain.window.storage import SensorCodes
 
 MODES = ["seeded", "crypto"]
 
@@ -465,6 +470,41 @@ def test_group_codes_number_values_in_order_of_first_appearance() -> None:
     for values in (["b", "a", "b", "c"], np.array(["b", "a", "b", "c"], dtype=object)):
         codes, groups = group_codes(values)
         assert codes.tolist() == [0, 1, 0, 2] and groups == 3 and codes.dtype == np.int64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    table_size=st.integers(1, 12),
+    draws=st.lists(st.integers(0, 11), max_size=40),
+    piece=st.integers(1, 8),
+)
+def test_group_codes_of_sensor_codes_number_the_ids_as_the_ids_themselves_do(
+    table_size: int, draws: list[int], piece: int
+) -> None:
+    """A window's snapshot gives its ids as codes into a table (unused entries included); the
+    renumbering, done in pieces, must give what the ids would give, or passes would change."""
+    strings = np.array([f"sensor-{i}" for i in range(table_size)], dtype=object)
+    codes = np.array([d % table_size for d in draws], dtype=np.int32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policies_module, "CODE_PIECE_ITEMS", piece)
+        coded, groups = group_codes(SensorCodes(codes, strings))
+    expected, expected_groups = group_codes(strings[codes])
+    assert coded.tolist() == expected.tolist() and groups == expected_groups and coded.dtype == np.int64
+
+
+def test_a_window_pass_selects_from_its_codes_what_it_selects_from_the_ids() -> None:
+    window = RecencyWindow(1000, 3600.0, rng=np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    for start in range(0, 3000, 250):  # sensors come and go, so codes and first appearances differ
+        sensors = [f"pump-{s}" for s in rng.integers(start // 100, start // 100 + 40, 250)]
+        events = [SensorEvent(s, float(start + i), np.ones((3, 1), np.float32)) for i, s in enumerate(sensors)]
+        window.insert_batch(EventBatch.from_events(events, offsets=np.arange(start, start + 250)))
+    snapshot = window.snapshot()
+    assert isinstance(snapshot.sensor_ids, SensorCodes)  # not an object per item
+    as_ids = dataclasses.replace(snapshot, sensor_ids=np.asarray(snapshot.sensor_ids, dtype=object))
+    assert snapshot.sensor_ids.codes.tolist() != group_codes(as_ids.sensor_ids)[0].tolist()  # the test can tell
+    picks = [PassSampler(512, 0.25, "seeded", 7, SensorBalancedPolicy(2.0)).select(snap) for snap in (snapshot, as_ids)]
+    assert picks[0].index.tolist() == picks[1].index.tolist() and picks[0].facts == picks[1].facts
 
 
 def test_policy_signatures_name_the_policy_and_every_knob() -> None:

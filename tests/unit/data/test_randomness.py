@@ -114,6 +114,42 @@ def test_permutation_is_uniform_over_all_orderings(rng: Randomness) -> None:
     assert stats.chisquare(counts).pvalue > CRYPTO_ALPHA
 
 
+@pytest.mark.parametrize("rng", [SeededRandomness(4), CryptoRandomness()], ids=["seeded", "crypto"])
+@pytest.mark.parametrize("n, k", [(9, 2), (5, 2)], ids=["draws", "permutation"])
+def test_sample_is_uniform_over_ordered_tuples_of_distinct_items(rng: Randomness, n: int, k: int) -> None:
+    codes = {t: i for i, t in enumerate(itertools.permutations(range(n), k))}
+    counts = np.zeros(len(codes))
+    for _ in range(300 * len(codes)):
+        counts[codes[tuple(rng.sample(n, k).tolist())]] += 1
+    assert stats.chisquare(counts).pvalue > CRYPTO_ALPHA
+
+
+class CountingRandomness(SeededRandomness):
+    """Counts the 64-bit words drawn."""
+
+    drawn = 0
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        self.drawn += n
+        return super().raw_uint64(n)
+
+
+def test_a_small_sample_of_many_items_draws_words_for_the_sample_not_the_items() -> None:
+    rng = CountingRandomness(5)
+    picked = rng.sample(1_000_000, 8192)
+    assert np.unique(picked).size == 8192 and picked.min() >= 0 and picked.max() < 1_000_000
+    assert rng.drawn < 9000  # a permutation would draw a million
+    assert SeededRandomness(1).sample(7, 7).tolist() != list(range(7)) and SeededRandomness(1).sample(3, 0).size == 0
+
+
+def test_sample_keeps_the_first_distinct_draws_in_order_and_draws_again_for_repeats() -> None:
+    # k=2 of n=16: 18 words, all 5 (one distinct value), then 18 more: 5, 7, ... -> (5, 7).
+    words = [5] * 18 + [5, 7] + [3] * 16
+    assert ScriptedRandomness(words).sample(16, 2).tolist() == [5, 7]
+    with pytest.raises(ValueError, match="cannot take 4 distinct items of 3"):
+        SeededRandomness(0).sample(3, 4)
+
+
 def test_crypto_permutation_redraws_keys_that_tie() -> None:
     # First draw ties (5, 5, 1): rejected as a whole. Second draw (9, 2, 4) sorts to [1, 2, 0].
     # CryptoRandomness uses this shared argsort-of-keys permutation.

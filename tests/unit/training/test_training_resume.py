@@ -202,7 +202,9 @@ def test_passes_smaller_than_the_minimum_window_train_and_never_mark_untrained_e
     trainer = Trainer(settings, filled_window(100), Metrics())
     trainer.start()
     try:
-        assert wait_for(lambda: trainer.step >= 3), f"training stalled: {trainer.last_error}"
+        # a pass ended (how many steps that takes depends on which items it drew)
+        assert wait_for(lambda: trainer.last_pass is not None), f"training stalled: {trainer.last_error}"
     finally:
         trainer.stop()
-    assert trainer.sampler.watermark == 100 and trainer.last_pass is not None and trainer.last_pass.items == 8
+    assert trainer.step >= 1 and trainer.sampler.watermark == 100
+    assert trainer.last_pass is not None and trainer.last_pass.items == 8
