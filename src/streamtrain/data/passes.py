@@ -35,6 +35,7 @@ from streamtrain.data.policies import (
     make_policy,
 )
 from streamtrain.data.randomness import SHUFFLE_MODES, ShuffleMode, make_randomness
+from streamtrain.window.storage import SensorCodes
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class SelectableSnapshot(Protocol):
 
     lengths: np.ndarray
     labels: np.ndarray
-    sensor_ids: np.ndarray
+    sensor_ids: np.ndarray | SensorCodes
     seq: np.ndarray | None
 
     def __len__(self) -> int: ...

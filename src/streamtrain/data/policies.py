@@ -99,10 +99,10 @@ def group_codes(values: Sequence[Any] | np.ndarray | SensorCodes) -> tuple[np.nd
     """Dense int64 codes of ``values`` in order of first appearance, and how many distinct.
 
     A window's snapshot holds its sensor ids as codes into a table of distinct ids
-    (:class:`SensorCodes`): those are renumbered with numpy, O(n) with no Python per item
-    (a dict lookup per item took 3.1 s a pass at 10M items, and holding the interpreter,
-    up to 0.15 s of ingest). Other values get a dict lookup per item: about 0.1 us per item
-    for sensor-id strings, several times faster than ``np.unique`` on an object array.
+    (:class:`SensorCodes`): those are renumbered with numpy, with no Python per item (a dict
+    lookup per item holds the interpreter for seconds at 10M items, ingest waiting beside
+    it: docs/operations.md). Other values get a dict lookup per item, several times faster
+    than ``np.unique`` on an object array (which sorts).
     """
     if isinstance(values, SensorCodes):
         return first_appearance_codes(values.codes, len(values.strings))

@@ -141,6 +141,8 @@ class Randomness(ABC):
         k = require_int(k, "k")
         if k > n:
             raise ValueError(f"cannot take {k} distinct items of {n}")
+        if k == 0:
+            return np.zeros(0, dtype=np.int64)
         if 4 * k > n:
             return self.permutation(n)[:k]
         draws = self.integers(n, k + k * k // n + 16)  # ~k**2 / 2n repeats expected

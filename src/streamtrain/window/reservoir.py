@@ -685,8 +685,8 @@ class RecencyWindow:
 
     def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
         """The snapshot of ``state`` at ``now``, its sensor ids as :class:`SensorCodes` (the window's
-        codes): one Python object per item would cost a pass at 10M items seconds of interpreter
-        time and hold ingest back for up to ~0.3 s (docs/operations.md)."""
+        codes): one Python object per item costs a pass over millions of items interpreter time
+        that ingest waits beside (docs/operations.md, "A window of millions")."""
         rows = self._window_rows(state, now)
         chunks = tuple(state.chunks[: state.n_chunks]) or (np.zeros((0, self.channels), np.float32),)
         sizes = np.fromiter((c.shape[0] for c in chunks), np.int64, count=len(chunks))

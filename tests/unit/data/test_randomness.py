@@ -139,7 +139,7 @@ def test_a_small_sample_of_many_items_draws_words_for_the_sample_not_the_items()
     picked = rng.sample(1_000_000, 8192)
     assert np.unique(picked).size == 8192 and picked.min() >= 0 and picked.max() < 1_000_000
     assert rng.drawn < 9000  # a permutation would draw a million
-    assert SeededRandomness(1).sample(7, 7).tolist() != list(range(7)) and SeededRandomness(1).sample(3, 0).size == 0
+    assert SeededRandomness(1).sample(7, 7).tolist() != list(range(7)) and SeededRandomness(1).sample(0, 0).size == 0
 
 
 def test_sample_keeps_the_first_distinct_draws_in_order_and_draws_again_for_repeats() -> None:
