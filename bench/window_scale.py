@@ -5,8 +5,9 @@ half-life 1 h) is filled with lognormal-length events (median 48, σ 0.8, one ch
 a fleet of 10,000 sensors, each event with its own sensor-id string as the decoder makes
 them. Then a steady stream of 5,000 events/s (batches of 100 every 20 ms) goes in from a
 writer thread for ``--steady-s`` seconds while the main thread takes what a service takes:
-passes (``snapshot()``, the service's pass selection on it, ``PassSampler.select`` with the
-default settings, and the subset it chose), and two checkpoints as the
+passes (``pass_source()``, what the trainer's passes read; the service's pass selection on
+it, ``PassSampler.select`` with the default settings; and the subset it chose), and two
+checkpoints as the
 service writes them (``capture_state`` under the lock, the state built outside it by
 ``WindowChain``, ``CheckpointStore.save``): a base at a third of the phase, a delta on it at
 two thirds.
@@ -18,7 +19,8 @@ Reported per size:
   labels, lengths, offsets, seq: 8 bytes each; partition and sensor code: 4 each);
 * ``snapshot lock``: the longest time the reader held the window's lock for one snapshot
   or one ``capture_state``;
-* ``snapshot()`` and the pass selection: the median of each (no lock held);
+* ``pass_source()`` and the pass selection: the median of each (no lock held); on a
+  revision without ``pass_source`` (``PYTHONPATH`` to an older checkout), ``snapshot()``;
 * ``insert_batch``: the writer's median and p99 batch insert in the steady phase, and its
   longest alone (the first quarter of the phase, the main thread asleep: what the
   machine's scheduling costs it), beside the passes and during the checkpoint (it
@@ -179,6 +181,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     time.sleep(steady_s / 4)  # the writer alone: what the machine's scheduling costs it, with no reader
     quiet_end = time.perf_counter()
     sampler = pass_sampler_from_settings(Settings(pass_max_items=PASS_MAX_ITEMS))
+    read_pass = getattr(window, "pass_source", window.snapshot)  # snapshot(): a revision before pass_source
     snapshot_s: list[float] = []
     select_s: list[float] = []
     directory = Path(tempfile.mkdtemp(prefix="window-scale-"))
@@ -189,7 +192,7 @@ def run_size(size: int, steady_s: float) -> dict[str, float]:
     lock.record.on = True
     while time.perf_counter() < end or len(checkpoints) < 2:
         t = time.perf_counter()
-        snap = window.snapshot()
+        snap = read_pass()
         snapshot_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         selection = sampler.select(snap)
@@ -308,7 +311,7 @@ def rows_for(result: dict[str, float]) -> list[Row]:
         Row(label, "bytes per item (readings alone)", result["bytes_per_item"], result["readings_bytes_per_item"]),
         Row(label, "RSS / (readings + columns)", result["rss_over_data"], target="<= 1.5"),
         Row(label, "snapshot/capture lock, longest ms", result["snapshot_lock_ms"], target="<= 20"),
-        Row(label, "snapshot() p50 ms (whole call)", result["snapshot_ms_p50"]),
+        Row(label, "pass_source() p50 ms (whole call)", result["snapshot_ms_p50"]),
         Row(label, "insert_batch p99 ms (p50 baseline)", result["insert_ms_p99"], result["insert_ms_p50"]),
         Row(label, "insert_batch longest ms, writer alone (scheduling noise)", result["insert_ms_max_alone"]),
         Row(label, "pass selection p50 ms (PassSampler.select)", result["select_ms_p50"]),

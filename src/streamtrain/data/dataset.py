@@ -67,7 +67,8 @@ log = logging.getLogger(__name__)
 
 
 class Snapshot(Protocol):
-    """What the dataset needs from a window snapshot (``streamtrain.window.snapshot.WindowSnapshot``).
+    """What the dataset needs from a window snapshot (``streamtrain.window.snapshot.WindowSnapshot``,
+    or the ``PassSource`` a trainer reads, which gathers most columns for the chosen items only).
 
     A sampler also reads ``sensor_ids`` and ``seq``, and the pass is ``subset(index)``.
     Read-only properties, so a frozen dataclass (the window's snapshot) is one.
@@ -348,6 +349,9 @@ class WindowBatchDataset(IterableDataset[Batch]):
                         del self._records[finished]
                 self.next_pass += 1
                 self.planned_steps += len(mine)
+            # the pass trains its subset: a window's snapshot, held for the whole pass, would
+            # keep the columns it reads from being written again by the window's next cuts
+            del window
             if worker is not None:  # worker-local randomness (e.g. augmentation) gets its own stream
                 torch.manual_seed(derive_seed(self.seed, pass_index, rank, worker, purpose="worker"))
             for number in range(skip + (worker or 0), len(mine), workers):

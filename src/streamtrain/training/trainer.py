@@ -171,7 +171,7 @@ class Trainer(ModelTrainer):
         # SAMPLING: which items each pass trains
         self.sampler = pass_sampler_from_settings(settings.model_copy(update={"seed": data_seed}))
         self.dataset = WindowBatchDataset(
-            window.snapshot,
+            window.pass_source,  # a pass gathers its own items' columns, not the window's
             build_budget(settings),
             pool_size=settings.pool_size,
             shuffle=settings.shuffle,
@@ -404,13 +404,13 @@ class Trainer(ModelTrainer):
     def _linear_training_values(self) -> tuple[list[np.ndarray], float]:
         """Readings the linear forecaster is fitted on (a seeded sample of the window), and
         the share of the window's items the sample holds."""
-        snapshot = self.window.snapshot()
-        n = len(snapshot)
+        source = self.window.pass_source()
+        n = len(source)
         limit = self.settings.linear_fit_items
-        if n > limit:
-            rng = make_randomness(self.settings.shuffle, self.settings.seed, self._version, purpose="linear")
-            snapshot = snapshot.subset(np.sort(rng.sample(n, limit)))
-        return snapshot.values, (min(1.0, limit / n) if n else 1.0)
+        if n <= limit:
+            return source.whole.values, 1.0
+        rng = make_randomness(self.settings.shuffle, self.settings.seed, self._version, purpose="linear")
+        return source.subset(np.sort(rng.sample(n, limit))).values, limit / n
 
     def _on_drift(self, drift: Drift) -> None:
         """The configured reaction (called on the ingest thread; the step applies it)."""

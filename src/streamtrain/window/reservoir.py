@@ -87,7 +87,7 @@ import numpy as np
 
 from streamtrain.events import EventBatch
 from streamtrain.window.compaction import ChunkMerge, CompactionReport, CompactionRunner, run_in_background
-from streamtrain.window.snapshot import WindowSnapshot
+from streamtrain.window.snapshot import PassSource, WindowSnapshot
 from streamtrain.window.storage import (
     ItemReadings,
     SensorCodes,
@@ -683,11 +683,38 @@ class RecencyWindow:
         """
         return self._snapshot_of(self._current(), self._clock())
 
-    def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
-        """The snapshot of ``state`` at ``now``, its sensor ids as :class:`SensorCodes` (the window's
-        codes): one Python object per item costs a pass over millions of items interpreter time
-        that ingest waits beside (docs/operations.md, "A window of millions")."""
+    def pass_source(self) -> PassSource:
+        """What a training pass chooses from: like :meth:`snapshot`, but the columns only a
+        chosen item needs are gathered for the chosen items alone (:class:`PassSource`)."""
+        state, now = self._current(), self._clock()
         rows = self._window_rows(state, now)
+
+        def column(name: str) -> np.ndarray:
+            return self._column(state, rows, name)
+
+        def take(index: np.ndarray | None) -> WindowSnapshot:
+            if index is None:
+                return self._snapshot_at(state, now, rows)
+            return self._snapshot_at(state, now, index if rows is None else rows[index])
+
+        return PassSource(
+            lengths=column("lengths").astype(np.int64),
+            labels=column("labels"),
+            sensor_ids=SensorCodes(column("sensors"), state.vocabulary[: state.vocabulary_n]),
+            seq=column("seq"),
+            version=state.version,
+            taken_at=now,
+            take=take,
+        )
+
+    def _snapshot_of(self, state: _Published, now: float) -> WindowSnapshot:
+        return self._snapshot_at(state, now, self._window_rows(state, now))
+
+    def _snapshot_at(self, state: _Published, now: float, rows: np.ndarray | None) -> WindowSnapshot:
+        """The snapshot of ``state``'s stored ``rows`` (None: the first ``n``) at ``now``, its sensor
+        ids as :class:`SensorCodes` (the window's codes): one Python object per item costs a pass
+        over millions of items interpreter time that ingest waits beside (docs/operations.md,
+        "A window of millions")."""
         chunks = tuple(state.chunks[: state.n_chunks]) or (np.zeros((0, self.channels), np.float32),)
         sizes = np.fromiter((c.shape[0] for c in chunks), np.int64, count=len(chunks))
         base = np.zeros(sizes.size, dtype=np.int64)

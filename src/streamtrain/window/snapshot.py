@@ -8,6 +8,7 @@ readings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -132,3 +133,41 @@ class WindowSnapshot:
         if n == 0 or (int(starts[0]) == 0 and np.array_equal(starts[1:], np.cumsum(self.lengths[:-1]))):
             return flat[: self.tokens]
         return gather_tokens(flat, starts, self.lengths)
+
+
+@dataclass(frozen=True, eq=False)
+class PassSource:
+    """What a training pass chooses from: the columns a pass's selection reads, for every
+    window item; the rest of a snapshot only for the items the pass takes.
+
+    A window of millions would otherwise gather a dozen columns of every item for each pass
+    (at 10M items ~0.6 GB of new memory a pass) to use 8,192 of them. :meth:`subset` gives
+    the :class:`WindowSnapshot` of the chosen items, exactly as ``snapshot().subset`` would;
+    ``whole`` the snapshot of every item, built on first use (a pass over the whole window).
+    """
+
+    lengths: np.ndarray
+    labels: np.ndarray
+    sensor_ids: SensorCodes
+    seq: np.ndarray
+    version: int
+    taken_at: float
+    take: Callable[[np.ndarray | None], WindowSnapshot]  # the snapshot of the items at an index (None: all)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def subset(self, index: np.ndarray) -> WindowSnapshot:
+        """The items ``index`` as a snapshot (only their columns are gathered)."""
+        return self.take(np.asarray(index, dtype=np.int64))
+
+    @cached_property
+    def whole(self) -> WindowSnapshot:
+        return self.take(None)
+
+    @property
+    def ts(self) -> np.ndarray:
+        return self.whole.ts
+
+    def gather_values(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.whole.gather_values(index)

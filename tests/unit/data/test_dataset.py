@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -408,3 +411,41 @@ def test_changed_settings_redraw_the_interrupted_pass_whole(
     changed.load_state_dict(state)
     first = next(iter(changed)).position
     assert first is not None and (first.pass_index, first.index) == (0, 0)
+
+
+@pytest.mark.parametrize("max_items", [300, 0], ids=["bounded", "whole_window"])
+def test_passes_over_a_pass_source_are_the_passes_over_snapshots(
+    make_event_batch: Callable, lognormal: Callable, max_items: int
+) -> None:
+    """The trainer reads ``window.pass_source``: the same seed must give the same batches."""
+    window = RecencyWindow(capacity=1000, half_life_s=600.0, rng=np.random.default_rng(0), slack=300)
+    window.insert_batch(make_event_batch(lognormal(1200, seed=1), first_id=0))
+    runs = []
+    for source in (window.snapshot, window.pass_source):
+        sampler = PassSampler(max_items, 0.5, "seeded", 3, SensorBalancedPolicy(2.0)) if max_items else None
+        runs.append(run_passes(WindowBatchDataset(source, BUDGET, seed=3, sampler=sampler), 2))
+    for fields in ("values", "lengths", "labels", "ts", "mask"):
+        left = [getattr(b, fields) for p in runs[0] for b in p]
+        right = [getattr(b, fields) for p in runs[1] for b in p]
+        assert len(left) == len(right) > 0 and all(torch.equal(a, b) for a, b in zip(left, right)), fields
+
+
+def test_a_bounded_pass_in_training_no_longer_holds_the_window_it_chose_from(
+    make_event_batch: Callable, lognormal: Callable
+) -> None:
+    """A pass source refers to the window's columns; held for a whole pass, it would keep the
+    window's cuts from writing them again (they would take new memory instead)."""
+    window = RecencyWindow(capacity=1000, half_life_s=600.0, rng=np.random.default_rng(0), slack=300)
+    window.insert_batch(make_event_batch(lognormal(1200, seed=1), first_id=0))
+    sources: list[weakref.ref] = []
+
+    def pass_source() -> Any:
+        source = window.pass_source()
+        sources.append(weakref.ref(source))
+        return source
+
+    sampler = PassSampler(300, 0.5, "seeded", 3)
+    batches = iter(WindowBatchDataset(pass_source, BUDGET, seed=3, sampler=sampler))
+    next(batches)  # the first pass is in training
+    gc.collect()
+    assert len(sources) == 1 and sources[0]() is None

@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -975,6 +976,11 @@ def hold_snapshot(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
     return lambda: {name: getattr(snap, name) for name in ITEM_FIELDS[:-1]} | {"values": snap.all_values()}
 
 
+def hold_pass_source(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
+    source = window.pass_source()  # a pass holds it while it trains; its items are gathered later
+    return hold_snapshot(SimpleNamespace(snapshot=lambda: source.whole))  # type: ignore[arg-type]
+
+
 def hold_column_view(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
     keys = window.snapshot().keys  # only the view: the snapshot is gone
     return lambda: {"keys": keys}
@@ -985,7 +991,7 @@ def hold_capture(window: RecencyWindow) -> Callable[[], dict[str, Any]]:
     return lambda: {name: value for name, value in capture().items() if name in ITEM_FIELDS}
 
 
-@pytest.mark.parametrize("hold", [hold_snapshot, hold_column_view, hold_capture])
+@pytest.mark.parametrize("hold", [hold_snapshot, hold_pass_source, hold_column_view, hold_capture])
 def test_what_a_reader_holds_is_never_written_by_later_cuts(
     hold: Callable[[RecencyWindow], Callable[[], dict[str, Any]]],
 ) -> None:
@@ -1010,7 +1016,9 @@ def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
     capacity=st.integers(5, 120),
     slack=st.integers(1, 40),
     max_age=st.sampled_from([None, 150.0]),
-    steps=st.lists(st.tuples(st.integers(1, 50), st.sampled_from(["", "snapshot", "capture", "drop"])), max_size=60),
+    steps=st.lists(
+        st.tuples(st.integers(1, 50), st.sampled_from(["", "snapshot", "pass_source", "capture", "drop"])), max_size=60
+    ),
 )
 def test_a_window_that_reuses_cut_columns_holds_what_one_taking_new_columns_holds(
     capacity: int, slack: int, max_age: float | None, steps: list[tuple[int, str]]
@@ -1028,8 +1036,9 @@ def test_a_window_that_reuses_cut_columns_holds_what_one_taking_new_columns_hold
         for window in (reusing, fresh):
             window.insert_batch(batch, {0: start})
         assert same_state(reusing.state_dict(), fresh.state_dict())
-        if action in ("snapshot", "capture"):
-            held.append(((hold_snapshot if action == "snapshot" else hold_capture)(reusing), items_now(reusing)))
+        if action in ("snapshot", "pass_source", "capture"):
+            holds = {"snapshot": hold_snapshot, "pass_source": hold_pass_source, "capture": hold_capture}
+            held.append((holds[action](reusing), items_now(reusing)))
         elif action == "drop" and held:
             held.pop(0)
     for read, expected in held:
@@ -1052,3 +1061,54 @@ def test_captures_held_by_another_thread_across_cuts_stay_whole() -> None:
             assert np.array_equal(np.asarray(state["values"]).reshape(-1), owners)
             assert len(set(offsets.tolist())) == len(offsets) <= 200
             assert offsets.max() < int(state["next_offsets"]["0"])
+
+
+# ---------------------------------------------------------------- what a pass chooses from
+
+ITEM_COLUMNS = ("lengths", "ts", "labels", "keys", "partitions", "offsets", "seq")
+
+
+def same_items(a: Any, b: Any) -> bool:
+    """Two snapshots hold the same items, readings and columns, in the same order."""
+    columns = all(np.array_equal(getattr(a, name), getattr(b, name)) for name in ITEM_COLUMNS)
+    values = len(a.values) == len(b.values) and all(np.array_equal(x, y) for x, y in zip(a.values, b.values))
+    header = (a.version, a.next_offsets) == (b.version, b.next_offsets)
+    return columns and values and header and a.sensor_ids.tolist() == b.sensor_ids.tolist()
+
+
+@pytest.mark.parametrize("over", [0, 300], ids=["rows_stored_are_the_window", "between_cuts"])
+def test_a_pass_source_gives_what_the_snapshot_gives_for_the_items_a_pass_takes(over: int) -> None:
+    window = RecencyWindow(1000, 50.0, rng=np.random.default_rng(0), slack=400)
+    feed(window, 1000 + over, 100)
+    source, snapshot = window.pass_source(), window.snapshot()
+    assert len(source) == len(snapshot) == 1000
+    for name in ("lengths", "labels", "seq"):
+        assert np.array_equal(getattr(source, name), getattr(snapshot, name))
+    assert source.sensor_ids.tolist() == snapshot.sensor_ids.tolist()
+    rng = np.random.default_rng(1)
+    for index in (np.sort(rng.choice(1000, 64, replace=False)), np.arange(0), rng.choice(1000, 10)):
+        assert same_items(source.subset(index), snapshot.subset(index))
+    assert same_items(source.whole, snapshot) and np.array_equal(source.ts, snapshot.ts)
+    assert source.whole.taken_at == source.subset(np.arange(3)).taken_at == source.taken_at
+    flat, lengths = source.gather_values(np.array([3, 1]))
+    assert np.array_equal(flat, np.concatenate([snapshot.values[3], snapshot.values[1]]))
+    assert lengths.tolist() == [len(snapshot.values[3]), len(snapshot.values[1])]
+
+
+def test_a_pass_source_gathers_the_other_columns_only_for_the_items_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    window = RecencyWindow(2000, 50.0, rng=np.random.default_rng(0), slack=500)
+    feed(window, 2300, 100)
+    gathered: dict[str, int] = {}
+    column = RecencyWindow._column
+
+    def counting(state: Any, rows: np.ndarray | None, name: str) -> np.ndarray:
+        out = column(state, rows, name)
+        gathered[name] = max(gathered.get(name, 0), out.shape[0])
+        return out
+
+    monkeypatch.setattr(RecencyWindow, "_column", staticmethod(counting))
+    source = window.pass_source()
+    assert set(gathered) == {"lengths", "labels", "sensors", "seq"} and max(gathered.values()) == 2000
+    gathered.clear()
+    source.subset(np.arange(0, 2000, 50))
+    assert max(gathered.values()) == 40 and {"ts", "keys", "partitions", "offsets", "starts"} <= set(gathered)
