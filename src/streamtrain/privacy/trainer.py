@@ -431,15 +431,19 @@ class DPLockstepLoop(LockstepControl[DPTrainer]):
     def _run(self) -> None:
         trainer = self.trainer
         while True:
+            # one reading of the clock a tick: read again for the step, a step that came due
+            # after the publication check ran before the model waiting for it was published,
+            # which then held that step too and carried the earlier step's public time
+            now = time.time()
             asked = self._pending_rollback()
-            rank_zero_due = self.collectives.rank == 0 and trainer.publication_due(time.time())
+            rank_zero_due = self.collectives.rank == 0 and trainer.publication_due(now)
             signals = self._signals(asked, publish_due=rank_zero_due)
             agreement = self.collectives.agree(self.tick, signals)
             tick = self.tick
             self.tick += 1
             if self._follow(tick, agreement, asked, publish=agreement.publish):
                 return
-            if trainer.run_step(time.time()) is None:
+            if trainer.run_step(now) is None:
                 self.stop_requested.wait(min(trainer.idle_wait_s(), _GROUP_TICK_WAIT_S))
 
     def _publish(self) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from test_dp_operator_plane import DP, arrivals, make_service, run_until_decided
 
@@ -26,6 +28,7 @@ from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
 from streamtrain.distributed.ownership import Ownership
 from streamtrain.metrics import Metrics
+from streamtrain.privacy import trainer as dp_trainer_module
 from streamtrain.privacy.trainer import DPLockstepLoop, DPTrainer
 from streamtrain.runtime.service import Service
 from streamtrain.training.protocol import RestoredParts
@@ -67,6 +70,38 @@ def wait(condition: Any, timeout_s: float, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def test_a_step_due_during_a_tick_waits_for_the_publication_of_the_model_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each reading of the trainer's clock moves it 0.3 of a step on: a tick that read the clock
+    again for its step ran a step that came due after its publication check, before the model
+    waiting for that step was published (which then held one step more than its public time says)."""
+    clock = [time.time()]
+
+    def readings() -> float:
+        clock[0] += 0.3 / DP["dp_step_rate_hz"]  # type: ignore[operator]
+        return clock[0]
+
+    fake = SimpleNamespace(time=readings, sleep=time.sleep, monotonic=time.monotonic, perf_counter=time.perf_counter)
+    monkeypatch.setattr(dp_trainer_module, "time", fake)
+    trainer, _ = dp_trainer(tmp_path)
+    loop = trainer.loop
+    assert isinstance(loop, DPLockstepLoop)
+    trainer.resume_after_restore()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        trainer.admit(arrivals(0, range(40)), {0: 40})
+        wait(lambda: trainer.published is not None and trainer.published.version >= 10, 60, "publications")
+    finally:
+        loop.stop_requested.set()
+        thread.join(30)
+    for version in trainer.registry.versions():
+        model = trainer.registry.get(version)
+        assert model.step % trainer.publish_every_steps == 0 or model.version == 1, (model.version, model.step)
+        assert model.published_at == trainer.engine.due_at(model.step + 1, clock[0])
 
 
 def test_the_dp_loop_publishes_on_the_public_clock_cuts_checkpoints_and_stops_when_agreed(tmp_path: Path) -> None:
