@@ -158,8 +158,15 @@ class PassSource:
         return int(self.lengths.shape[0])
 
     def subset(self, index: np.ndarray) -> WindowSnapshot:
-        """The items ``index`` as a snapshot (only their columns are gathered)."""
-        return self.take(np.asarray(index, dtype=np.int64))
+        """The items ``index`` as a snapshot (only their columns are gathered); any index
+        :meth:`WindowSnapshot.subset` takes (a mask, negative positions), refused as it refuses
+        one (``IndexError``): the window's stored rows extend past its items."""
+        index = np.asarray(index)
+        n = len(self)
+        np.empty(n, dtype=np.bool_)[index]  # numpy's own check; touches only the chosen bytes
+        if index.dtype == np.bool_:
+            index = np.flatnonzero(index)
+        return self.take(np.where(index < 0, index + n, index).astype(np.int64, copy=False))
 
     @cached_property
     def whole(self) -> WindowSnapshot:

@@ -1086,8 +1086,14 @@ def test_a_pass_source_gives_what_the_snapshot_gives_for_the_items_a_pass_takes(
         assert np.array_equal(getattr(source, name), getattr(snapshot, name))
     assert source.sensor_ids.tolist() == snapshot.sensor_ids.tolist()
     rng = np.random.default_rng(1)
-    for index in (np.sort(rng.choice(1000, 64, replace=False)), np.arange(0), rng.choice(1000, 10)):
+    mask, negative = rng.random(1000) < 0.1, np.array([-1, -1000, 5])
+    for index in (np.sort(rng.choice(1000, 64, replace=False)), np.arange(0), rng.choice(1000, 10), mask, negative):
         assert same_items(source.subset(index), snapshot.subset(index))
+    for bad in (np.array([1000]), np.array([-1001]), np.ones(999, dtype=bool)):
+        with pytest.raises(IndexError):
+            snapshot.subset(bad)
+        with pytest.raises(IndexError):  # the stored rows past the window's items are never read
+            source.subset(bad)
     assert same_items(source.whole, snapshot) and np.array_equal(source.ts, snapshot.ts)
     assert source.whole.taken_at == source.subset(np.arange(3)).taken_at == source.taken_at
     flat, lengths = source.gather_values(np.array([3, 1]))
