@@ -22,6 +22,12 @@ change-point data sets ``apple`` (daily close and volume), ``bitcoin`` (daily pr
 shift), ``elec_equip`` (monthly orders, a season), ``interest_inflation`` (quarterly, 2
 channels); matplotlib's ``eeg`` (4 channels, 800 samples) and ``membrane`` (a potential,
 12,000 samples: a long series).
+
+``FRESH``: five series first run after every default of issue 20's work was set, from the data
+files of statsmodels' own tests (inside its wheel): ``elec_demand`` (Victoria's electricity
+demand, hourly, 3,600 readings: a daily season of 24 readings, the context's length, and a
+weekly one beyond it), Schwert's monthly ``baa_yield`` (corporate bond yields, 468 readings),
+``unemployment`` (456) and ``sp500_level`` (468), and ``real_gnp`` (quarterly, 159).
 """
 
 from __future__ import annotations
@@ -243,6 +249,56 @@ def membrane() -> Series:
     ts = np.arange(len(values), dtype=np.float64) / 1000.0  # the file has no clock: 1 kHz assumed
     return Series("membrane", ts, values, ("potential",), period="one sample", source="matplotlib")
 
+
+# ---------------------------------------------------------------- fresh series
+# Run once every default was set (FRESH in the module's docstring): statsmodels' test data.
+
+
+def _statsmodels_test_data(*parts: str) -> Path:
+    return _package_dir("statsmodels").joinpath(*parts)
+
+
+def elec_demand() -> Series:
+    path = _statsmodels_test_data("tsa", "stl", "tests", "results", "mstl_elec_vic.csv")
+    ts, values = _read(path, "ds", "%Y-%m-%d %H:%M:%S", ["y"])
+    return Series("elec_demand", ts, values, ("demand_mw",), period="hourly", source="statsmodels")
+
+
+def _schwert_monthly(name: str, file: str, channel: str) -> Series:
+    """One of the monthly series of statsmodels' unit-root tests (Schwert 1989): one value a line
+    after a header, no dates (monthly from 1950 assumed)."""
+    lines = _statsmodels_test_data("tsa", "tests", "results", file).read_text().split()[1:]
+    values = np.array([[float(v)] for v in lines], dtype=np.float32)
+    ts = np.array([_utc(1950 + i // 12, i % 12 + 1) for i in range(len(values))])
+    return Series(name, ts, values, (channel,), period="monthly", source="statsmodels")
+
+
+def baa_yield() -> Series:
+    return _schwert_monthly("baa_yield", "BAA.csv", "yield_percent")
+
+
+def unemployment() -> Series:
+    return _schwert_monthly("unemployment", "UN.csv", "rate_percent")
+
+
+def sp500_level() -> Series:
+    return _schwert_monthly("sp500_level", "SP500.csv", "index")
+
+
+def real_gnp() -> Series:
+    lines = _statsmodels_test_data("tsa", "tests", "results", "rgnpq.csv").read_text().split()[1:]
+    values = np.array([[float(v)] for v in lines], dtype=np.float32)
+    ts = np.array([_utc(1950 + i // 4, 3 * (i % 4) + 1) for i in range(len(values))])  # no dates in the file
+    return Series("real_gnp", ts, values, ("gnp",), period="quarterly", source="statsmodels")
+
+
+FRESH: dict[str, Callable[[], Series]] = {
+    "elec_demand": elec_demand,
+    "baa_yield": baa_yield,
+    "unemployment": unemployment,
+    "sp500_level": sp500_level,
+    "real_gnp": real_gnp,
+}
 
 UNSEEN: dict[str, Callable[[], Series]] = {
     "apple": apple,

@@ -12,11 +12,16 @@ replays per training window (cumulative, one model per seed) its one-step foreca
 the replay count whose model forecast the held-out block best. Beside them, at each replay
 count, the seeds' networks averaged (``ensemble_R``: the mean of their forecasts, one network
 per seed) and that average blended half and half with AR(p) (``ensemble_R+ar``): does
-averaging networks, alone or with the linear forecast, add what one network does not? Then
-the geometric means.
+averaging networks, alone or with the linear forecast, add what one network does not? With
+``--hybrid``, also the network trained as a correction on AR(p) (``hybrid_R``: AR(p)'s forecast,
+fitted on the training part, plus the network's change to the last value, trained where every
+channel's AR(p) has its lags in the window): does the network add to the linear forecast what
+it cannot learn alone? Then the geometric means.
 
     python bench/replay_budget.py                   # 11 series x 3 seeds, ~7 min on one core
     python bench/replay_budget.py --series sunspots,goog --seeds 0,1 --json
+    python bench/replay_budget.py --n-heads 1    # the same network with one head of 64 (issue 24)
+    python bench/replay_budget.py --hybrid       # and the network as a correction on AR(p), ~2x the time
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -28,6 +33,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _series import SERIES, sliding_windows  # noqa: E402
 from _table import _fmt, print_columns  # noqa: E402
-from real_series import CONTEXT, baselines  # noqa: E402
+from real_series import CONTEXT, baselines, fit_ar  # noqa: E402
 
 from streamtrain.model.network import SensorModel  # noqa: E402
 
@@ -55,9 +61,22 @@ def forecast_last(model: SensorModel, z: np.ndarray) -> np.ndarray:
     return out
 
 
-def run_series(name: str, seeds: list[int]) -> dict[str, float]:
+def ar_bases(z: np.ndarray, coefficients: Sequence[np.ndarray]) -> np.ndarray:
+    """AR(p)'s forecast of the next reading at every position of ``z`` [N, L, C] whose p lags are
+    all in the window (one coefficient vector per channel: intercept, then x[t], x[t-1], ...);
+    the last value at earlier positions, where no AR(p) forecast exists."""
+    out = z.astype(np.float64)
+    for c, coef in enumerate(coefficients):
+        p = len(coef) - 1
+        for t in range(p - 1, z.shape[1]):
+            out[:, t, c] = coef[0] + z[:, t - p + 1 : t + 1, c][:, ::-1] @ coef[1:]
+    return out.astype(np.float32)
+
+
+def run_series(name: str, seeds: list[int], n_heads: int = 4, hybrid: bool = False) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
-    networks averaged, and the mean pick."""
+    networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
+    on AR(p)'s forecast (``hybrid_R``)."""
     values = SERIES[name]().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -67,38 +86,59 @@ def run_series(name: str, seeds: list[int]) -> dict[str, float]:
     train, holdout = z[: len(z) - held - (CONTEXT - 1)], z[len(z) - held :]
     contexts = (base.contexts - mean) / std
     mse_ar = base.mse(base.ar)
+    # AR(p) in normalized units (the same fit as base.ar's: least squares with an intercept is
+    # unchanged by the scaling); the hybrid learns only where every channel has its AR forecast
+    normalized = (values[: base.cut] - mean) / std
+    ar_coefficients = [fit_ar(normalized[:, c], p) for c, p in enumerate(base.orders)]
+    train_bases = ar_bases(train, ar_coefficients)
+    first = max(len(coef) for coef in ar_coefficients) - 2
+    ar_test = (base.ar - mean) / std
     test: dict[int, list[float]] = {r: [] for r in REPLAYS}
     forecasts: dict[int, list[np.ndarray]] = {r: [] for r in REPLAYS}  # per seed, in data units
+    corrected: dict[int, list[float]] = {r: [] for r in REPLAYS}
     stopped, picks = [], []
     for seed in seeds:
-        rng = np.random.default_rng(seed)
-        torch.manual_seed(seed)
-        model = SensorModel(values.shape[1])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        done, held_mse = 0, {}
-        for replays in REPLAYS:
-            steps = max(1, round(replays * len(train) / BATCH))
-            for _ in range(steps - done):
-                x = torch.tensor(train[rng.choice(len(train), size=min(BATCH, len(train)), replace=False)])
-                out = model(x, torch.ones(x.shape[:2], dtype=torch.bool)).forecast
-                loss = ((out[:, :-1] - x[:, 1:]) ** 2).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-            done = steps
-            forecasts[replays].append(forecast_last(model, contexts) * std + mean)
-            test[replays].append(base.mse(forecasts[replays][-1]) / mse_ar)
-            held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
-        pick = min(held_mse, key=held_mse.__getitem__)
-        stopped.append(test[pick][-1])
-        picks.append(pick)
+        for arm in ("network", "hybrid") if hybrid else ("network",):
+            rng = np.random.default_rng(seed)
+            torch.manual_seed(seed)
+            model = SensorModel(values.shape[1], n_heads=n_heads)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            done, held_mse = 0, {}
+            for replays in REPLAYS:
+                steps = max(1, round(replays * len(train) / BATCH))
+                for _ in range(steps - done):
+                    rows = rng.choice(len(train), size=min(BATCH, len(train)), replace=False)
+                    x = torch.tensor(train[rows])
+                    out = model(x, torch.ones(x.shape[:2], dtype=torch.bool)).forecast
+                    if arm == "hybrid":  # the network's change to the last value, added to AR(p)'s forecast
+                        out = torch.tensor(train_bases[rows]) + (out - x)
+                        loss = ((out[:, first:-1] - x[:, first + 1 :]) ** 2).mean()
+                    else:
+                        loss = ((out[:, :-1] - x[:, 1:]) ** 2).mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                done = steps
+                if arm == "hybrid":
+                    forecast = ar_test + forecast_last(model, contexts) - contexts[:, -1]
+                    corrected[replays].append(base.mse(forecast * std + mean) / mse_ar)
+                    continue
+                forecasts[replays].append(forecast_last(model, contexts) * std + mean)
+                test[replays].append(base.mse(forecasts[replays][-1]) / mse_ar)
+                held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
+            if arm == "network":
+                pick = min(held_mse, key=held_mse.__getitem__)
+                stopped.append(test[pick][-1])
+                picks.append(pick)
     out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
     out["early_stopping"] = float(np.mean(stopped))
     for r, each in forecasts.items():
         averaged = np.mean(each, axis=0)
         out[f"ensemble_{r}"] = base.mse(averaged) / mse_ar
         out[f"ensemble_{r}+ar"] = base.mse(0.5 * averaged + 0.5 * base.ar) / mse_ar
+    if hybrid:
+        out.update({f"hybrid_{r}": float(np.mean(v)) for r, v in corrected.items()})
     out["early_stopping_pick"] = float(np.mean(picks))
     return out
 
@@ -108,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--series", default=",".join(SERIES), help=f"comma-separated subset of: {', '.join(SERIES)}")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each series' figures are their mean")
     parser.add_argument("--json", action="store_true", help="one JSON object per series, then the geometric means")
+    parser.add_argument("--n-heads", type=int, default=4, help="the network's heads (width 64; default 4)")
+    parser.add_argument("--hybrid", action="store_true", help="also the network as a correction on AR(p)")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.series.split(",") if s.strip()]
     unknown = [s for s in names if s not in SERIES]
@@ -118,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {}
     for name in names:
         started = time.monotonic()
-        rows[name] = run_series(name, seeds)
+        rows[name] = run_series(name, seeds, args.n_heads, args.hybrid)
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}

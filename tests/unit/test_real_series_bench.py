@@ -12,12 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import real_series as rs  # noqa: E402
-from _series import SERIES, UNSEEN  # noqa: E402
+from _series import FRESH, SERIES, UNSEEN  # noqa: E402
 
 
-@pytest.mark.parametrize("name", sorted(SERIES) + sorted(UNSEEN))
+@pytest.mark.parametrize("name", sorted(SERIES) + sorted(UNSEEN) + sorted(FRESH))
 def test_every_loader_returns_a_finite_float32_series_in_time_order(name: str) -> None:
-    series = {**SERIES, **UNSEEN}[name]()
+    series = {**SERIES, **UNSEEN, **FRESH}[name]()
     values = series.values
     assert values.dtype == np.float32 and values.ndim == 2
     assert values.shape[0] >= 100 and 1 <= values.shape[1] <= 4
@@ -29,12 +29,13 @@ def test_every_loader_returns_a_finite_float32_series_in_time_order(name: str) -
     assert (values[: int(rs.TRAIN_SHARE * len(values))].std(axis=0) > 0).all()  # z-scoring needs spread
 
 
-def test_no_unseen_series_is_a_tuning_series() -> None:
-    assert not set(SERIES) & set(UNSEEN)
-    tuning = [f().values for f in SERIES.values()]
-    for f in UNSEEN.values():
+def test_no_unseen_or_fresh_series_is_a_series_of_an_earlier_set() -> None:
+    assert not set(SERIES) & set(UNSEEN) and not (set(SERIES) | set(UNSEEN)) & set(FRESH)
+    earlier = [f().values for f in SERIES.values()]
+    for f in [*UNSEEN.values(), *FRESH.values()]:
         values = f().values
-        assert not any(t.shape == values.shape and np.array_equal(t, values) for t in tuning)
+        assert not any(t.shape == values.shape and np.array_equal(t, values) for t in earlier)
+        earlier.append(values)
 
 
 def test_the_bench_has_eight_series_daily_to_yearly_with_one_to_four_channels() -> None:
@@ -55,6 +56,21 @@ def test_the_ar_fit_is_numpy_lstsq_on_lags_with_an_intercept(p: int) -> None:
     # the forecast from a context uses the newest reading as lag 1
     context = FIXED[None, -5:]
     assert rs.ar_forecast(expected, context)[0] == pytest.approx(expected[0] + expected[1:] @ FIXED[-1 : -p - 1 : -1])
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_the_hybrid_base_is_ar_where_its_lags_are_in_the_window_and_the_last_value_before(p: int) -> None:
+    import replay_budget  # noqa: PLC0415 (torch: imported only by the test that needs it)
+
+    windows = np.stack([FIXED[i : i + 8] for i in range(6)])[:, :, None].repeat(2, axis=2)  # [6, 8, 2]
+    windows[:, :, 1] *= -2.0
+    coefficients = [rs.fit_ar(FIXED, p), rs.fit_ar(-2.0 * FIXED, 2)]
+    bases = replay_budget.ar_bases(windows, coefficients)
+    for c, coef in enumerate(coefficients):
+        order = len(coef) - 1
+        for t in range(8):
+            expected = rs.ar_forecast(coef, windows[:, : t + 1, c])[:] if t >= order - 1 else windows[:, t, c]
+            np.testing.assert_allclose(bases[:, t, c], expected, rtol=1e-5)
 
 
 def test_the_order_is_picked_on_the_last_fifth_and_refitted_on_everything() -> None:
