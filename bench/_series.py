@@ -264,11 +264,16 @@ def elec_demand() -> Series:
     return Series("elec_demand", ts, values, ("demand_mw",), period="hourly", source="statsmodels")
 
 
-def _schwert_monthly(name: str, file: str, channel: str) -> Series:
-    """One of the monthly series of statsmodels' unit-root tests (Schwert 1989): one value a line
-    after a header, no dates (monthly from 1950 assumed)."""
+def _tsa_results_column(file: str) -> np.ndarray:
+    """A one-column file of statsmodels' time-series tests: a header, then one value a line, no dates."""
     lines = _statsmodels_test_data("tsa", "tests", "results", file).read_text().split()[1:]
-    values = np.array([[float(v)] for v in lines], dtype=np.float32)
+    return np.array([[float(v)] for v in lines], dtype=np.float32)
+
+
+def _schwert_monthly(name: str, file: str, channel: str) -> Series:
+    """One of the monthly series of statsmodels' unit-root tests (Schwert 1989); monthly from 1950
+    assumed (the file has no dates)."""
+    values = _tsa_results_column(file)
     ts = np.array([_utc(1950 + i // 12, i % 12 + 1) for i in range(len(values))])
     return Series(name, ts, values, (channel,), period="monthly", source="statsmodels")
 
@@ -286,8 +291,7 @@ def sp500_level() -> Series:
 
 
 def real_gnp() -> Series:
-    lines = _statsmodels_test_data("tsa", "tests", "results", "rgnpq.csv").read_text().split()[1:]
-    values = np.array([[float(v)] for v in lines], dtype=np.float32)
+    values = _tsa_results_column("rgnpq.csv")
     ts = np.array([_utc(1950 + i // 4, 3 * (i % 4) + 1) for i in range(len(values))])  # no dates in the file
     return Series("real_gnp", ts, values, ("gnp",), period="quarterly", source="statsmodels")
 
