@@ -306,7 +306,7 @@ class FamilyFit:
     models: tuple[LinearModel, ...]  # the least GCV error first
     weights: tuple[float, ...]
     coefficients: np.ndarray  # [1 + readings of the widest model]: the average times ``shrink``
-    shrink: float = 1.0
+    shrink: float
 
     @property
     def best(self) -> LinearModel:
