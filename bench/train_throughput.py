@@ -34,6 +34,9 @@ budget, bf16; ``--set NAME=VALUE`` overrides any). Further rows:
 * collate cost per batch: the producer thread's time per batch (plan + gather + collate,
   then pinning on a GPU), and :func:`~streamtrain.data.collate.collate_flat` alone on the
   same batches; ``producer batches/s`` against ``steps/s`` says whether the host keeps up;
+* what each arm learned from its tokens: its model's one-step MSE on 2,000 fresh events of the
+  window's kind over the last value's (so settings that change the steps per token, such as
+  ``TOKEN_BUDGET``, compare on learning as well as speed);
 * GPU busy share (CUDA only): the union of kernel and copy intervals recorded by
   ``torch.profiler`` over ``--profile-steps`` steps of ours, over the wall time of those
   steps, and NVML's utilization (``torch.cuda.utilization``, sampled every 50 ms) over the
@@ -71,6 +74,8 @@ from streamtrain.data.prefetch import DevicePrefetcher, pin_batch  # noqa: E402
 from streamtrain.device import describe, is_cuda  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
+from streamtrain.model.inference import evaluating  # noqa: E402
+from streamtrain.quality.scoring import forward_in_data_units  # noqa: E402
 from streamtrain.training.trainer import Trainer  # noqa: E402
 from streamtrain.window.reservoir import RecencyWindow
 from streamtrain.window.snapshot import WindowSnapshot  # noqa: E402
@@ -338,6 +343,22 @@ def profiled_host_ops(arm: Arm, steps: int) -> None:
     print_op_tables(prof, f"{steps} steps of {arm.name}, wall {wall_ms:.0f} ms", device_too=False)
 
 
+def heldout_over_last_value(trainer: Trainer, seed: int, events: int = 2000) -> float:
+    """What the arm learned from its tokens: one-step MSE on ``events`` fresh events of the window's
+    kind (another seed), over the last value's on the same targets (below 1: it beat the last value)."""
+    values = [e.values for e in make_events(events, np.random.default_rng(1000 + seed))]
+    model_sse = last_sse = 0.0
+    with torch.inference_mode(), evaluating(trainer.model) as module:
+        for start in range(0, len(values), 64):
+            batch = collate(values[start : start + 64])
+            _, forecast = forward_in_data_units(module, trainer.norm, batch.values, batch.mask)
+            valid = (batch.mask[:, :-1] & batch.mask[:, 1:]).double()
+            targets = batch.values[:, 1:].double()
+            model_sse += float((((forecast[:, :-1] - targets) ** 2).sum(-1) * valid).sum())
+            last_sse += float((((batch.values[:, :-1].double() - targets) ** 2).sum(-1) * valid).sum())
+    return model_sse / last_sse
+
+
 def warm_up(trainer: Trainer, batch: Batch, steps: int = 2) -> None:
     for _ in range(steps):
         trainer.train_step(batch)
@@ -462,6 +483,8 @@ def main() -> None:
             ]
         for arm in built.values():
             clock = arm.producer
+            rows.append(Row(tag, f"held-out one-step MSE / last value's, 2,000 fresh events ({arm.name})",
+                            heldout_over_last_value(arm.trainer, args.seed)))  # fmt: skip
             per_batch = clock.source_seconds / max(1, clock.batches)
             rows += [
                 Row(tag, f"producer ms/batch: plan + gather + collate ({arm.name})", 1e3 * per_batch),
