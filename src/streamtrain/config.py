@@ -165,12 +165,12 @@ class Settings(BaseSettings):
     n_classes: int = Field(0, ge=0, le=100_000, description="Label classes; 0 = no classification head")
 
     # --- Data pipeline -------------------------------------------------------------------------
-    token_budget: int = Field(8192, ge=1, description="Padded tokens per batch (sequences x padded length)")
+    token_budget: int = Field(2048, ge=1, description="Padded tokens per batch (sequences x padded length)")
     max_batch_sequences: int = Field(1024, ge=1, description="Cap on sequences per batch")
     pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
     pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
     pass_max_items: int = Field(
-        8192,
+        1024,
         ge=0,
         description=(
             "Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"
@@ -186,7 +186,7 @@ class Settings(BaseSettings):
         ),
     )
     pass_fresh_share: float = Field(
-        0.5, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
+        0.9, ge=0.0, le=1.0, description="Share of a bounded pass kept for events new since the last pass"
     )
     sampling: Literal["uniform", "sensor_balanced", "stratified", "curriculum"] = Field(
         "uniform",

@@ -125,7 +125,7 @@ def _stand_in_gpu(spec: str) -> torch.device:
 def test_on_the_cpu_the_defaults_stay() -> None:
     settings = load_settings(device="cpu")
     assert settings.device == "cpu" and settings.gpu_profile_applied == ()
-    assert (settings.d_model, settings.n_layers, settings.token_budget, settings.amp) == (64, 2, 8192, "off")
+    assert (settings.d_model, settings.n_layers, settings.token_budget, settings.amp) == (64, 2, 2048, "off")
 
 
 def test_a_gpu_gets_the_profile_for_every_setting_not_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

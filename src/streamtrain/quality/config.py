@@ -34,7 +34,7 @@ class QualityConfig:
     auto_rollback: bool = True
     rollback_min_events: int = 100
     rollback_margin: float = 0.1
-    token_budget: int = 8192
+    token_budget: int = 2048
     shuffle: ShuffleMode = "seeded"
     seed: int = 0
 

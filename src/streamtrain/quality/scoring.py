@@ -76,7 +76,7 @@ def score_events(
     norm: RunningNorm,
     values: Sequence[np.ndarray],
     labels: Sequence[int] | np.ndarray | None = None,
-    token_budget: int = 8192,
+    token_budget: int = 2048,
     units: RunningNorm | None = None,
 ) -> EventScores:
     """Score ``values`` (each ``[L, C]``) with ``model`` in inference mode, no update.
