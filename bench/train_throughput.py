@@ -74,8 +74,7 @@ from streamtrain.data.prefetch import DevicePrefetcher, pin_batch  # noqa: E402
 from streamtrain.device import describe, is_cuda  # noqa: E402
 from streamtrain.events import EventBatch, SensorEvent  # noqa: E402
 from streamtrain.metrics import Metrics  # noqa: E402
-from streamtrain.model.inference import evaluating  # noqa: E402
-from streamtrain.quality.scoring import forward_in_data_units  # noqa: E402
+from streamtrain.quality.scoring import score_events  # noqa: E402
 from streamtrain.training.trainer import Trainer  # noqa: E402
 from streamtrain.window.reservoir import RecencyWindow
 from streamtrain.window.snapshot import WindowSnapshot  # noqa: E402
@@ -347,16 +346,8 @@ def heldout_over_last_value(trainer: Trainer, seed: int, events: int = 2000) -> 
     """What the arm learned from its tokens: one-step MSE on ``events`` fresh events of the window's
     kind (another seed), over the last value's on the same targets (below 1: it beat the last value)."""
     values = [e.values for e in make_events(events, np.random.default_rng(1000 + seed))]
-    model_sse = last_sse = 0.0
-    with torch.inference_mode(), evaluating(trainer.model) as module:
-        for start in range(0, len(values), 64):
-            batch = collate(values[start : start + 64])
-            _, forecast = forward_in_data_units(module, trainer.norm, batch.values, batch.mask)
-            valid = (batch.mask[:, :-1] & batch.mask[:, 1:]).double()
-            targets = batch.values[:, 1:].double()
-            model_sse += float((((forecast[:, :-1] - targets) ** 2).sum(-1) * valid).sum())
-            last_sse += float((((batch.values[:, :-1].double() - targets) ** 2).sum(-1) * valid).sum())
-    return model_sse / last_sse
+    scores = score_events(trainer.model, trainer.norm, values, token_budget=trainer.settings.token_budget)
+    return float(scores.sse.sum() / scores.naive_sse.sum())
 
 
 def warm_up(trainer: Trainer, batch: Batch, steps: int = 2) -> None:
