@@ -24,6 +24,11 @@ Observed inside the service, by wrapping methods on the instances:
   pass) rather than as replay, to split the latency by path;
 * ``trainer.publish``: which step each model version includes.
 
+The trainer's and the ingest thread's share of the cores over the measured interval, from
+the kernel's per-thread scheduler clocks (``/proc/self/task/*/schedstat``: time on a CPU,
+and time runnable but waiting for one); ``train_cpus=auto`` in the default configs gives the
+trainer a CPU of its own (``TRAIN_CPUS``).
+
 *Publish-to-serving*: a poller sends a one-instance ``POST /v1/predict`` every 0.1 s and
 records the ``model_version`` answered; for every optimizer step, the delay is the time
 from the step's end until the first answer whose version includes that step.
@@ -64,7 +69,7 @@ from _table import Row, emit  # noqa: E402
 
 BENCH = "latency"
 TICK_S = 0.02
-DEFAULT_CONFIGS = "default;pass_max_items=256,pass_fresh_share=0.9,token_budget=2048"
+DEFAULT_CONFIGS = "default;train_cpus=auto;pass_max_items=256,pass_fresh_share=0.9,token_budget=2048"
 TS_SLOTS = 1000  # microsecond slots per millisecond: ts = floor(now, 1 ms) + slot * 1 us
 
 
@@ -228,6 +233,39 @@ def poll_predictions(port: int, stop: threading.Event, seen: Observations, inter
                 seen.answers.append((time.time(), int(response.json()["model_version"])))
 
 
+def thread_clocks() -> dict[str, tuple[float, float]]:
+    """Seconds on a CPU and seconds runnable but waiting for one, of each named thread of this
+    process so far (Linux ``/proc/self/task/*/schedstat``; empty elsewhere)."""
+    clocks: dict[str, tuple[float, float]] = {}
+    for thread in threading.enumerate():
+        try:
+            fields = Path(f"/proc/self/task/{thread.native_id}/schedstat").read_text().split()
+            on_cpu, waiting = int(fields[0]) / 1e9, int(fields[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        before = clocks.get(thread.name, (0.0, 0.0))
+        clocks[thread.name] = (before[0] + on_cpu, before[1] + waiting)
+    return clocks
+
+
+def clock_threads(begin: float, end: float, into: dict[str, tuple[float, float]]) -> threading.Thread:
+    """Fill ``into`` with each thread's cores on a CPU and cores runnable-but-waiting over the
+    wall-clock interval [begin, end) (a thread alive at both ends)."""
+
+    def run() -> None:
+        time.sleep(max(0.0, begin - time.time()))
+        first = thread_clocks()
+        time.sleep(max(0.0, end - time.time()))
+        last, span = thread_clocks(), max(1e-9, end - begin)
+        for name, (on_cpu, waiting) in last.items():
+            if name in first:
+                into[name] = ((on_cpu - first[name][0]) / span, (waiting - first[name][1]) / span)
+
+    clock = threading.Thread(target=run, name="bench-thread-clock", daemon=True)
+    clock.start()
+    return clock
+
+
 # ---------------------------------------------------------------------- one run
 @dataclass
 class RunResult:
@@ -243,6 +281,7 @@ class RunResult:
     tokens_per_s: float
     padding_share: float
     compile_s: float = 0.0  # waited for the forwards to compile before the first event (COMPILE=on)
+    thread_cores: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (on a CPU, runnable)
 
 
 def free_port() -> int:
@@ -298,6 +337,8 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
         # Producers keep sending after the measured interval, so late events of the interval
         # meet a steady pipeline (fresh events keep arriving) rather than a replay-only drain.
         duration = args.warmup_s + args.measure_s + args.tail_s
+        cores: dict[str, tuple[float, float]] = {}
+        clock_threads(start_at + args.warmup_s, start_at + args.warmup_s + args.measure_s, cores)
         per_producer = args.rate / args.producers
         processes = [
             context.Process(
@@ -342,7 +383,8 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))  # ordered, no repeats
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown)
     begin = start_at + args.warmup_s
-    return replace(analyse(seen, begin, begin + args.measure_s, label, produced_rate), compile_s=compile_s)
+    result = analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+    return replace(result, compile_s=compile_s, thread_cores=cores)
 
 
 def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings: Any) -> RunResult:
@@ -364,6 +406,8 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     server_thread.start()
     start_at = time.time() + 1.0
     duration = args.warmup_s + args.measure_s + args.tail_s
+    cores: dict[str, tuple[float, float]] = {}
+    clock_threads(start_at + args.warmup_s, start_at + args.warmup_s + args.measure_s, cores)
     reports: list[Any] = []
     stop_feeding, stop_polling = threading.Event(), threading.Event()
     feeder = threading.Thread(
@@ -388,7 +432,8 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown) + ", in-process"
     begin = start_at + args.warmup_s
-    return replace(analyse(seen, begin, begin + args.measure_s, label, produced_rate), compile_s=compile_s)
+    result = analyse(seen, begin, begin + args.measure_s, label, produced_rate)
+    return replace(result, compile_s=compile_s, thread_cores=cores)
 
 
 def analyse(seen: Observations, begin: float, end: float, label: str, produced_rate: float) -> RunResult:
@@ -470,6 +515,12 @@ def rows_for(result: RunResult, target_rate: float) -> list[Row]:
         Row(tag, "real tokens trained/s", result.tokens_per_s),
         Row(tag, "padding share of trained batches", result.padding_share),
         Row(tag, "compile warm-up s, before the first event (COMPILE)", result.compile_s),
+        *(
+            Row(tag, f"{name} thread: cores {what} (measured interval)", result.thread_cores[name][i])
+            for name in ("trainer", "ingest")
+            if name in result.thread_cores
+            for i, what in enumerate(("on a CPU", "runnable, waiting for a CPU"))
+        ),
     ]
 
 

@@ -22,6 +22,7 @@ from pydantic_settings import (
 )
 
 from streamtrain.ingest import security as kafka_security
+from streamtrain.runtime.cpus import parse_cpu_list
 
 if TYPE_CHECKING:
     from streamtrain.device import Precision
@@ -257,6 +258,13 @@ class Settings(BaseSettings):
         le=19,
         description="Added to the OS niceness of the training threads (Linux): predict and ingest get the CPU first",
     )
+    train_cpus: str = Field(
+        "off",
+        description=(
+            "CPUs of the training thread alone (Linux): off, auto (the last TORCH_THREADS allowed CPUs) or a CPU list "
+            "(2-3); the service's other threads keep the rest. Only where the service owns its CPUs"
+        ),
+    )
     device: str = Field(
         "auto",
         description=(
@@ -455,6 +463,14 @@ class Settings(BaseSettings):
     def _half_life_accepts_inf(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in {"inf", "infinity", "none", "off"}:
             return math.inf
+        return value
+
+    @field_validator("train_cpus")
+    @classmethod
+    def _cpu_list_or_mode(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value not in ("off", "auto"):
+            parse_cpu_list(value)  # a ValueError names the bad entry
         return value
 
     @field_validator("device", mode="before")

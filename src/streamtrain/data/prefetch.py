@@ -26,6 +26,7 @@ import torch
 from streamtrain.data._validate import require_int
 from streamtrain.data.collate import Batch
 from streamtrain.device import Transfer, is_cuda, side_stream
+from streamtrain.runtime.cpus import leave_training_cpus
 
 T = TypeVar("T")
 
@@ -81,6 +82,7 @@ class Prefetcher(Generic[T]):
         return False
 
     def _produce(self, source: Iterator[T]) -> None:
+        leave_training_cpus()  # started by the training thread: its CPUs are the step's alone
         try:
             for item in source:
                 if self._transform is not None:

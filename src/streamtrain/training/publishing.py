@@ -28,6 +28,7 @@ from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster,
 from streamtrain.model.network import SensorModel, build_model
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.selection import GateDecision, Selection
+from streamtrain.runtime.cpus import pin_training_thread, release_training_cpus
 from streamtrain.training.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -281,13 +282,18 @@ class ModelTrainer:
     def _run(self) -> None:
         torch.set_num_threads(self.settings.torch_threads)
         lower_thread_priority(self.settings.train_nice)
-        while not self._stop.is_set():
-            try:
-                self._work()
-            except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
-                self.last_error = f"{type(err).__name__}: {err}"
-                log.exception("%s failed; resuming in 1s", self.thread_name)
-                self._stop.wait(1.0)
+        pinned = pin_training_thread(self.settings.train_cpus, self.settings.torch_threads)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._work()
+                except Exception as err:  # noqa: BLE001 - log, count, and keep the service up
+                    self.last_error = f"{type(err).__name__}: {err}"
+                    log.exception("%s failed; resuming in 1s", self.thread_name)
+                    self._stop.wait(1.0)
+        finally:
+            if pinned is not None:
+                release_training_cpus()
 
     def _work(self) -> None:
         raise NotImplementedError
