@@ -60,13 +60,18 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
-def plan_training_cpus(setting: str, allowed: frozenset[int], torch_threads: int) -> TrainingCpus | str:
+def plan_training_cpus(
+    setting: str, allowed: frozenset[int], torch_threads: int, local_ranks: int = 1
+) -> TrainingCpus | str:
     """What ``TRAIN_CPUS=setting`` pins among the process's ``allowed`` CPUs, or why nothing.
 
     ``auto``: the last ``torch_threads`` allowed CPUs train (a training step runs that many
-    intra-op threads), provided at least one CPU is left for the rest. A CPU list: those CPUs,
-    which must be allowed and leave one.
+    intra-op threads), provided at least one CPU is left for the rest; not beside other ranks
+    on the host (``local_ranks`` > 1, torchrun's ``LOCAL_WORLD_SIZE``), which would all pick
+    the same CPUs. A CPU list: those CPUs, which must be allowed and leave one.
     """
+    if setting == "auto" and local_ranks > 1:
+        return f"{local_ranks} ranks on this host would all pin the same CPUs (give each its own cpuset instead)"
     if setting == "auto":
         if len(allowed) <= torch_threads:
             return f"{len(allowed)} CPU(s) allowed, {torch_threads} torch thread(s): no CPU would be left for ingest"
@@ -98,7 +103,11 @@ def pin_training_thread(setting: str, torch_threads: int) -> TrainingCpus | None
     if not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"):
         log.info("TRAIN_CPUS=%s ignored: CPU affinity per thread needs Linux", setting)
         return None
-    plan = plan_training_cpus(setting, frozenset(os.sched_getaffinity(0)), torch_threads)
+    try:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # torchrun's ranks on this host
+    except ValueError:  # the launcher's own check (distributed.launch) names a bad value at start-up
+        local_ranks = 1
+    plan = plan_training_cpus(setting, frozenset(os.sched_getaffinity(0)), torch_threads, local_ranks)
     if isinstance(plan, str):
         log.warning("TRAIN_CPUS=%s: nothing pinned: %s", setting, plan)
         return None

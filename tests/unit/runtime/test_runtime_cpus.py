@@ -64,6 +64,13 @@ def test_nothing_is_pinned_where_nothing_would_be_left_or_the_cpus_are_not_allow
     assert plan_training_cpus("0", frozenset({0, 1}), 1) == TrainingCpus(frozenset({0}), frozenset({1}))
 
 
+def test_auto_pins_nothing_beside_other_ranks_on_the_host() -> None:
+    assert "would all pin the same CPUs" in str(plan_training_cpus("auto", frozenset(range(8)), 1, local_ranks=2))
+    assert plan_training_cpus("auto", frozenset(range(8)), 1, local_ranks=1) == TrainingCpus(
+        frozenset({7}), frozenset(range(7))
+    )
+
+
 # A real Service's trainer thread started with TRAIN_CPUS, beside a thread started before it
 # (as ingest is); printed: what each thread may run on once the trainer has stepped.
 SERVICE_PROBE = textwrap.dedent(
