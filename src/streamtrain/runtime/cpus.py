@@ -86,11 +86,18 @@ def plan_training_cpus(
     return TrainingCpus(training, rest)
 
 
-def _thread_ids() -> list[int]:
+def _move_threads(cpus: frozenset[int], skip: int | None = None) -> None:
+    """Every thread of the process but ``skip`` (a native id) onto ``cpus``."""
     try:
-        return [int(tid) for tid in os.listdir("/proc/self/task")]
+        thread_ids = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:
-        return [threading.get_native_id()]
+        thread_ids = [threading.get_native_id()]
+    for tid in thread_ids:
+        if tid != skip:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                continue
 
 
 def pin_training_thread(setting: str, torch_threads: int) -> TrainingCpus | None:
@@ -111,15 +118,9 @@ def pin_training_thread(setting: str, torch_threads: int) -> TrainingCpus | None
     if isinstance(plan, str):
         log.warning("TRAIN_CPUS=%s: nothing pinned: %s", setting, plan)
         return None
-    own = threading.get_native_id()
     try:
         os.sched_setaffinity(0, plan.training)  # 0: the calling thread
-        for tid in _thread_ids():
-            if tid != own:
-                try:
-                    os.sched_setaffinity(tid, plan.rest)
-                except ProcessLookupError:  # the thread ended meanwhile
-                    continue
+        _move_threads(plan.rest, skip=threading.get_native_id())
     except OSError as err:
         log.warning("TRAIN_CPUS=%s: could not pin the training thread: %s", setting, err)
         return None
@@ -150,13 +151,8 @@ def release_training_cpus() -> None:
     global _pinned
     with _lock:
         plan, _pinned = _pinned, None
-    if plan is None:
-        return
-    for tid in _thread_ids():
-        try:
-            os.sched_setaffinity(tid, plan.training | plan.rest)
-        except OSError:
-            continue
+    if plan is not None:
+        _move_threads(plan.training | plan.rest)
 
 
 def _cpu_list(cpus: frozenset[int]) -> str:
