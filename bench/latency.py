@@ -22,7 +22,7 @@ Observed inside the service, by wrapping methods on the instances:
   trained: then no finite median exists);
 * ``trainer.sampler``: which items each bounded pass took as *fresh* (new since the last
   pass) rather than as replay, to split the latency by path;
-* ``trainer.publish``: which step each model version includes.
+* ``trainer.registry.add``: which step each model version includes.
 
 The trainer's and the ingest thread's share of the cores over the measured interval, from
 the kernel's per-thread scheduler clocks (``/proc/self/task/*/schedstat``: time on a CPU,
@@ -193,7 +193,7 @@ class RecordingSampler:
 
 def instrument(service: Any, seen: Observations) -> None:
     window, trainer = service.window, service.trainer
-    insert, step, publish = window.insert_batch, trainer.train_step, trainer.publish
+    insert, step, register = window.insert_batch, trainer.train_step, trainer.registry.add
 
     def recording_insert(batch: Any, *args: Any, **kwargs: Any) -> Any:
         report = insert(batch, *args, **kwargs)
@@ -208,14 +208,14 @@ def instrument(service: Any, seen: Observations) -> None:
             )
         return report
 
-    def recording_publish() -> Any:
-        published = publish()
+    def recording_register(published: Any, *, serve: bool = True) -> None:
+        # every version registered, judged on the training thread or in the background
+        register(published, serve=serve)
         seen.publishes.append((published.version, published.step, published.published_at))
-        return published
 
     window.insert_batch = recording_insert
     trainer.train_step = recording_step
-    trainer.publish = recording_publish
+    trainer.registry.add = recording_register  # type: ignore[method-assign]
     trainer.sampler = trainer.dataset.sampler = RecordingSampler(trainer.sampler, seen.fresh_ts)
 
 
