@@ -237,14 +237,7 @@ class Settings(BaseSettings):
         le=1,
         description=(
             "Most of the trainer's time publishing may take (the gate's holdout scoring, the linear fit): a slower "
-            "publication waits longer than PUBLISH_INTERVAL_S; in the background, the share of a core its thread uses"
-        ),
-    )
-    publish_in_background: bool = Field(
-        True,
-        description=(
-            "Judge and publish candidates on a thread of their own, so training steps on meanwhile (one process, "
-            "not DP; scaled-out ranks publish in lockstep)"
+            "publication waits longer than PUBLISH_INTERVAL_S"
         ),
     )
     model_versions_keep: int = Field(

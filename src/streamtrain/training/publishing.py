@@ -4,11 +4,6 @@ A published model is a frozen copy: readers take the reference and nobody mutate
 so serving switches versions by a single reference swap. The registry keeps the last
 ``MODEL_VERSIONS_KEEP`` of them as rollback targets; a rollback makes one serve again and
 training continues from its weights.
-
-A publication is two parts: freezing a copy (a step's lock, milliseconds) and judging it
-(the gate's holdout scoring and the forecaster's choice, a large share of a step's time). With
-``PUBLISH_IN_BACKGROUND`` the judging runs on a thread of its own (:class:`BackgroundJudge`)
-while training steps on; a rollback meanwhile makes the candidate frozen before it lapse.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from streamtrain.model.forecasters import FORECASTER_KINDS, NETWORK, Forecaster,
 from streamtrain.model.network import SensorModel, build_model
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.selection import GateDecision, Selection
-from streamtrain.runtime.cpus import leave_training_cpus, pin_training_thread, release_training_cpus
+from streamtrain.runtime.cpus import pin_training_thread, release_training_cpus
 from streamtrain.training.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -91,9 +86,6 @@ class ModelTrainer:
         self._step = 0
         self._tokens_trained = 0
         self._last_publish = 0.0
-        self._judging = threading.Lock()  # one judgement at a time; a rollback never waits for one
-        self._lineage = 0  # a rollback or restore bumps it: a candidate frozen before must not serve
-        self._judge: BackgroundJudge | None = None  # started by the first background publication
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,10 +115,6 @@ class ModelTrainer:
         Serving switches by a single reference swap: readers see old or new. A held-back
         candidate is kept (not served) and counted; the serving version answers on.
         """
-        return self._judge_frozen(*self._freeze())
-
-    def _freeze(self) -> tuple[PublishedModel, int]:
-        """A frozen copy of the live model as the next version, and the lineage it belongs to."""
         with self.lock:
             frozen = copy.deepcopy(self.model).eval()  # on the training device
             for parameter in frozen.parameters():
@@ -135,6 +123,7 @@ class ModelTrainer:
             norm = RunningNorm(self.settings.channels)
             norm.load_state_dict(self.norm.state_dict())
             self._version += 1
+            self._last_publish = time.monotonic()  # publications are spaced start to start
             published = PublishedModel(
                 model=frozen,
                 norm=norm,
@@ -144,32 +133,15 @@ class ModelTrainer:
                 loss=self.loss_ema,
                 published_at=self._clock(),
             )
-            return published, self._lineage
-
-    def _judge_frozen(self, published: PublishedModel, lineage: int) -> PublishedModel:
-        """Judge a frozen candidate and register it (serving, or kept and held back), one
-        judgement at a time. A candidate from before a rollback (another ``lineage``) lapses."""
-        with self._judging:
-            if self.candidate_hook is not None:
-                self.candidate_hook(published.model)
-            selection = self._select(published)
-            with self.lock:  # what the judgement read (the reference, the serving version) holds until here
-                if lineage != self._lineage:
-                    log.info(
-                        "candidate version %d lapsed: a rollback or restore came while judging it", published.version
-                    )
-                    return published
-                return self._register(published, selection)
-
-    def _register(self, published: PublishedModel, selection: Selection) -> PublishedModel:
+        if self.candidate_hook is not None:
+            self.candidate_hook(published.model)
+        selection = self._select(published)
         decision = selection.decision
         self.last_gate = decision
         self.last_selection = selection
-        self._adopt(published, selection)
         if decision.publish and selection.forecaster.kind != "network":
             published = replace(published, forecaster=selection.forecaster)
         self.registry.add(published, serve=decision.publish)
-        self._last_publish = time.monotonic()
         if decision.publish:
             self._show_serving(published)
             return published
@@ -178,10 +150,11 @@ class ModelTrainer:
         serving = self.published
         if selection.refreshed and (network := self._refreshed_network()) is not None:
             # the network that passed serves on, the choice beside it made afresh (a new version)
-            self._version += 1
-            refreshed = replace(
-                network, version=self._version, published_at=self._clock(), forecaster=selection.forecaster
-            )
+            with self.lock:
+                self._version += 1
+                refreshed = replace(
+                    network, version=self._version, published_at=self._clock(), forecaster=selection.forecaster
+                )
             self.registry.add(refreshed, serve=True)
             self._show_serving(refreshed)
             log.warning(
@@ -205,12 +178,8 @@ class ModelTrainer:
             self.metrics.model_forecaster.labels(kind).set(1.0 if kind == published.forecaster.kind else 0.0)
 
     def _select(self, candidate: PublishedModel) -> Selection:
-        """Whether ``candidate`` may serve, and with which forecaster; subclasses with a gate override it.
-        It may run beside training steps: it reads the trainer's state, and changes it in :meth:`_adopt`."""
+        """Whether ``candidate`` may serve, and with which forecaster; subclasses with a gate override it."""
         return Selection(GateDecision(True, "no gate", 0), NETWORK, candidate, "no gate")
-
-    def _adopt(self, candidate: PublishedModel, selection: Selection) -> None:
-        """What a judged candidate changes in the trainer (called with :attr:`lock` held); subclasses say."""
 
     def rollback(self, version: int, trigger: str = "admin", reason: str = "asked by an admin") -> PublishedModel:
         """Make kept ``version`` serve again and continue training from its weights.
@@ -227,7 +196,6 @@ class ModelTrainer:
             self.optimizer.state.clear()
             self.registry.rollback(version)
             self.reference = None  # candidates are judged against the version that serves now
-            self._lineage += 1  # a candidate being judged is of the abandoned trajectory
             self._last_publish = time.monotonic()  # the next publication waits a full interval
         self._show_serving(target)
         self.metrics.model_rollbacks.labels(trigger).inc()
@@ -262,8 +230,6 @@ class ModelTrainer:
     def load_registry_state(self, state: dict[str, Any]) -> bool:
         """Bring the kept versions back (the one that served, serving); True when one serves."""
         serving = state.get("serving")
-        with self.lock:
-            self._lineage += 1  # a candidate being judged is of the replaced state
         for entry in state.get("versions", []):
             model = build_model(self.settings)
             model.load_state_dict(entry["model"])
@@ -293,25 +259,13 @@ class ModelTrainer:
 
     def _publish_if_due(self) -> None:
         """Publish every PUBLISH_INTERVAL_S, but give publishing (the gate's scoring, the linear
-        fit) at most PUBLISH_MAX_SHARE of the trainer's time: a slower publication waits longer.
-        In the background (``PUBLISH_IN_BACKGROUND``) the trainer only freezes the candidate;
-        the share is then of a core (the judging thread's CPU time), and one judgement runs at a time."""
+        fit) at most PUBLISH_MAX_SHARE of the trainer's time: a slower publication waits longer
+        (start to start: a publication of ``d`` seconds is followed by ``d / PUBLISH_MAX_SHARE - d`` of training)."""
         interval = max(self.settings.publish_interval_s, self.publish_seconds / self.settings.publish_max_share)
-        due = self.published is None or time.monotonic() - self._last_publish >= interval
-        if not self.settings.publish_in_background:
-            if due:
-                started = time.perf_counter()
-                self.publish()
-                self.publish_seconds = time.perf_counter() - started
-            return
-        if self._judge is None:
-            self._judge = BackgroundJudge(self)
-        if due and not self._judge.busy:
-            self._judge.submit(*self._freeze())
-
-    def wait_for_judgement(self, timeout: float) -> bool:
-        """Wait until no candidate is waiting for or under judgement in the background; False on timeout."""
-        return self._judge is None or self._judge.wait_idle(timeout)
+        if self.published is None or time.monotonic() - self._last_publish >= interval:
+            started = time.perf_counter()
+            self.publish()
+            self.publish_seconds = time.perf_counter() - started
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
@@ -321,9 +275,6 @@ class ModelTrainer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._judge is not None:
-            self._judge.stop(timeout)  # a judgement under way finishes; nothing new starts
-            self._judge = None
 
     @property
     def running(self) -> bool:
@@ -347,71 +298,6 @@ class ModelTrainer:
 
     def _work(self) -> None:
         raise NotImplementedError
-
-
-class BackgroundJudge:
-    """Judges frozen candidates of ``trainer`` on a thread of its own, one at a time.
-
-    The thread leaves the training thread's CPUs (``TRAIN_CPUS``) and runs at its niceness:
-    it is the trainer's work, done beside its steps. ``publish_seconds`` becomes the
-    judgement's thread CPU time, which ``PUBLISH_MAX_SHARE`` spaces publications by.
-    """
-
-    def __init__(self, trainer: ModelTrainer) -> None:
-        self._trainer = trainer
-        self._ready = threading.Condition()
-        self._pending: tuple[PublishedModel, int] | None = None
-        self._judging = False
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=f"{trainer.thread_name}-publish", daemon=True)
-        self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        """A candidate waits or is being judged."""
-        with self._ready:
-            return self._pending is not None or self._judging
-
-    def wait_idle(self, timeout: float) -> bool:
-        with self._ready:
-            return self._ready.wait_for(lambda: self._pending is None and not self._judging, timeout)
-
-    def submit(self, candidate: PublishedModel, lineage: int) -> None:
-        with self._ready:
-            self._pending = (candidate, lineage)
-            self._ready.notify_all()
-
-    def stop(self, timeout: float) -> None:
-        with self._ready:
-            self._stopped = True
-            self._pending = None
-            self._ready.notify_all()
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        trainer = self._trainer
-        leave_training_cpus()
-        lower_thread_priority(trainer.settings.train_nice)
-        while True:
-            with self._ready:
-                while self._pending is None and not self._stopped:
-                    self._ready.wait()
-                if self._stopped or self._pending is None:
-                    return
-                (candidate, lineage), self._pending, self._judging = self._pending, None, True
-            started = time.thread_time()
-            try:
-                trainer._judge_frozen(candidate, lineage)
-                trainer.publish_seconds = time.thread_time() - started
-            except Exception as err:  # noqa: BLE001 - log, count, and judge the next candidate a second later
-                trainer.last_error = f"{type(err).__name__}: {err}"
-                log.exception("judging candidate version %d failed; the next one in 1s", candidate.version)
-                with self._ready:
-                    self._ready.wait_for(lambda: self._stopped, timeout=1.0)
-            finally:
-                with self._ready:
-                    self._judging = False
-                    self._ready.notify_all()
 
 
 def build_optimizer(model: torch.nn.Module, settings: Settings) -> torch.optim.AdamW:

@@ -390,15 +390,13 @@ class Trainer(ModelTrainer):
         """The gate against the reference network, then the forecaster with the least held-out error."""
         reference = self.reference if self.reference is not None else self.published
         selection = self.quality.select(candidate, reference, self._linear_training_values)
+        if selection.new_reference:
+            self.reference = candidate
         for kind, name in (("last_value", "last_value"), ("linear", "linear"), ("network", "candidate")):
             value = selection.mse.get(name)
             if value is not None:
                 self.metrics.model_holdout_mse.labels(kind).set(value)
         return selection
-
-    def _adopt(self, candidate: PublishedModel, selection: Selection) -> None:
-        if selection.new_reference:
-            self.reference = candidate
 
     def _refreshed_network(self) -> PublishedModel | None:
         return self.reference if self.reference is not None else self.published

@@ -280,6 +280,27 @@ def test_the_chosen_forecaster_survives_a_checkpoint_and_answers_predict_and_exp
     assert isinstance(kept.served, ServedModel) and LAST_VALUE.kind == "last_value"
 
 
+def test_publishing_takes_at_most_its_share_of_the_trainers_time(tmp_path: Path) -> None:
+    service = served_service(tmp_path, publish_interval_s=1.0, publish_max_share=0.1)
+    feed(service, ar2_events(np.random.default_rng(7), 100, time.time()))
+    trainer = service.trainer
+    trainer._publish_if_due()
+    first = trainer.published
+    assert first is not None and trainer.publish_seconds > 0
+    trainer.publish_seconds = 0.5  # a slow publication: the next waits 0.5 / 0.1 = 5 s, not 1 s
+    trainer._last_publish = time.monotonic() - 2.0
+    trainer._publish_if_due()
+    assert trainer.published is first
+    trainer._last_publish = time.monotonic() - 5.1
+    trainer._publish_if_due()
+    assert trainer.published is not first
+    # spaced start to start: the interval runs from when a publication began, not ended
+    trainer.candidate_hook = lambda model: time.sleep(0.3)
+    began = time.monotonic()
+    trainer.publish()
+    assert began <= trainer._last_publish < began + 0.2
+
+
 def sine_map_instances(rng: np.random.Generator, n: int, length: int) -> list[np.ndarray]:
     """x[t+1] = 0.9 sin(2 x[t]) + 0.3 e: a process no linear forecast gets close to."""
     out = []

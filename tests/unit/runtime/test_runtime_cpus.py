@@ -118,7 +118,6 @@ def test_a_started_trainer_runs_alone_on_its_cpus_and_its_helpers_leave_them() -
     rest = allowed[:-1]
     assert cpus["MainThread"] == rest and cpus["ingest-like"] == rest, cpus
     assert cpus["trainer-prefetch"] == rest, cpus  # started by the trainer, yet off its CPU
-    assert cpus["trainer-publish"] == rest, cpus  # judges candidates beside the steps
     # a stopped trainer gives its CPUs back: a service started next in the process plans afresh
     assert after["MainThread"] == allowed and after["ingest-like"] == allowed, after
 
