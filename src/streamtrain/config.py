@@ -300,6 +300,14 @@ class Settings(BaseSettings):
             "prequential scoring off"
         ),
     )
+    quality_score_delay_s: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Longest a sampled event waits to be scored together with later ones (calls of up to 64 events, each "
+            "by the model that served when it arrived); 0 = each poll batch's sample at once"
+        ),
+    )
     quality_half_life_events: float = Field(
         2000.0, gt=0, description="Half-life, in scored events, of the fading prequential averages in /v1/model quality"
     )

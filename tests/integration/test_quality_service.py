@@ -97,3 +97,43 @@ def test_a_short_series_of_sliding_windows_is_served_on_the_default_window_and_h
         service.wait_ready(120)
         answer = service.client.post("/v1/predict", json={"instances": [{"values": windows[-1].tolist()}]})
         assert answer.status_code == 200 and len(answer.json()["predictions"]) == 1
+
+
+@pytest.mark.expected_seconds(30)
+def test_events_waiting_to_be_scored_are_scored_once_the_stream_goes_quiet(
+    kafka_bootstrap, make_topic, tmp_path
+) -> None:
+    """Sampled events wait up to ``QUALITY_SCORE_DELAY_S`` to be scored together with later
+    ones; when none follow, the polls that bring nothing score them: a stream that pauses
+    leaves nothing unscored."""
+    import time
+
+    import numpy as np
+    import orjson
+
+    rng = np.random.default_rng(11)
+
+    def events(count: int) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"s", orjson.dumps({"sensor_id": f"s{i % 4}", "ts": time.time(), "values": rng.normal(size=24).tolist()}))
+            for i in range(count)
+        ]
+
+    def scored() -> int:
+        quality = service.get("/v1/model")["quality"]
+        return 0 if quality is None else int(quality["n"])
+
+    topic = make_topic()
+    service = ServiceProcess(
+        kafka_bootstrap, topic, tmp_path / "ckpt", tmp_path / "serve.log", max_len=64,
+        quality_max_events_per_s=100000, quality_score_delay_s=2.0, holdout_share=0,
+    )  # fmt: skip
+    with service:
+        produce(kafka_bootstrap, topic, events(40))  # before a model serves: not scored
+        service.wait_ready(120)
+        time.sleep(2.5)  # the last scoring, if any, is older than the delay
+        base = scored()
+        produce(kafka_bootstrap, topic, events(5))  # scored at once: nothing was scored for a while
+        wait_for(lambda: scored() == base + 5, 20, "the first 5 events scored")
+        produce(kafka_bootstrap, topic, events(5))  # within the delay of that scoring: they wait
+        wait_for(lambda: scored() == base + 10, 20, "the 5 waiting events scored after the stream went quiet")

@@ -160,6 +160,7 @@ class Ingestor:
         on_assigned: Callable[[list[int]], None] | None = None,
         on_revoked: Callable[[list[int]], None] | None = None,
         before_insert: Callable[[EventBatch], EventBatch] | None = None,
+        on_idle: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
         consumer_factory: ConsumerFactory | None = None,
         dead_letters: DeadLetterOutbox | None = None,
@@ -175,6 +176,7 @@ class Ingestor:
         # Test-then-train: the serving model scores a batch before the window (and so the
         # trainer) can see it; returns the events the window gets (held-out ones stay out).
         self.before_insert = before_insert
+        self.on_idle = on_idle  # after a poll that brought nothing (the ingest thread): scores that wait
         self.apply_lock = threading.Lock()  # held while a batch lands; checkpoints take it
         self.window = window
         self.metrics = metrics
@@ -382,6 +384,8 @@ class Ingestor:
                 # Apply finished batches in poll order; wait only when the pipeline is full or idle.
                 while in_flight and (in_flight[0].done() or len(in_flight) > 1 or not records):
                     self._apply(in_flight.popleft())
+                if not records and self.on_idle is not None:
+                    self.on_idle()
                 self._serve_commits(consumer)
                 self._update_gauges(consumer)
                 self._follow_partitions(consumer)

@@ -21,6 +21,7 @@ class QualityConfig:
     """The quality settings (a view of config.Settings, so tests can build one directly)."""
 
     max_events_per_s: float = 100.0
+    score_delay_s: float = 0.0  # the service's default is QUALITY_SCORE_DELAY_S's
     half_life_events: float = 2000.0
     drift_detector: str = "adwin"
     drift_adwin_delta: float = 0.002
@@ -42,6 +43,7 @@ class QualityConfig:
     def from_settings(cls, settings: Any) -> QualityConfig:
         return cls(
             max_events_per_s=settings.quality_max_events_per_s,
+            score_delay_s=settings.quality_score_delay_s,
             half_life_events=settings.quality_half_life_events,
             drift_detector=settings.drift_detector,
             drift_adwin_delta=settings.drift_adwin_delta,

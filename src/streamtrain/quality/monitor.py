@@ -3,7 +3,9 @@
 :class:`QualityMonitor` runs on the ingest thread for every poll batch of valid events,
 before they reach the window: it scores a sample with the serving model (scoring costs a
 forward pass, so at most ``QUALITY_MAX_EVENTS_PER_S`` events a second, drawn at random
-from each poll batch; the share scored is reported), folds the scores into the averages
+from each poll batch; the share scored is reported; a sampled event waits up to
+``QUALITY_SCORE_DELAY_S`` to be scored in one call with later ones, by the model that
+served on its arrival), folds the scores into the averages
 and the drift detector, and splits off the holdout. The trainer asks it to
 :meth:`QualityMonitor.select` what a publication serves. Its lock guards the averages,
 the holdout buffer and the version records, which the trainer and the HTTP thread read;
@@ -43,6 +45,9 @@ from streamtrain.quality.selection import ForecasterSelector, GateDecision, Sele
 
 log = logging.getLogger(__name__)
 
+#: Waiting sampled events that are scored at once, without waiting out ``QUALITY_SCORE_DELAY_S``:
+#: from about this many in a call, its cost per event stops falling.
+SCORE_BATCH_EVENTS = 64
 _DRIFTS_SHOWN = 10  # detections and rollbacks listed in the report
 _VERSIONS_TRACKED = 32
 
@@ -98,6 +103,10 @@ class QualityMonitor:
         self._budget = config.max_events_per_s  # token bucket, one second of burst
         self._budget_at: float | None = None
         self.score_seconds = 0.0
+        # sampled events waiting to be scored together: (the model that served on arrival, values, labels)
+        self._unscored: list[tuple[Scorable, list[np.ndarray], np.ndarray]] = []
+        self._unscored_events = 0
+        self._scored_at = -math.inf
         # Scaled out: adds a float64 vector over the ranks, the same result on every rank
         # (the service sets it). The gate then judges the union of the ranks' holdouts.
         self.combine: Callable[[np.ndarray], np.ndarray] | None = None
@@ -115,7 +124,8 @@ class QualityMonitor:
         self._draws += 1
         take = self._take(n)
         if take.size:
-            self._score(batch, take)
+            self._queue(batch, take)
+        self.score_if_due()
         self.offered += n
         if not self.gate_enabled:
             return batch
@@ -149,16 +159,41 @@ class QualityMonitor:
         rng = make_randomness(self.config.shuffle, self.config.seed, self._draws, worker=SCORING_STREAM)
         return np.sort(rng.permutation(n)[:k])
 
-    def _score(self, batch: EventBatch, rows: np.ndarray) -> None:
+    def _queue(self, batch: EventBatch, rows: np.ndarray) -> None:
+        """Keep ``rows`` of ``batch`` for scoring by the model that serves now (test, then train:
+        it is frozen, so scoring them later gives the scores they would get now)."""
         serving = self._serving()
         if serving is None:
             return
-        started = time.perf_counter()
         starts = batch.starts
         values = [batch.values[int(starts[i]) : int(starts[i]) + int(batch.lengths[i])] for i in rows.tolist()]
-        scores = score_events(serving.served, serving.norm, values, batch.labels[rows], self.config.token_budget)
-        self.score_seconds += time.perf_counter() - started
-        self.record(scores, serving.version)
+        self._unscored.append((serving, values, batch.labels[rows]))
+        self._unscored_events += len(values)
+
+    def score_if_due(self) -> None:
+        """Score what waits once it fills a call or ``QUALITY_SCORE_DELAY_S`` has passed since the
+        last scoring: below a few dozen events a call's cost is mostly its own (docs/quality.md,
+        "Cost"). Ingest calls it with each poll batch and after each empty poll."""
+        if not self._unscored:
+            return
+        full = self._unscored_events >= SCORE_BATCH_EVENTS
+        if full or self._clock() - self._scored_at >= self.config.score_delay_s:
+            self.score_waiting()
+
+    def score_waiting(self) -> None:
+        """Score every waiting event now (in arrival order, each by the model that served on its arrival)."""
+        waiting, self._unscored, self._unscored_events = self._unscored, [], 0
+        self._scored_at = self._clock()
+        while waiting:
+            serving = waiting[0][0]
+            count = next((i for i, (s, _, _) in enumerate(waiting) if s is not serving), len(waiting))
+            group, waiting = waiting[:count], waiting[count:]
+            values = [v for _, vs, _ in group for v in vs]
+            labels = np.concatenate([labels for _, _, labels in group])
+            started = time.perf_counter()
+            scores = score_events(serving.served, serving.norm, values, labels, self.config.token_budget)
+            self.score_seconds += time.perf_counter() - started
+            self.record(scores, serving.version)
 
     def record(self, scores: EventScores, version: int) -> None:
         """Fold scored events (in arrival order) into the averages, detectors and rollback rule."""

@@ -116,6 +116,7 @@ class Service:
             on_assigned=self.trainer.on_partitions_assigned,
             on_revoked=self.trainer.on_partitions_revoked,
             before_insert=None if quality is None else quality.observe,
+            on_idle=None if quality is None else quality.score_if_due,
             owned_partitions=self.topology.owned_partitions,
         )
         #: Scale-out: called once the ranks agreed to stop and cut the final checkpoint (the CLI stops HTTP).

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from streamtrain.metrics import Metrics
+from streamtrain.model.network import ModelOutput
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
-from streamtrain.quality.monitor import QualityMonitor
+from streamtrain.quality.monitor import SCORE_BATCH_EVENTS, QualityMonitor
 from streamtrain.quality.scoring import EventScores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the shared quality fixtures
@@ -92,3 +95,66 @@ def test_no_rollback_within_the_margin_or_when_turned_off() -> None:
         quality.record(scores(20, 0.5, 1.0), version=1)
         quality.record(scores(20, mse, 1.0), version=2)
     assert asked == []
+
+
+class CountsCalls(ForecastsZero):
+    """Forecasts 0 (as :class:`ForecastsZero`) and counts the events of each forward call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        self.calls.append(int(x_norm.shape[0]))
+        return super().forward(x_norm, mask)
+
+
+class ForecastsLastValue(nn.Module):
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        return ModelOutput(forecast=x_norm, logits=None)
+
+
+def test_scoring_waits_for_company_but_never_longer_than_the_delay() -> None:
+    now = [0.0]
+    model = CountsCalls()
+    config = QualityConfig(max_events_per_s=1e9, drift_detector="off", score_delay_s=1.0)
+    serving = Frozen(model, RunningNorm(1))
+    quality = QualityMonitor(config, Metrics(), lambda: serving, clock=lambda: now[0])
+    quality.observe(events([0.0, 1.0]))
+    assert quality.scored == 1  # nothing scored for a second: at once (a slow stream waits for nothing)
+    now[0] = 0.1
+    quality.observe(events(*([[0.0, 1.0]] * 10)))
+    assert quality.scored == 1  # waits for company
+    now[0] = 0.2
+    quality.observe(events(*([[0.0, 1.0]] * (SCORE_BATCH_EVENTS - 10))))
+    assert quality.scored == 1 + SCORE_BATCH_EVENTS and model.calls == [1, SCORE_BATCH_EVENTS]  # one call
+    now[0] = 0.5
+    quality.observe(events(*([[0.0, 1.0]] * 5)))
+    assert quality.scored == 1 + SCORE_BATCH_EVENTS
+    now[0] = 1.3  # a second after the last scoring: what waits is scored
+    quality.observe(events([0.0, 1.0]))
+    assert quality.scored == 7 + SCORE_BATCH_EVENTS and model.calls[-1] == 6
+    quality.observe(events(*([[0.0, 1.0]] * 3)))
+    quality.score_waiting()
+    assert quality.scored == 10 + SCORE_BATCH_EVENTS
+
+
+def test_waiting_events_are_scored_by_the_model_that_served_when_they_arrived() -> None:
+    now = [0.0]
+    norm = RunningNorm.from_public([0.0], [1.0])
+    serving = [Frozen(ForecastsZero(), norm, version=1)]
+    config = QualityConfig(max_events_per_s=1e9, drift_detector="off", score_delay_s=1.0)
+    quality = QualityMonitor(config, Metrics(), lambda: serving[0], clock=lambda: now[0])
+    quality.observe(events([5.0, 5.0]))  # scored at once by version 1
+    quality.observe(events([2.0, 2.0], [3.0, 3.0]))  # wait, for version 1
+    serving[0] = Frozen(ForecastsLastValue(), norm, version=2)
+    quality.observe(events([4.0, 4.0]))  # waits, for version 2
+    assert quality.scored == 1
+    quality.score_waiting()
+    assert quality.scored == 4
+    first, second = quality.report(1), quality.report(2)
+    assert first is not None and second is not None
+    # version 1 forecast 0 for 5, 2 and 3; version 2 forecast 4 (the last value) for 4
+    assert first["serving_version"]["n"] == 3
+    assert first["serving_version"]["prequential_mse"] == pytest.approx((25 + 4 + 9) / 3)
+    assert second["serving_version"]["n"] == 1 and second["serving_version"]["prequential_mse"] == 0.0
