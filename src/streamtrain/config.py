@@ -304,8 +304,8 @@ class Settings(BaseSettings):
         1.0,
         ge=0,
         description=(
-            "Longest a sampled event waits to be scored together with later ones (calls of up to 64 events, each "
-            "by the model that served when it arrived); 0 = each poll batch's sample at once"
+            "Seconds after the last scoring when sampled events waiting for company are scored (at once when 64 "
+            "wait; each by the model that served on its arrival); 0 = each poll batch's sample at once"
         ),
     )
     quality_half_life_events: float = Field(
