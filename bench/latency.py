@@ -209,7 +209,7 @@ def instrument(service: Any, seen: Observations) -> None:
         return report
 
     def recording_register(published: Any, *, serve: bool = True) -> None:
-        # every version registered, judged on the training thread or in the background
+        # every version registered: a held-back candidate's refreshed version too
         register(published, serve=serve)
         seen.publishes.append((published.version, published.step, published.published_at))
 
