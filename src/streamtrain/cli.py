@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from streamtrain import __version__
@@ -48,6 +49,16 @@ def _http_server(config: Any) -> Any:
     import uvicorn
 
     class ServiceServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # A second SIGINT forces the exit (uvicorn's "Ctrl-C again"). A first SIGINT after a
+            # SIGTERM is the same stop asked twice (Ctrl-C reaches the terminal's whole process
+            # group, and scripts/run-local.sh passes the stop on as SIGTERM): the graceful
+            # shutdown goes on instead of being cut off mid-way.
+            if self.should_exit and sig == signal.SIGINT and signal.SIGINT not in self._captured_signals:
+                self._captured_signals.append(sig)
+                return
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
