@@ -17,9 +17,11 @@ leave their range) and only models of its *changes* are fitted, which follow it 
 it goes; where it rejects one, the best model of its *levels* (which may revert to a mean)
 and the best model of its changes are both fitted and their forecasts averaged, a
 combination that is seldom much worse than the better of the two and often better than
-both. Each model's order and ridge penalty are chosen by generalized cross-validation,
-every model is fitted only on forecast origins whose lags are all real readings (no padding
-enters a fit) and serves only at such origins (an origin with fewer readings before it serves
+both. The models of changes include simple exponential smoothing of the event's readings
+(the local-level model, ARIMA(0,1,1)): one coefficient, which a few dozen events fit where an
+autoregression on two dozen changes cannot. Each model's order and ridge penalty are chosen by
+generalized cross-validation, every model is fitted only on forecast origins whose lags are all
+real readings (no padding enters a fit) and serves only at such origins (an origin with fewer readings before it serves
 the members that need no more), and the evidence is counted in distinct targets (sliding windows repeat
 each reading in many events). A large penalty gives the last value (all coefficients
 zero), which competes too, and each family's forecast change is shrunk toward it by
@@ -51,6 +53,11 @@ FORECASTER_KINDS: tuple[ForecasterKind, ...] = ("last_value", "linear", "network
 #: every order to 24, since a season of s readings needs order s + 1 (a grid of 12 and 16 missed
 #: the 13 of a monthly series), then coarser.
 ORDERS = (*range(1, 25), 32, 48, 64)
+#: The smoothed family (simple exponential smoothing of the context, the local-level model): its
+#: smoothing weights, and the orders (readings - 1) it is tried at besides the widest the window
+#: allows; the short ones serve the first positions of an event.
+SMOOTHING_WEIGHTS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+SMOOTHED_ORDERS = (1, 2, 4, 8, 12, 16)
 #: Ridge penalties tried, relative to the mean diagonal of the lag block of X'X.
 RELATIVE_PENALTIES = (1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: The unit-root test: lagged changes in the augmented Dickey-Fuller regression, and its 5%
@@ -70,7 +77,7 @@ LINEAR_MIN_GAIN = 0.02
 LINEAR_SHRINK_DF = 2.0
 _CHUNK_ROWS = 65_536  # positions per chunk when summing outer products
 
-Family = Literal["levels", "changes", "changes_no_drift"]
+Family = Literal["levels", "changes", "changes_no_drift", "smoothed"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,13 +205,22 @@ class LagSums:
         return sums
 
 
-def family_basis(family: Family, order: int) -> tuple[np.ndarray, int]:
+def family_basis(family: Family, order: int, smoothing: float = 0.0) -> tuple[np.ndarray, int]:
     """(B, r): a model of ``order`` in ``family`` has features ``[1, x[t], ..., x[t-r+1]] @ B``
     (r readings: its lag block of the level sums). ``levels``: the readings themselves;
     ``changes``: an intercept and ``x[t-j] - x[t-j-1]`` for ``j < order``; ``changes_no_drift``:
-    the changes alone (the intercept is a drift a random walk may not have)."""
+    the changes alone (the intercept is a drift a random walk may not have); ``smoothed``: one
+    feature, the exponentially weighted mean of the ``order + 1`` readings (weights
+    ``smoothing * (1 - smoothing)^j``, normalized) less ``x[t]``, so a coefficient of one is
+    simple exponential smoothing (ARIMA(0,1,1), the local-level model) and zero the last value."""
     if family == "levels":
         return np.eye(order + 1), order
+    if family == "smoothed":
+        weights = smoothing * (1.0 - smoothing) ** np.arange(order + 1)
+        basis = np.zeros((order + 2, 1))
+        basis[1:, 0] = weights / weights.sum()
+        basis[1, 0] -= 1.0
+        return basis, order + 1
     readings = order + 1
     basis = np.zeros((readings + 1, order + 1))
     basis[0, 0] = 1.0
@@ -223,9 +239,13 @@ class LinearModel:
     coefficients: np.ndarray  # [1 + readings]: intercept, then lags x[t], x[t-1], ...
     gcv_mse: float  # generalized cross-validation's estimate of the error per target
     distinct_targets: float  # the evidence it was fitted on, each target counted once
+    smoothing: float = 0.0  # the smoothed family's weight (0 for the others)
 
     def report(self) -> dict[str, Any]:
-        return {"family": self.family, "order": self.order, "relative_penalty": self.relative_penalty}
+        report: dict[str, Any] = {"family": self.family, "order": self.order, "relative_penalty": self.relative_penalty}
+        if self.family == "smoothed":
+            report["smoothing"] = self.smoothing
+        return report
 
 
 def _repeats(sums: LagSums, readings: int, redundancy: float) -> float:
@@ -237,14 +257,20 @@ def _repeats(sums: LagSums, readings: int, redundancy: float) -> float:
 
 
 def fit_model(
-    sums: LagSums, channel: int, family: Family, order: int, relative_penalty: float, redundancy: float = 1.0
+    sums: LagSums,
+    channel: int,
+    family: Family,
+    order: int,
+    relative_penalty: float,
+    redundancy: float = 1.0,
+    smoothing: float = 0.0,
 ) -> LinearModel | None:
     """The ridge fit of one (family, order, penalty) on the targets whose lags are all real,
     with its GCV estimate (Golub, Heath and Wahba 1979: RSS / (1 - df / n)^2 with n the
     distinct targets); None without data or with as many parameters as targets. The
     penalty is relative to the mean diagonal of the penalized block; the intercept is not
     penalized."""
-    basis, readings = family_basis(family, order)
+    basis, readings = family_basis(family, order, smoothing)
     if readings > sums.max_order:
         return None
     xtx, xty, yty, rows = sums.tail(channel, readings - 1)
@@ -253,7 +279,7 @@ def fit_model(
     width = readings + 1
     a = basis.T @ xtx[:width, :width] @ basis
     b = basis.T @ xty[:width]
-    penalized = np.arange(0 if family == "changes_no_drift" else 1, a.shape[0])
+    penalized = np.arange(0 if family in ("changes_no_drift", "smoothed") else 1, a.shape[0])
     scale = float(np.diagonal(a)[penalized].mean()) if penalized.size else 0.0
     ridge = a.copy()
     ridge[penalized, penalized] += relative_penalty * (scale if scale > 0 else 1.0)
@@ -266,7 +292,7 @@ def fit_model(
     if not np.isfinite(phi).all() or df >= n:
         return None
     rss = max(yty - 2.0 * phi @ b + phi @ a @ phi, 0.0)
-    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2, n)
+    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2, n, smoothing)
 
 
 def unit_root_t(sums: LagSums, channel: int, redundancy: float, lags: int = ADF_LAGS) -> float | None:
@@ -332,12 +358,23 @@ def shrink_factor(edge: float, distinct_targets: float, df: float) -> float:
 def family_members(
     sums: LagSums, channel: int, families: Sequence[Family], max_order: int, redundancy: float
 ) -> list[LinearModel]:
-    """Every order up to ``max_order`` and every penalty of ``families`` that could be fitted."""
-    return [
+    """Every order up to ``max_order`` and every penalty of ``families`` that could be fitted (the
+    smoothed family: every smoothing weight at its orders, one parameter needs no penalty)."""
+    members = [
         model
-        for family in families for order in ORDERS if order <= max_order for relative in RELATIVE_PENALTIES
+        for family in families if family != "smoothed"
+        for order in ORDERS if order <= max_order for relative in RELATIVE_PENALTIES
         if (model := fit_model(sums, channel, family, order, relative, redundancy)) is not None
     ]  # fmt: skip
+    if "smoothed" in families:
+        widest = min(max_order, sums.max_order) - 1
+        orders = sorted({o for o in SMOOTHED_ORDERS if o < widest} | ({widest} if widest >= 1 else set()))
+        members += [
+            model
+            for weight in SMOOTHING_WEIGHTS for order in orders
+            if (model := fit_model(sums, channel, "smoothed", order, 0.0, redundancy, weight)) is not None
+        ]  # fmt: skip
+    return members
 
 
 def averaged(members: Sequence[LinearModel], sums: LagSums, channel: int) -> FamilyFit | None:
@@ -427,7 +464,7 @@ def choose_linear(train: LagSums, max_order: int, redundancy: float = 1.0) -> Li
     for c in range(train.channels):
         t = unit_root_t(train, c, redundancy)
         wanders = t is None or t >= ADF_CRITICAL_T
-        groups: list[tuple[Family, ...]] = [("changes", "changes_no_drift")]
+        groups: list[tuple[Family, ...]] = [("changes", "changes_no_drift", "smoothed")]
         if not wanders:
             groups.insert(0, ("levels",))
         members.append([family_members(train, c, g, max_order, redundancy) for g in groups])

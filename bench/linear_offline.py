@@ -1,0 +1,111 @@
+"""The service's linear forecaster offline on the real series, with and without exponential smoothing.
+
+``real_series.py`` runs a real service for a minute a series; this fits the service's own
+``choose_linear`` directly on a series' training windows (sliding windows of 24 readings of the
+first 70%, in the training part's standard units, each reading counted once as the service
+counts it), in seconds, and forecasts the test part after each 24-reading context as
+``real_series.py`` scores the service. A service holds fewer windows than that (the holdout and
+its guards, a sample), and on a short series the choice swings with which windows it holds, so
+each series is also fitted on every prefix of its windows from half to all (about 30 of them):
+the geometric mean over prefixes, the worst, and on how many prefixes one variant beats the
+other say more than one fit. Both variants in one run: the forecaster as it serves, and without
+its smoothed family (``SMOOTHING_WEIGHTS`` emptied).
+
+    python bench/linear_offline.py                   # the 11 tuning series
+    python bench/linear_offline.py --series all      # tuning, unseen and fresh (26), a minute
+    python bench/linear_offline.py --json
+
+Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _series import FRESH, SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
+from _table import Row, emit  # noqa: E402
+from real_series import CONTEXT, Baselines, baselines, geomean  # noqa: E402
+
+from streamtrain.model import forecasters  # noqa: E402
+from streamtrain.model.forecasters import LagSums, choose_linear  # noqa: E402
+
+BENCH = "linear_offline"
+SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH}
+PREFIXES = 30
+
+
+def forecast(windows: Sequence[np.ndarray], base: Baselines) -> np.ndarray:
+    """The linear choice fitted on ``windows`` forecasting the test part (after full contexts)."""
+    channels = base.targets.shape[1]
+    std = np.where(base.std > 0, base.std, 1.0)
+    sums = LagSums.of(windows, CONTEXT, channels, base.mean, std)
+    choice = choose_linear(sums, CONTEXT, redundancy=float(CONTEXT))
+    assert choice is not None
+    contexts = (base.contexts - base.mean) / std
+    out = []
+    for c in range(channels):
+        row = choice.coefficients[c, -1]  # every lag real: the origin after a full context
+        lags = contexts[:, ::-1, c][:, : row.size - 1]
+        out.append(contexts[:, -1, c] + row[0] + lags @ row[1:])
+    return np.stack(out, axis=1) * std + base.mean
+
+
+def ratios(values: np.ndarray, smoothing: Sequence[float]) -> tuple[float, float, np.ndarray]:
+    """(served / last value, served / AR(p)) on all the training windows, and served / last value on each prefix."""
+    forecasters.SMOOTHING_WEIGHTS = tuple(smoothing)
+    base = baselines(values)
+    windows = sliding_windows(values, CONTEXT, base.cut)
+    last, ar = base.mse(base.last), base.mse(base.ar)
+    full = base.mse(forecast(windows, base))
+    step = max(1, len(windows) // PREFIXES)
+    prefixes = range(max(16, len(windows) // 2), len(windows) + 1, step)
+    return full / last, full / ar, np.array([base.mse(forecast(windows[:n], base)) / last for n in prefixes])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    everything = {name: make for group in SETS.values() for name, make in group.items()}
+    if args.series == "all":
+        groups = SETS
+    elif args.series in SETS:
+        groups = {args.series: SETS[args.series]}
+    else:
+        groups = {"chosen": {name: everything[name] for name in args.series.split(",")}}
+    smoothing = forecasters.SMOOTHING_WEIGHTS
+    rows: list[Row] = []
+    for group, makers in groups.items():
+        served_ar: dict[str, list[float]] = {"with": [], "without": []}
+        for name, make in makers.items():
+            values = np.asarray(make().values, dtype=np.float64)
+            with_last, with_ar, with_prefixes = ratios(values, smoothing)
+            without_last, without_ar, without_prefixes = ratios(values, ())
+            served_ar["with"].append(with_ar)
+            served_ar["without"].append(without_ar)
+            better = int((with_prefixes < without_prefixes - 1e-9).sum())
+            worse = int((with_prefixes > without_prefixes + 1e-9).sum())
+            rows += [
+                Row(BENCH, f"{group} {name}: linear / last value, all windows", with_last, without_last),
+                Row(BENCH, f"{group} {name}: linear / AR(p), all windows", with_ar, without_ar),
+                Row(BENCH, f"{group} {name}: linear / last value, geometric mean over {with_prefixes.size} prefixes",
+                    geomean(with_prefixes), geomean(without_prefixes)),
+                Row(BENCH, f"{group} {name}: linear / last value, worst prefix", float(with_prefixes.max()),
+                    float(without_prefixes.max())),
+                Row(BENCH, f"{group} {name}: prefixes better / worse with smoothing", better, worse),
+            ]  # fmt: skip
+        rows.append(Row(BENCH, f"{group} geometric mean: linear / AR(p), all windows (baseline: without smoothing)",
+                        geomean(served_ar["with"]), geomean(served_ar["without"])))  # fmt: skip
+    forecasters.SMOOTHING_WEIGHTS = smoothing
+    emit(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
