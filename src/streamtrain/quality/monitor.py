@@ -93,6 +93,9 @@ class QualityMonitor:
             )
         )
         self.holdout = HoldoutBuffer(config.holdout_capacity)
+        # the guards of held-out blocks (never trained on): while the holdout is too small to
+        # judge anything, the linear forecaster is fitted on them and on the held-out events too
+        self.guards = HoldoutBuffer(config.holdout_capacity)
         self.splitter = HoldoutSplitter(config.holdout_share, config.holdout_block_events, config.shuffle, config.seed)
         self.held_out_total = 0
         self.guarded_total = 0  # kept out as neighbours of held-out blocks (overlapping events)
@@ -134,6 +137,7 @@ class QualityMonitor:
             return batch
         with self._lock:
             self.holdout.add(batch, held)
+            self.guards.add(batch, guard)
             self.held_out_total += int(held.size)
             self.guarded_total += int(guard.size)
         trained = np.ones(n, dtype=bool)
@@ -317,8 +321,9 @@ class QualityMonitor:
             return Selection(GateDecision(True, reason, 0), NETWORK, candidate, reason)
         with self._lock:
             values, sensors = list(self.holdout.values), list(self.holdout.sensors)
+            guards = list(self.guards.values)
         selector = ForecasterSelector(self.config, self._combined, self.splitter.redundancy_sums)
-        return selector.select(candidate, reference, training_values, values, sensors)
+        return selector.select(candidate, reference, training_values, values, sensors, guards)
 
     def _combined(self, local: np.ndarray) -> np.ndarray:
         return local if self.combine is None else np.asarray(self.combine(local), dtype=np.float64)
@@ -375,6 +380,7 @@ class QualityMonitor:
                 "held_out_total": self.held_out_total,
                 "score_seconds": self.score_seconds,
                 "holdout": self.holdout.state_dict(),
+                "guards": self.guards.state_dict(),
                 "splitter": self.splitter.state_dict(),
                 "guarded_total": self.guarded_total,
                 "versions": [
@@ -395,6 +401,8 @@ class QualityMonitor:
             self.held_out_total = int(state["held_out_total"])
             self.score_seconds = float(state.get("score_seconds", 0.0))
             self.holdout.load_state_dict(state["holdout"], channels)
+            if "guards" in state:  # saved before the guards were kept: none
+                self.guards.load_state_dict(state["guards"], channels)
             if "splitter" in state:
                 self.splitter.load_state_dict(state["splitter"])
             self.guarded_total = int(state.get("guarded_total", 0))

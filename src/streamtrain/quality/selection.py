@@ -211,13 +211,18 @@ class ForecasterSelector:
         training_values: Callable[[], TrainingSample],
         values: list[np.ndarray],
         sensors: Sequence[str] | None = None,
+        guards: Sequence[np.ndarray] = (),
     ) -> Selection:
         """The network gate, then the forecaster that serves (:meth:`_choose`).
 
         ``values`` are this rank's held-out events (``sensors``: whose each is, in arrival
-        order). ``reference`` is the network the candidate must not fall behind: the best one
-        that passed the gate so far (or the serving one), re-scored on today's holdout, so a
-        run of candidates each a little worse than the last cannot ratchet the quality down.
+        order), ``guards`` the events kept out beside them (overlapping a held-out block). While
+        the holdout is too small to judge anything, the linear forecaster is fitted on those
+        too: on a short stream of sliding windows they are half of it (26 of the 50 events of a
+        yearly series), and nothing is left for them to keep honest. ``reference`` is the
+        network the candidate must not fall behind: the best one that passed the gate so far
+        (or the serving one), re-scored on today's holdout, so a run of candidates each a
+        little worse than the last cannot ratchet the quality down.
         A held-back candidate leaves the reference serving with a choice made afresh.
         ``training_values`` gives the readings the linear forecaster is fitted on (a sample of
         the window).
@@ -229,7 +234,7 @@ class ForecasterSelector:
         if n < cfg.holdout_min_events:
             # The network cannot be judged yet; the linear forecaster can, by generalized
             # cross-validation on the window, against the last value (its all-zero choice).
-            linear = self._fit_linear(candidate, training_values, redundancy)
+            linear = self._fit_linear(candidate, training_values, redundancy, [*values, *guards])
             forecaster, kind = LAST_VALUE, "the last value"
             if linear is not None and not linear.is_last_value:
                 forecaster, kind = Forecaster("linear", linear.coefficients), "the linear forecaster (chosen by GCV)"
@@ -340,13 +345,19 @@ class ForecasterSelector:
         return readings / sensors if sensors else 1.0
 
     def _fit_linear(
-        self, candidate: Scorable, training_values: Callable[[], TrainingSample], redundancy: float
+        self,
+        candidate: Scorable,
+        training_values: Callable[[], TrainingSample],
+        redundancy: float,
+        unjudged: Sequence[np.ndarray] = (),
     ) -> LinearChoice | None:
-        """The linear forecaster in the candidate's units, fitted on a sample of the window (never
-        on the holdout, which judges it beside the network)."""
+        """The linear forecaster in the candidate's units, fitted on a sample of the window and on
+        ``unjudged`` (held-out and guard events, only where the holdout judges nothing: on a
+        holdout that judges it, never)."""
         max_order = max(1, min(self.config.linear_max_order, candidate.model.max_len))
         channels, units = candidate.model.channels, candidate.norm
         values, sampled_share = training_values()
+        values = [*values, *unjudged]
         local = LagSums.of(values, max_order, channels, units.mean.numpy(), units.std.numpy())
         sums = LagSums.from_array(self._combined(local.as_array()), channels, max_order)
         # each reading is in ``redundancy`` events of the stream; a sample keeps a share of them

@@ -5,6 +5,7 @@ test needs one: ingest not started, no Kafka)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from fastapi.testclient import TestClient
 from torch import nn
 
-from streamtrain.events import EventBatch, SensorEvent
+from streamtrain.events import NO_LABEL, EventBatch, SensorEvent
 from streamtrain.metrics import Metrics
 from streamtrain.model.forecasters import LAST_VALUE, LagSums, LinearChoice, ServedModel, choose_linear
 from streamtrain.model.inference import predict
@@ -496,3 +497,50 @@ def test_a_small_holdout_of_sliding_windows_is_evidence_enough_and_not_for_luck(
     lucky = min(tries, key=lambda selection: selection.mse["candidate"])
     assert lucky.mse["candidate"] < lucky.mse["last_value"]
     assert lucky.forecaster.kind == "last_value", lucky.reason
+
+
+def test_while_the_holdout_cannot_judge_the_linear_forecaster_fits_the_held_out_and_guard_events_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short stream of sliding windows (100 of one sensor) loses a held-out event and its 23
+    overlapping neighbours to the holdout, a quarter of it, and a holdout of one event judges
+    nothing: the linear forecaster is fitted on every event. Once the holdout can judge, it is
+    fitted on the window alone (what it is judged on never enters its fit). The guards survive a
+    checkpoint."""
+    rng = np.random.default_rng(0)
+    x = np.zeros(123)
+    for t in range(2, len(x)):
+        x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + rng.normal()
+    windows = sliding_windows_of(x, 100)
+    batch = EventBatch.from_events(
+        [SensorEvent("a", 1000.0 + i, w, NO_LABEL) for i, w in enumerate(windows)], channels=1
+    )
+    quality = monitor(None, holdout_share=0.25, holdout_min_events=32)
+    kept = quality.observe(batch)
+    window = [kept.values[int(s) : int(s) + int(n)] for s, n in zip(kept.starts, kept.lengths)]
+    assert (len(window), len(quality.holdout), len(quality.guards)) == (76, 1, 23)
+    candidate = Frozen(trained_like(0), RunningNorm.from_public([0.0], [1.0]), 1)
+    selection = quality.select(candidate, None, lambda: (window, 1.0))
+    assert selection.forecaster.kind == "linear"
+    redundancy = quality.splitter.redundancy_sums()
+    every_event = choose_linear(LagSums.of(windows, 24, 1), 24, redundancy=float(redundancy[0] / redundancy[1]))
+    window_only = choose_linear(LagSums.of(window, 24, 1), 24, redundancy=float(redundancy[0] / redundancy[1]))
+    assert every_event is not None and window_only is not None
+    assert selection.forecaster.coefficients is not None
+    np.testing.assert_allclose(selection.forecaster.coefficients, every_event.coefficients)
+    assert not np.allclose(every_event.coefficients[0, -1], window_only.coefficients[0, -1])
+
+    fitted_on: list[int] = []
+    fit = ForecasterSelector._fit_linear
+
+    def spy(self: ForecasterSelector, *args: Any) -> LinearChoice | None:
+        fitted_on.append(len(args[3]) if len(args) > 3 else 0)  # (candidate, training_values, redundancy, unjudged)
+        return fit(self, *args)
+
+    monkeypatch.setattr(ForecasterSelector, "_fit_linear", spy)
+    monkeypatch.setattr(quality, "config", dataclasses.replace(quality.config, holdout_min_events=1))
+    quality.select(candidate, None, lambda: (window, 1.0))  # the holdout of one event now judges
+    assert fitted_on == [0]
+    restored = monitor(None, holdout_share=0.25, holdout_min_events=32)
+    restored.load_state_dict(quality.state_dict(), channels=1)
+    assert [v.tolist() for v in restored.guards.values] == [v.tolist() for v in quality.guards.values]
