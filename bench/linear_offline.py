@@ -99,7 +99,8 @@ def main() -> None:
                     geomean(with_prefixes), geomean(without_prefixes)),
                 Row(BENCH, f"{group} {name}: linear / last value, worst prefix", float(with_prefixes.max()),
                     float(without_prefixes.max())),
-                Row(BENCH, f"{group} {name}: prefixes better / worse with smoothing", better, worse),
+                Row(BENCH, f"{group} {name}: prefixes where smoothing forecasts better", better),
+                Row(BENCH, f"{group} {name}: prefixes where smoothing forecasts worse", worse),
             ]  # fmt: skip
         rows.append(Row(BENCH, f"{group} geometric mean: linear / AR(p), all windows (baseline: without smoothing)",
                         geomean(served_ar["with"]), geomean(served_ar["without"])))  # fmt: skip

@@ -202,6 +202,7 @@ class Trainer(ModelTrainer):
         self.drift_reactions = 0
         self.replays = ReplayBudget(settings.max_replays_per_event)
         self.budget_wait_seconds = 0.0
+        self._published_inputs: tuple[int, ...] | None = None  # what the last publication saw (_inputs)
         self.loop: StepLoop | None = None if loop is None else loop(self)
         if self.loop is not None:
             self.quality.combine = self.loop.sum_rows  # every rank judges the union of the holdouts
@@ -343,7 +344,18 @@ class Trainer(ModelTrainer):
             self.metrics.train_budget_wait_seconds.inc(waited)
             if stopped:
                 return False
+            if self._inputs() != self._published_inputs:
+                self._publish_if_due()
         return True
+
+    def _inputs(self) -> tuple[int, ...]:
+        """What a publication is made of: the steps trained, the window's events, the held-out and
+        guard events. An idle trainer publishes when these moved since the last publication: the
+        steps trained after it, and events that went to the holdout rather than the window (they
+        give no replay budget, so nothing else wakes the trainer; the linear forecaster is fitted
+        on them while the holdout is too small to judge)."""
+        holdout, guards = self.quality.holdout, self.quality.guards
+        return (self.step, self.window.accepted_total, holdout.version, guards.version)
 
     def apply_step(self, outcome: StepOutcome, batch: Batch | None) -> None:
         """Count one step: the trainer's counters from ``outcome``, this process's metrics from
@@ -389,6 +401,7 @@ class Trainer(ModelTrainer):
     def _select(self, candidate: PublishedModel) -> Selection:
         """The gate against the reference network, then the forecaster with the least held-out error."""
         reference = self.reference if self.reference is not None else self.published
+        self._published_inputs = self._inputs()
         selection = self.quality.select(candidate, reference, self._linear_training_values)
         if selection.new_reference:
             self.reference = candidate

@@ -544,3 +544,42 @@ def test_while_the_holdout_cannot_judge_the_linear_forecaster_fits_the_held_out_
     restored = monitor(None, holdout_share=0.25, holdout_min_events=32)
     restored.load_state_dict(quality.state_dict(), channels=1)
     assert [v.tolist() for v in restored.guards.values] == [v.tolist() for v in quality.guards.values]
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_an_idle_trainer_publishes_what_changed_since_its_last_publication(tmp_path: Path) -> None:
+    """A trainer idling on its replay budget still publishes the steps it trained after its last
+    publication, and a choice refitted on events that went to the holdout and its guards (they
+    give no replay budget, so nothing else wakes it): 116 sliding windows train, then 23 guards and
+    10 held-out windows arrive, and a version fitted on all 149 serves without a step."""
+    service = build_service(tmp_path, holdout_share=0.25, max_replays_per_event=2.0, publish_interval_s=0.5)
+    rng = np.random.default_rng(0)
+    x = np.zeros(172)
+    for t in range(2, len(x)):
+        x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + rng.normal()
+    windows = sliding_windows_of(x, 149)
+    batch = EventBatch.from_events(
+        [SensorEvent("b", 1000.0 + i, w, NO_LABEL) for i, w in enumerate(windows)], channels=1
+    )
+    feed(service, batch.take(np.arange(116)))
+    assert len(service.window) == 116
+    trainer = service.trainer
+    trainer.start()
+    try:
+        assert wait_for(lambda: trainer.budget_wait_seconds > 0, 30.0)
+        assert wait_for(lambda: trainer.published is not None and trainer.published.step == trainer.step, 5.0)
+        version, steps = trainer.published.version, trainer.step  # type: ignore[union-attr]
+        feed(service, batch.take(np.arange(116, 149)))
+        assert len(service.window) == 116
+        assert (len(trainer.quality.holdout), len(trainer.quality.guards)) == (10, 23)
+        assert wait_for(lambda: trainer.published.version > version, 5.0)  # type: ignore[union-attr]
+    finally:
+        trainer.stop()
+    assert trainer.step == steps  # published while idle: not a step trained
+    assert trainer.last_selection is not None and trainer.last_selection.holdout_events == 10
