@@ -336,3 +336,22 @@ def sliding_windows(values: np.ndarray, length: int, stop: int | None = None) ->
     """Every run of ``length`` consecutive readings that ends before ``stop`` (stride 1)."""
     stop = len(values) if stop is None else stop
     return [values[i : i + length] for i in range(0, stop - length + 1)]
+
+
+#: The three sets by name: the series every default was tuned on, those no default was tuned on,
+#: and those run only once every default was set.
+SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH}
+
+
+def series_groups(spec: str) -> dict[str, dict[str, Callable[[], Series]]]:
+    """``tuning``, ``unseen``, ``fresh``, ``all`` (the three, by set) or comma-separated names
+    (one group, ``chosen``) as groups of series makers by name."""
+    if spec == "all":
+        return dict(SETS)
+    if spec in SETS:
+        return {spec: SETS[spec]}
+    everything = {name: make for group in SETS.values() for name, make in group.items()}
+    unknown = [name for name in spec.split(",") if name not in everything]
+    if unknown:
+        raise SystemExit(f"unknown series {unknown}: tuning, unseen, fresh, all, or names of {sorted(everything)}")
+    return {"chosen": {name: everything[name] for name in spec.split(",")}}

@@ -24,25 +24,23 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from statsmodels.tsa.exponential_smoothing.ets import ETSModel  # imported first: it sets its own warning filters
+from statsmodels.tsa.statespace.sarimax import SARIMAX
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import FRESH, SERIES, UNSEEN, Series  # noqa: E402
+from _series import series_groups  # noqa: E402
 from _table import Row, emit  # noqa: E402
 from real_series import TARGET_GEOMEAN_AR, baselines, geomean  # noqa: E402
 
 BENCH = "classical_forecasters"
 SEASONS = {"monthly": 12, "quarterly": 4, "hourly": 24}  # by the series' period, its first word
-SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH}
 
 
 def ets_one_step(x: np.ndarray, cut: int, season: int | None) -> tuple[np.ndarray, str]:
     """One-step forecasts of ``x[cut:]`` by the ETS model AICc picks on ``x[:cut]`` (additive errors)."""
-    from statsmodels.tsa.exponential_smoothing.ets import ETSModel
-
     specs: list[tuple[str | None, bool, int | None]] = [(None, False, None), ("add", False, None), ("add", True, None)]
     if season and cut >= 3 * season:
         specs += [(trend, damped, season) for trend, damped, _ in specs]
@@ -65,8 +63,6 @@ def ets_one_step(x: np.ndarray, cut: int, season: int | None) -> tuple[np.ndarra
 
 def arima_one_step(x: np.ndarray, cut: int) -> tuple[np.ndarray, str]:
     """One-step forecasts of ``x[cut:]`` by the ARIMA(p, d, q) AICc picks on ``x[:cut]``."""
-    from statsmodels.tsa.statespace.sarimax import SARIMAX
-
     best: tuple[float, tuple[int, int, int], object] | None = None
     for d in (0, 1):
         for p in range(4):
@@ -88,15 +84,8 @@ def main() -> None:
     parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    everything = {name: make for group in SETS.values() for name, make in group.items()}
-    if args.series == "all":
-        groups = SETS
-    elif args.series in SETS:
-        groups = {args.series: SETS[args.series]}
-    else:
-        groups = {"chosen": {name: everything[name] for name in args.series.split(",")}}
+    groups = series_groups(args.series)
     rows: list[Row] = []
-    warnings.simplefilter("ignore")  # statsmodels' convergence and start-parameter warnings, per fit
     for group, makers in groups.items():
         ets_ratios, arima_ratios, oracle = [], [], []
         for name, make in makers.items():
@@ -106,8 +95,10 @@ def main() -> None:
             season = SEASONS.get(series.period.split()[0])
             ets, arima = [], []
             for c in range(values.shape[1]):
-                ets.append(ets_one_step(values[:, c], base.cut, season))
-                arima.append(arima_one_step(values[:, c], base.cut))
+                with warnings.catch_warnings():  # statsmodels' start-parameter and convergence warnings, per fit
+                    warnings.simplefilter("ignore")
+                    ets.append(ets_one_step(values[:, c], base.cut, season))
+                    arima.append(arima_one_step(values[:, c], base.cut))
             mse_ar = base.mse(base.ar)
             ets_ar = base.mse(np.stack([f for f, _ in ets], axis=1)) / mse_ar
             arima_ar = base.mse(np.stack([f for f, _ in arima], axis=1)) / mse_ar

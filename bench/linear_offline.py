@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import FRESH, SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
+from _series import series_groups, sliding_windows  # noqa: E402
 from _table import Row, emit  # noqa: E402
 from real_series import CONTEXT, Baselines, baselines, geomean  # noqa: E402
 
@@ -36,7 +36,6 @@ from streamtrain.model import forecasters  # noqa: E402
 from streamtrain.model.forecasters import LagSums, choose_linear  # noqa: E402
 
 BENCH = "linear_offline"
-SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH}
 PREFIXES = 30
 
 
@@ -73,13 +72,7 @@ def main() -> None:
     parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    everything = {name: make for group in SETS.values() for name, make in group.items()}
-    if args.series == "all":
-        groups = SETS
-    elif args.series in SETS:
-        groups = {args.series: SETS[args.series]}
-    else:
-        groups = {"chosen": {name: everything[name] for name in args.series.split(",")}}
+    groups = series_groups(args.series)
     smoothing = forecasters.SMOOTHING_WEIGHTS
     rows: list[Row] = []
     for group, makers in groups.items():

@@ -499,6 +499,18 @@ def test_a_small_holdout_of_sliding_windows_is_evidence_enough_and_not_for_luck(
     assert lucky.forecaster.kind == "last_value", lucky.reason
 
 
+def sliding_window_stream(sensor: str, count: int) -> tuple[list[np.ndarray], EventBatch]:
+    """``count`` stride-1 windows of 24 readings of a damped oscillator (noise of variance 1), one
+    sensor's, as a producer of sliding windows sends them: the windows and the poll batch."""
+    rng = np.random.default_rng(0)
+    x = np.zeros(count + 23)
+    for t in range(2, len(x)):
+        x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + rng.normal()
+    windows = sliding_windows_of(x, count)
+    events = [SensorEvent(sensor, 1000.0 + i, w, NO_LABEL) for i, w in enumerate(windows)]
+    return windows, EventBatch.from_events(events, channels=1)
+
+
 def test_while_the_holdout_cannot_judge_the_linear_forecaster_fits_the_held_out_and_guard_events_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -507,14 +519,7 @@ def test_while_the_holdout_cannot_judge_the_linear_forecaster_fits_the_held_out_
     nothing: the linear forecaster is fitted on every event. Once the holdout can judge, it is
     fitted on the window alone (what it is judged on never enters its fit). The guards survive a
     checkpoint."""
-    rng = np.random.default_rng(0)
-    x = np.zeros(123)
-    for t in range(2, len(x)):
-        x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + rng.normal()
-    windows = sliding_windows_of(x, 100)
-    batch = EventBatch.from_events(
-        [SensorEvent("a", 1000.0 + i, w, NO_LABEL) for i, w in enumerate(windows)], channels=1
-    )
+    windows, batch = sliding_window_stream("a", 100)
     quality = monitor(None, holdout_share=0.25, holdout_min_events=32)
     kept = quality.observe(batch)
     window = [kept.values[int(s) : int(s) + int(n)] for s, n in zip(kept.starts, kept.lengths)]
@@ -559,14 +564,7 @@ def test_an_idle_trainer_publishes_what_changed_since_its_last_publication(tmp_p
     give no replay budget, so nothing else wakes it): 116 sliding windows train, then 23 guards and
     10 held-out windows arrive, and a version fitted on all 149 serves without a step."""
     service = build_service(tmp_path, holdout_share=0.25, max_replays_per_event=2.0, publish_interval_s=0.5)
-    rng = np.random.default_rng(0)
-    x = np.zeros(172)
-    for t in range(2, len(x)):
-        x[t] = 1.6 * x[t - 1] - 0.8 * x[t - 2] + rng.normal()
-    windows = sliding_windows_of(x, 149)
-    batch = EventBatch.from_events(
-        [SensorEvent("b", 1000.0 + i, w, NO_LABEL) for i, w in enumerate(windows)], channels=1
-    )
+    windows, batch = sliding_window_stream("b", 149)
     feed(service, batch.take(np.arange(116)))
     assert len(service.window) == 116
     trainer = service.trainer
