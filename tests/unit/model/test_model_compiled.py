@@ -147,7 +147,13 @@ def test_a_few_compiled_training_steps_give_the_eager_curve(trainers: dict[str, 
     eager = trained(trainers["eager"], batches)
     np.testing.assert_allclose(compiled, eager, rtol=1e-4, atol=1e-6)
     assert eager[-1] < eager[0]  # the curve moves: the comparison is of training, not of a fixed point
-    for a, b in zip(trainers["compiled"].model.parameters(), trainers["eager"].model.parameters(), strict=True):
+    named = zip(trainers["compiled"].model.named_parameters(), trainers["eager"].model.parameters(), strict=True)
+    for (name, a), b in named:
+        if name.endswith("attn.key.bias"):
+            # It adds q . b to all of a query's scores alike, which the softmax ignores: its gradient is
+            # rounding noise, which Adam scales to steps of the learning rate's size either way (on an
+            # AVX-512 CPU without AMX the two noises differ by 13-16% of those steps; no output moves).
+            continue
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
