@@ -69,11 +69,12 @@ ADF_CRITICAL_T = -2.86
 #: takes away (a random walk's fit "gains" 1-2% in sample and loses as much later: docs/quality.md),
 #: and serving the last value there costs at most that share.
 LINEAR_MIN_GAIN = 0.02
-#: A family's forecast change is shrunk toward the last value by ``1 - LINEAR_SHRINK_DF / (n * edge)``
-#: (n distinct targets, edge its best model's gain over the last value): Copas' shrinkage factor
-#: ``1 - df / chi2`` for a model of this many parameters, so an edge that little evidence shows is
-#: trusted a little. Offline on the 26 real series it never cost more than 0.6% and took up to 20%
-#: off a miss; Copas' factor with the fitted df cost seasonal series more (docs/quality.md).
+#: A family's forecast change is shrunk toward the last value by ``1 - df / (n * edge)`` (n distinct
+#: targets, edge its best model's gain over the last value): Copas' shrinkage factor ``1 - df / chi2``,
+#: so an edge that little evidence shows is trusted a little. ``df`` is the best model's fitted
+#: parameters (its ridge hat's trace, as edge and n are its own) capped at this many: the full fitted
+#: df cost seasonal series, whose many lags count as many parameters (docs/quality.md); a
+#: one-parameter model (the smoothed family) counts one, not two.
 LINEAR_SHRINK_DF = 2.0
 _CHUNK_ROWS = 65_536  # positions per chunk when summing outer products
 
@@ -240,6 +241,7 @@ class LinearModel:
     gcv_mse: float  # generalized cross-validation's estimate of the error per target
     distinct_targets: float  # the evidence it was fitted on, each target counted once
     smoothing: float = 0.0  # the smoothed family's weight (0 for the others)
+    df: float = 0.0  # its effective parameters: the trace of the ridge fit's hat matrix
 
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"family": self.family, "order": self.order, "relative_penalty": self.relative_penalty}
@@ -292,7 +294,7 @@ def fit_model(
     if not np.isfinite(phi).all() or df >= n:
         return None
     rss = max(yty - 2.0 * phi @ b + phi @ a @ phi, 0.0)
-    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2, n, smoothing)
+    return LinearModel(family, order, relative_penalty, basis @ phi, rss / rows / (1.0 - df / n) ** 2, n, smoothing, df)
 
 
 def unit_root_t(sums: LagSums, channel: int, redundancy: float, lags: int = ADF_LAGS) -> float | None:
@@ -327,7 +329,8 @@ class FamilyFit:
     ``w ∝ exp(-n/2 log(GCV_m / GCV_best))`` with n the distinct targets (n log GCV is AIC to
     first order), so models that GCV cannot tell apart share the forecast instead of one of
     them winning by noise; a model of weight below 0.1% is left out. The average's forecast
-    change is then shrunk toward the last value by ``shrink`` (:func:`shrink_factor`)."""
+    change is then shrunk toward the last value by ``shrink`` (:func:`shrink_factor`, with the best
+    model's capped fitted df: :data:`LINEAR_SHRINK_DF`)."""
 
     models: tuple[LinearModel, ...]  # the least GCV error first
     weights: tuple[float, ...]
@@ -387,7 +390,7 @@ def averaged(members: Sequence[LinearModel], sums: LagSums, channel: int) -> Fam
     best = members[0]
     _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
     edge = 1.0 - best.gcv_mse / (yty / rows)  # against the last value's error on the same targets
-    shrink = shrink_factor(edge, best.distinct_targets, LINEAR_SHRINK_DF)
+    shrink = shrink_factor(edge, best.distinct_targets, min(LINEAR_SHRINK_DF, best.df))
     if not edge > LINEAR_MIN_GAIN or shrink == 0.0:  # dropped alike: the family is the last value
         return None
     logs = np.log(np.maximum([m.gcv_mse for m in members], 1e-300))
