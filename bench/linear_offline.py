@@ -1,4 +1,4 @@
-"""The service's linear forecaster offline on the real series, with and without exponential smoothing.
+"""The service's linear forecaster offline on the real series, beside a variant of it.
 
 ``real_series.py`` runs a real service for a minute a series; this fits the service's own
 ``choose_linear`` directly on a series' training windows (sliding windows of 24 readings of the
@@ -8,12 +8,14 @@ counts it), in seconds, and forecasts the test part after each 24-reading contex
 its guards, a sample), and on a short series the choice swings with which windows it holds, so
 each series is also fitted on every prefix of its windows from half to all (about 30 of them):
 the geometric mean over prefixes, the worst, and on how many prefixes one variant beats the
-other say more than one fit. Both variants in one run: the forecaster as it serves, and without
-its smoothed family (``SMOOTHING_WEIGHTS`` emptied).
+other say more than one fit. Both in one run: the forecaster as it serves, and the baseline
+variant ``--baseline`` names: ``no-smoothing`` (its smoothed family left out,
+``SMOOTHING_WEIGHTS`` emptied) or ``shrink-df-2`` (every family shrunk as a model of two
+parameters, as before the shrink factor counted the best model's own).
 
     python bench/linear_offline.py                   # the 11 tuning series
     python bench/linear_offline.py --series all      # tuning, unseen and fresh (26), a minute
-    python bench/linear_offline.py --json
+    python bench/linear_offline.py --series all --baseline shrink-df-2 --json
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -21,8 +23,9 @@ Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +40,36 @@ from streamtrain.model.forecasters import LagSums, choose_linear  # noqa: E402
 
 BENCH = "linear_offline"
 PREFIXES = 30
+
+
+@contextlib.contextmanager
+def no_smoothing() -> Iterator[None]:
+    weights = forecasters.SMOOTHING_WEIGHTS
+    forecasters.SMOOTHING_WEIGHTS = ()
+    try:
+        yield
+    finally:
+        forecasters.SMOOTHING_WEIGHTS = weights
+
+
+@contextlib.contextmanager
+def shrink_df_2() -> Iterator[None]:
+    shrink_factor = forecasters.shrink_factor
+
+    def as_two_parameters(edge: float, distinct_targets: float, df: float) -> float:
+        return shrink_factor(edge, distinct_targets, forecasters.LINEAR_SHRINK_DF)
+
+    forecasters.shrink_factor = as_two_parameters
+    try:
+        yield
+    finally:
+        forecasters.shrink_factor = shrink_factor
+
+
+BASELINES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "no-smoothing": no_smoothing,
+    "shrink-df-2": shrink_df_2,
+}
 
 
 def forecast(windows: Sequence[np.ndarray], base: Baselines) -> np.ndarray:
@@ -55,9 +88,8 @@ def forecast(windows: Sequence[np.ndarray], base: Baselines) -> np.ndarray:
     return np.stack(out, axis=1) * std + base.mean
 
 
-def ratios(values: np.ndarray, smoothing: Sequence[float]) -> tuple[float, float, np.ndarray]:
+def ratios(values: np.ndarray) -> tuple[float, float, np.ndarray]:
     """(served / last value, served / AR(p)) on all the training windows, and served / last value on each prefix."""
-    forecasters.SMOOTHING_WEIGHTS = tuple(smoothing)
     base = baselines(values)
     windows = sliding_windows(values, CONTEXT, base.cut)
     last, ar = base.mse(base.last), base.mse(base.ar)
@@ -70,17 +102,19 @@ def ratios(values: np.ndarray, smoothing: Sequence[float]) -> tuple[float, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
+    parser.add_argument("--baseline", choices=sorted(BASELINES), default="no-smoothing")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     groups = series_groups(args.series)
-    smoothing = forecasters.SMOOTHING_WEIGHTS
+    baseline = BASELINES[args.baseline]
     rows: list[Row] = []
     for group, makers in groups.items():
         served_ar: dict[str, list[float]] = {"with": [], "without": []}
         for name, make in makers.items():
             values = np.asarray(make().values, dtype=np.float64)
-            with_last, with_ar, with_prefixes = ratios(values, smoothing)
-            without_last, without_ar, without_prefixes = ratios(values, ())
+            with_last, with_ar, with_prefixes = ratios(values)
+            with baseline():
+                without_last, without_ar, without_prefixes = ratios(values)
             served_ar["with"].append(with_ar)
             served_ar["without"].append(without_ar)
             better = int((with_prefixes < without_prefixes - 1e-9).sum())
@@ -92,12 +126,11 @@ def main() -> None:
                     geomean(with_prefixes), geomean(without_prefixes)),
                 Row(BENCH, f"{group} {name}: linear / last value, worst prefix", float(with_prefixes.max()),
                     float(without_prefixes.max())),
-                Row(BENCH, f"{group} {name}: prefixes where smoothing forecasts better", better),
-                Row(BENCH, f"{group} {name}: prefixes where smoothing forecasts worse", worse),
+                Row(BENCH, f"{group} {name}: prefixes where it beats {args.baseline}", better),
+                Row(BENCH, f"{group} {name}: prefixes where it loses to {args.baseline}", worse),
             ]  # fmt: skip
-        rows.append(Row(BENCH, f"{group} geometric mean: linear / AR(p), all windows (baseline: without smoothing)",
+        rows.append(Row(BENCH, f"{group} geometric mean: linear / AR(p), all windows (baseline: {args.baseline})",
                         geomean(served_ar["with"]), geomean(served_ar["without"])))  # fmt: skip
-    forecasters.SMOOTHING_WEIGHTS = smoothing
     emit(rows, args.json)
 
 
