@@ -187,7 +187,7 @@ def test_a_one_parameter_family_is_shrunk_as_one_parameter_and_forecasts_a_noisy
     """A short noisy level (100 readings as sliding windows, signal-to-noise 0.05) is mostly led
     by the smoothed family, one coefficient: shrunk by its own fitted df (one) rather than by two
     parameters' worth, its forecasts of the next 200 readings are closer, seed after seed (by
-    ~0.3% on average: the factor moves from ~0.8 to ~0.9 where ``n * edge`` is ~10)."""
+    ~0.3% on average)."""
     shrink_as_fitted = forecasters.shrink_factor
 
     def shrink_as_two(edge: float, distinct_targets: float, df: float) -> float:
