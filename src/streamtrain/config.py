@@ -219,10 +219,10 @@ class Settings(BaseSettings):
     # --- Model and training --------------------------------------------------------------------
     d_model: int = Field(64, ge=8, le=4096, description="Transformer width")
     n_heads: int = Field(
-        4,
+        1,
         ge=1,
         le=64,
-        description="Attention heads (must divide D_MODEL); 1 stepped 1.15x faster on our CPU (docs/performance.md)",
+        description="Attention heads (must divide D_MODEL); unset, a checkpoint's own (docs/performance.md)",
     )
     n_layers: int = Field(2, ge=1, le=48, description="Transformer blocks")
     learning_rate: float = Field(1e-3, gt=0, le=1.0, description="AdamW peak learning rate")

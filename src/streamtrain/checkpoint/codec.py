@@ -101,6 +101,24 @@ def unflatten_state(tensors: Mapping[str, torch.Tensor], skeleton: Skeleton) -> 
     return tree
 
 
+def skeleton_entry(skeleton: Skeleton, *keys: str) -> Any:
+    """The subtree ``state[keys[0]][keys[1]]...`` decoded from a skeleton alone, without its payload.
+
+    For a subtree that holds no tensors (a model's configuration): ValueError when a key is
+    missing, a node on the way is not a dict, or the subtree names a tensor.
+    """
+    node = skeleton
+    for key in keys:
+        pairs = node.get("$dict") if isinstance(node, dict) else None
+        if not isinstance(pairs, list):
+            raise ValueError(f"{_format_path(keys)}: {key!r} is not under a dict")
+        found = [pair[1] for pair in pairs if isinstance(pair, list) and len(pair) == 2 and pair[0] == key]
+        if not found:
+            raise ValueError(f"{_format_path(keys)}: no {key!r}")
+        node = found[0]
+    return unflatten_state({}, node)
+
+
 def _format_path(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{key!r}]" for key in path)
 

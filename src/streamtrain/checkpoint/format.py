@@ -424,6 +424,30 @@ def _decode_state(header: dict[str, Any], tensors: dict[str, torch.Tensor], path
     return LoadedCheckpoint(state=state, step=step, path=path, created_at=created_at)
 
 
+def read_header(path: Path | str) -> dict[str, Any]:
+    """A checkpoint file's header (step, created_at, skeleton), read without the payload and NOT verified.
+
+    For a look at what a checkpoint holds before it is restored (the model's shape, to
+    build the model it needs); the digest covers the payload too, so only a full read
+    (:func:`read_checkpoint_file`) verifies it. CorruptCheckpoint when the prefix or the
+    header cannot be read as one.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            header_length, _, _ = _check_prefix(file.read(_PREFIX.size), path, size)
+            header_bytes = _read_exactly(file, header_length, path)
+    except OSError as exc:
+        raise CorruptCheckpoint(path, f"unreadable: {exc}") from exc
+    try:
+        header = json.loads(bytes(header_bytes), parse_constant=reject_json_constant)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpoint(path, f"header is not valid JSON: {exc}") from exc
+    _check_header(header, path)
+    return header
+
+
 def read_digest(path: Path | str) -> str:
     """The SHA-256 (hex) a checkpoint file's prefix announces, read without reading the rest.
 

@@ -16,9 +16,11 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from streamtrain.checkpoint.codec import skeleton_entry
 from streamtrain.checkpoint.files import fsync_directory
-from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint
+from streamtrain.checkpoint.format import CorruptCheckpoint, LoadedCheckpoint, read_header
 from streamtrain.checkpoint.manifest import Manifest, read_common, read_manifest
 from streamtrain.checkpoint.shards import DIR_NAME, MANIFEST_NAME, checkpoint_dir_name
 from streamtrain.checkpoint.store import CheckpointInfo, CheckpointStore
@@ -200,4 +202,28 @@ def load_latest_common(root: Path | str) -> LoadedCheckpoint | None:
         loaded = single_file.read(candidate.path)
         if loaded is not None:
             return loaded
+    return None
+
+
+def newest_model_config(root: Path | str) -> dict[str, Any] | None:
+    """The model configuration (``trainer.model_config``) of the newest checkpoint of either kind,
+    from its header alone; None when there is none.
+
+    A look before the service builds its model, read without the payload (a one-file
+    checkpoint holds the window too: gigabytes) and so not verified; the restore that
+    follows verifies everything and refuses a model that does not fit. Checkpoints whose
+    header cannot be read are passed over for the next newest, as the restore passes them.
+    """
+    candidates: list[tuple[int, int, Path]] = [
+        (m.step, m.created_ms, m.directory / m.common["file"]) for m in ShardedCheckpointStore(root).manifests()
+    ]
+    candidates += [(i.step, i.created_ms, i.path) for i in CheckpointStore(root).list()]
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    for _, _, path in candidates:
+        try:
+            config = skeleton_entry(read_header(path)["skeleton"], "trainer", "model_config")
+        except (CorruptCheckpoint, ValueError, TypeError, KeyError, RecursionError):
+            continue
+        if isinstance(config, dict):
+            return config
     return None

@@ -7,8 +7,9 @@ offsets that state covers, after the dead letters of those offsets are acknowled
 offsets are committed to the consumer group only once the file is durable.
 
 A checkpoint written under other settings: another ``HALF_LIFE_S`` re-keys the window
-(see ``window/reservoir.py``); another model shape (``CHANNELS``, ``N_CLASSES``, ``D_MODEL``,
-``N_HEADS``, ``N_LAYERS``, ``MAX_LEN``) cannot be loaded, and start-up stops with
+(see ``window/reservoir.py``); a model's attention heads are its checkpoint's unless ``N_HEADS``
+is set (:func:`heads_of_the_checkpoint`); another model shape (``CHANNELS``, ``N_CLASSES``,
+``D_MODEL``, ``N_HEADS`` set by hand, ``N_LAYERS``, ``MAX_LEN``) cannot be loaded, and start-up stops with
 :class:`IncompatibleCheckpoint`, one line naming the settings and the way out. It is a
 refusal, not a fresh start: a fresh start would write lower-step checkpoints beside the
 old ones, which the store ranks first, so every restart would silently start over.
@@ -49,7 +50,7 @@ from streamtrain.checkpoint.collective import DistributedCheckpointer
 from streamtrain.checkpoint.format import LoadedCheckpoint
 from streamtrain.checkpoint.incremental import Kind, WindowChain
 from streamtrain.checkpoint.rescale import RestoredShare
-from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
+from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore, newest_model_config
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.config import Settings
 from streamtrain.distributed.launch import DistContext
@@ -63,6 +64,28 @@ from streamtrain.training.publishing import PublishedModel
 from streamtrain.window.reservoir import RecencyWindow
 
 log = logging.getLogger(__name__)
+
+
+def heads_of_the_checkpoint(settings: Settings) -> Settings:
+    """``settings`` with the newest checkpoint's ``N_HEADS`` when it was not set by hand.
+
+    The heads split the same weights differently (no parameter's shape depends on them),
+    so a checkpoint's model computes what it learnt only with its own heads. The default
+    changed (4 to 1: docs/performance.md, "Fewer, wider heads"); adopting the checkpoint's
+    keeps a model written under the old default training on after an upgrade, where
+    comparing with the new default would stop it at start-up. ``N_HEADS`` set by hand is
+    kept, and a checkpoint with other heads is refused as any other shape is.
+    """
+    if "n_heads" in settings.model_fields_set:
+        return settings
+    heads = (newest_model_config(settings.checkpoint_dir) or {}).get("n_heads")
+    if type(heads) is not int or heads == settings.n_heads or heads < 1 or settings.d_model % heads:
+        return settings  # a header that does not fit is left to the restore's own checks
+    log.info("N_HEADS=%d, the newest checkpoint's (N_HEADS is not set; its default is %d)", heads, settings.n_heads)
+    adopted = settings.model_copy(update={"n_heads": heads})
+    adopted.__pydantic_fields_set__.discard("n_heads")  # still not set by hand
+    return adopted
+
 
 _CHECKPOINT_RETRY_S = 5.0
 _DEAD_LETTERS_LATE_S = 30.0  # unacknowledged this long: /readyz lists them (checkpoints wait for them)
@@ -79,7 +102,7 @@ class Service:
         self.ctx = ctx if ctx is not None else DistContext()
         self.scaled_out = self.ctx.distributed
         self.topology: Topology = LockstepGroup(self) if self.scaled_out else OneProcess(self)
-        settings = self.settings = self.topology.placed(settings)  # a rank's own device; refusals before any work
+        settings = self.settings = heads_of_the_checkpoint(self.topology.placed(settings))  # before any model is built
         # Process-wide on purpose: torch keeps one intra-op default that every thread
         # (trainer, prefetch, predict workers) takes on its first parallel op.
         torch.set_num_threads(settings.torch_threads)

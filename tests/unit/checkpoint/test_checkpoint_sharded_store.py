@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from sharded_cluster import (
     TOPIC,
     Topic,
@@ -61,3 +62,19 @@ def test_export_reads_the_newest_shared_state_of_either_kind(tmp_path: Path) -> 
     damage_common(checkpointer.store.manifests()[0].directory)
     loaded = sharded_store.load_latest_common(tmp_path)
     assert loaded is not None and loaded.step == 1 and loaded.state["trainer"] == {"step": 1}
+
+
+def test_the_newest_model_configuration_is_read_from_either_kind_and_an_unreadable_header_is_passed_over(
+    tmp_path: Path,
+) -> None:
+    _, window, single_file, checkpointer = mixed_directory(tmp_path)
+    assert sharded_store.newest_model_config(tmp_path) is None
+    assert sharded_store.newest_model_config(tmp_path / "missing") is None
+    single_file.save({"window": window.state_dict(), "trainer": {"model_config": {"n_heads": 3}}}, step=1)
+    assert sharded_store.newest_model_config(tmp_path) == {"n_heads": 3}
+    common = {"trainer": {"model_config": {"n_heads": 2, "form": "f"}, "weights": torch.ones(4)}}
+    assert checkpointer.save(step=2, partition_count=3, window_state=window.state_dict(), common_state=common).ok
+    assert sharded_store.newest_model_config(tmp_path) == {"n_heads": 2, "form": "f"}
+    manifest = checkpointer.store.manifests()[0]
+    (manifest.directory / manifest.common["file"]).write_bytes(b"not a checkpoint")
+    assert sharded_store.newest_model_config(tmp_path) == {"n_heads": 3}

@@ -25,7 +25,7 @@ def small_service(tmp_path: Path, **overrides: Any) -> Any:
         checkpoint_dir=tmp_path / "ckpt", window_capacity=200, half_life_s=3600.0, torch_threads=1, train_nice=0,
     )  # fmt: skip
     values.update(overrides)
-    return Service(load_settings(**values))
+    return Service(load_settings(**{name: value for name, value in values.items() if value is not None}))
 
 
 def feed(service: Any, start: int, n: int, *, ts0: float = 1.7e9, rejected: dict[str, int] | None = None) -> None:
@@ -116,6 +116,30 @@ def test_restore_with_another_model_size_names_every_changed_setting(tmp_path: P
     assert old.checkpoint() is not None
     with pytest.raises(IncompatibleCheckpoint, match=r"D_MODEL=16, N_LAYERS=1; .* D_MODEL=32, N_LAYERS=2"):
         small_service(tmp_path, d_model=32, n_layers=2).restore()
+
+
+def test_a_checkpoint_with_other_heads_resumes_with_its_own_unless_n_heads_is_set(tmp_path: Path) -> None:
+    from streamtrain.runtime.service import IncompatibleCheckpoint
+
+    old = small_service(tmp_path, n_heads=4)
+    feed(old, 0, 50)
+    batch = a_training_batch(old)
+    for _ in range(3):  # trained weights: an untrained residual model forecasts the last value with any heads
+        old.trainer.train_step(batch)
+    assert old.checkpoint() is not None
+    resumed = small_service(tmp_path, n_heads=None)  # N_HEADS not set: its default is 1
+    resumed.restore()
+    assert resumed.settings.n_heads == 4 and "n_heads" not in resumed.settings.model_fields_set
+    assert resumed.trainer.model.config["n_heads"] == 4 and resumed.trainer.step == old.trainer.step
+    old.trainer.model.eval(), resumed.trainer.model.eval()
+    with torch.no_grad():
+        x_norm, mask = batch.values, batch.mask
+        before, after = old.trainer.model(x_norm, mask).forecast, resumed.trainer.model(x_norm, mask).forecast
+    assert torch.equal(before, after)  # the same function: the weights with the heads they were trained with
+    fresh = small_service(tmp_path / "elsewhere", n_heads=None)
+    assert fresh.settings.n_heads == 1  # no checkpoint: the default
+    with pytest.raises(IncompatibleCheckpoint, match=r"N_HEADS=4; .* N_HEADS=2"):
+        small_service(tmp_path, n_heads=2).restore()  # set by hand: kept, and refused
 
 
 def test_the_window_ledger_survives_a_restore_and_the_evicted_counter_starts_at_zero(tmp_path: Path) -> None:
