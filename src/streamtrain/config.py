@@ -219,7 +219,7 @@ class Settings(BaseSettings):
     # --- Model and training --------------------------------------------------------------------
     d_model: int = Field(64, ge=8, le=4096, description="Transformer width")
     n_heads: int = Field(
-        1,
+        4,
         ge=1,
         le=64,
         description="Attention heads (must divide D_MODEL); unset, a checkpoint's own (docs/performance.md)",

@@ -149,7 +149,7 @@ def test_a_gpu_gets_the_profile_for_every_setting_not_set(monkeypatch: pytest.Mo
     # A width the profile's heads do not divide keeps the CPU default heads instead of failing.
     monkeypatch.delenv("STREAMTRAIN_TOKEN_BUDGET")
     settings = load_settings(d_model=100)
-    assert settings.n_heads == 1 and "n_heads" not in settings.gpu_profile_applied
+    assert settings.n_heads == 4 and "n_heads" not in settings.gpu_profile_applied
     with pytest.raises(SettingsError, match="d_model .100. must be a multiple of n_heads .8."):
         load_settings(d_model=100, n_heads=8)
 

@@ -127,7 +127,7 @@ class SensorModel(nn.Module):
         channels: int,
         n_classes: int = 0,
         d_model: int = 64,
-        n_heads: int = 1,
+        n_heads: int = 4,
         n_layers: int = 2,
         ff_mult: int = 4,
         max_len: int = 512,

@@ -70,11 +70,12 @@ def heads_of_the_checkpoint(settings: Settings) -> Settings:
     """``settings`` with the newest checkpoint's ``N_HEADS`` when it was not set by hand.
 
     The heads split the same weights differently (no parameter's shape depends on them),
-    so a checkpoint's model computes what it learnt only with its own heads. The default
-    changed (4 to 1: docs/performance.md, "Fewer, wider heads"); adopting the checkpoint's
-    keeps a model written under the old default training on after an upgrade, where
-    comparing with the new default would stop it at start-up. ``N_HEADS`` set by hand is
-    kept, and a checkpoint with other heads is refused as any other shape is.
+    so a checkpoint's model computes what it learnt only with its own heads; nothing else
+    about it needs them set again. So a model trained with ``N_HEADS`` set, or under the GPU
+    profile's heads, resumes without it, and the default can change (docs/performance.md,
+    "Fewer, wider heads") without stopping the models written under the old one.
+    ``N_HEADS`` set by hand is kept, and a checkpoint with other heads is refused as any
+    other shape is.
     """
     if "n_heads" in settings.model_fields_set:
         return settings

@@ -121,25 +121,25 @@ def test_restore_with_another_model_size_names_every_changed_setting(tmp_path: P
 def test_a_checkpoint_with_other_heads_resumes_with_its_own_unless_n_heads_is_set(tmp_path: Path) -> None:
     from streamtrain.runtime.service import IncompatibleCheckpoint
 
-    old = small_service(tmp_path, n_heads=4)
+    old = small_service(tmp_path, n_heads=2)
     feed(old, 0, 50)
     batch = a_training_batch(old)
     for _ in range(3):  # trained weights: an untrained residual model forecasts the last value with any heads
         old.trainer.train_step(batch)
     assert old.checkpoint() is not None
-    resumed = small_service(tmp_path, n_heads=None)  # N_HEADS not set: its default is 1
+    resumed = small_service(tmp_path, n_heads=None)  # N_HEADS not set: its default is 4
     resumed.restore()
-    assert resumed.settings.n_heads == 4 and "n_heads" not in resumed.settings.model_fields_set
-    assert resumed.trainer.model.config["n_heads"] == 4 and resumed.trainer.step == old.trainer.step
+    assert resumed.settings.n_heads == 2 and "n_heads" not in resumed.settings.model_fields_set
+    assert resumed.trainer.model.config["n_heads"] == 2 and resumed.trainer.step == old.trainer.step
     old.trainer.model.eval(), resumed.trainer.model.eval()
     with torch.no_grad():
         x_norm, mask = batch.values, batch.mask
         before, after = old.trainer.model(x_norm, mask).forecast, resumed.trainer.model(x_norm, mask).forecast
     assert torch.equal(before, after)  # the same function: the weights with the heads they were trained with
     fresh = small_service(tmp_path / "elsewhere", n_heads=None)
-    assert fresh.settings.n_heads == 1  # no checkpoint: the default
-    with pytest.raises(IncompatibleCheckpoint, match=r"N_HEADS=4; .* N_HEADS=2"):
-        small_service(tmp_path, n_heads=2).restore()  # set by hand: kept, and refused
+    assert fresh.settings.n_heads == 4  # no checkpoint: the default
+    with pytest.raises(IncompatibleCheckpoint, match=r"N_HEADS=2; .* N_HEADS=4"):
+        small_service(tmp_path, n_heads=4).restore()  # set by hand: kept, and refused
 
 
 def test_the_window_ledger_survives_a_restore_and_the_evicted_counter_starts_at_zero(tmp_path: Path) -> None:
