@@ -178,6 +178,16 @@ class ShardedCheckpointStore:
             return set()
 
 
+def _newest_first(sharded: ShardedCheckpointStore, single_file: CheckpointStore) -> list[Manifest | CheckpointInfo]:
+    """The checkpoints of both kinds under one root, newest first by (step, creation time); not verified."""
+    candidates: list[tuple[int, int, Manifest | CheckpointInfo]] = [
+        (m.step, m.created_ms, m) for m in sharded.manifests()
+    ]
+    candidates += [(i.step, i.created_ms, i) for i in single_file.list()]
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    return [candidate for _, _, candidate in candidates]
+
+
 def load_latest_common(root: Path | str) -> LoadedCheckpoint | None:
     """The shared state (``{"trainer": ...}``) of the newest valid checkpoint of either kind.
 
@@ -187,12 +197,7 @@ def load_latest_common(root: Path | str) -> LoadedCheckpoint | None:
     """
     sharded = ShardedCheckpointStore(root)
     single_file = CheckpointStore(root)
-    candidates: list[tuple[int, int, Manifest | CheckpointInfo]] = [
-        (m.step, m.created_ms, m) for m in sharded.manifests()
-    ]
-    candidates += [(i.step, i.created_ms, i) for i in single_file.list()]
-    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    for _, _, candidate in candidates:
+    for candidate in _newest_first(sharded, single_file):
         if isinstance(candidate, Manifest):
             try:
                 return read_common(candidate)
@@ -214,12 +219,8 @@ def newest_model_config(root: Path | str) -> dict[str, Any] | None:
     follows verifies everything and refuses a model that does not fit. Checkpoints whose
     header cannot be read are passed over for the next newest, as the restore passes them.
     """
-    candidates: list[tuple[int, int, Path]] = [
-        (m.step, m.created_ms, m.directory / m.common["file"]) for m in ShardedCheckpointStore(root).manifests()
-    ]
-    candidates += [(i.step, i.created_ms, i.path) for i in CheckpointStore(root).list()]
-    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-    for _, _, path in candidates:
+    for candidate in _newest_first(ShardedCheckpointStore(root), CheckpointStore(root)):
+        path = candidate.directory / candidate.common["file"] if isinstance(candidate, Manifest) else candidate.path
         try:
             config = skeleton_entry(read_header(path)["skeleton"], "trainer", "model_config")
         except (CorruptCheckpoint, ValueError, TypeError, KeyError, RecursionError):
