@@ -28,6 +28,14 @@ files of statsmodels' own tests (inside its wheel): ``elec_demand`` (Victoria's 
 demand, hourly, 3,600 readings: a daily season of 24 readings, the context's length, and a
 weekly one beyond it), Schwert's monthly ``baa_yield`` (corporate bond yields, 468 readings),
 ``unemployment`` (456) and ``sp500_level`` (468), and ``real_gnp`` (quarterly, 159).
+
+``LATE``: four more, first run at stop 51, long after the defaults were set, from other data
+files of statsmodels' tests: ``housing_starts`` (US housing starts, not seasonally adjusted,
+monthly 1959-2018, 714 readings: a yearly season and long cycles), ``us_activity`` (US payroll
+employment, consumer prices, unemployment rate and industrial production, monthly 1985-2016,
+377 readings of 4 channels: trends of different kinds), ``us_housing`` (housing starts, building
+permits, new home sales and capacity utilization, the same months: channels that lead one
+another) and ``wpi`` (the US wholesale price index, quarterly 1960-1990, 124 readings).
 """
 
 from __future__ import annotations
@@ -296,6 +304,58 @@ def real_gnp() -> Series:
     return Series("real_gnp", ts, values, ("gnp",), period="quarterly", source="statsmodels")
 
 
+# ---------------------------------------------------------------- late series
+# First run at stop 51 (LATE in the module's docstring): more of statsmodels' test data.
+
+
+def housing_starts() -> Series:
+    path = _statsmodels_test_data("tsa", "holtwinters", "tests", "results", "housing-data.csv")
+    ts, values = _read(path, "DATE", "%Y-%m-%d", ["HOUSTNSA"])
+    return Series("housing_starts", ts, values, ("thousands_of_units",), period="monthly", source="statsmodels")
+
+
+def _frbny_monthly(name: str, columns: dict[str, str]) -> Series:
+    """Monthly US series of the New York Fed's nowcasting example in statsmodels' tests: the
+    months where every column of ``columns`` (file column -> channel name) has a value."""
+    path = _statsmodels_test_data(
+        "tsa", "statespace", "tests", "results", "frbny_nowcast", "Nowcasting", "data", "US", "2016-06-29.csv"
+    )
+    rows = [r for r in _rows(path) if all(r[c].strip() for c in columns)]
+    ts = np.array([datetime.strptime(r["Date"], "%m/%d/%y").replace(tzinfo=UTC).timestamp() for r in rows])
+    values = np.array([[float(r[c]) for c in columns] for r in rows], dtype=np.float32)
+    return Series(name, ts, values, tuple(columns.values()), period="monthly", source="statsmodels")
+
+
+def us_activity() -> Series:
+    return _frbny_monthly(
+        "us_activity",
+        {
+            "PAYEMS": "payrolls", "CPIAUCSL": "consumer_prices", "UNRATE": "unemployment",
+            "INDPRO": "industrial_production",
+        },
+    )  # fmt: skip
+
+
+def us_housing() -> Series:
+    return _frbny_monthly(
+        "us_housing", {"HOUST": "starts", "PERMIT": "permits", "HSN1F": "new_home_sales", "TCU": "capacity_utilization"}
+    )
+
+
+def wpi() -> Series:
+    rows = _rows(_statsmodels_test_data("tsa", "statespace", "tests", "results", "results_wpi1_ar3_stata.csv"))
+    ts = np.array([_utc(int(r["t"][:4]), 3 * int(r["t"][-1]) - 2) for r in rows])
+    values = np.array([[float(r["wpi"])] for r in rows], dtype=np.float32)
+    return Series("wpi", ts, values, ("index",), period="quarterly", source="statsmodels")
+
+
+LATE: dict[str, Callable[[], Series]] = {
+    "housing_starts": housing_starts,
+    "us_activity": us_activity,
+    "us_housing": us_housing,
+    "wpi": wpi,
+}
+
 FRESH: dict[str, Callable[[], Series]] = {
     "elec_demand": elec_demand,
     "baa_yield": baa_yield,
@@ -338,13 +398,13 @@ def sliding_windows(values: np.ndarray, length: int, stop: int | None = None) ->
     return [values[i : i + length] for i in range(0, stop - length + 1)]
 
 
-#: The three sets by name: the series every default was tuned on, those no default was tuned on,
-#: and those run only once every default was set.
-SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH}
+#: The sets by name: the series every default was tuned on, those no default was tuned on, those
+#: run only once every default was set, and those first run long after.
+SETS: dict[str, dict[str, Callable[[], Series]]] = {"tuning": SERIES, "unseen": UNSEEN, "fresh": FRESH, "late": LATE}
 
 
 def series_groups(spec: str) -> dict[str, dict[str, Callable[[], Series]]]:
-    """``tuning``, ``unseen``, ``fresh``, ``all`` (the three, by set) or comma-separated names
+    """``tuning``, ``unseen``, ``fresh``, ``late``, ``all`` (the four, by set) or comma-separated names
     (one group, ``chosen``) as groups of series makers by name."""
     if spec == "all":
         return dict(SETS)
@@ -353,5 +413,6 @@ def series_groups(spec: str) -> dict[str, dict[str, Callable[[], Series]]]:
     everything = {name: make for group in SETS.values() for name, make in group.items()}
     unknown = [name for name in spec.split(",") if name not in everything]
     if unknown:
-        raise SystemExit(f"unknown series {unknown}: tuning, unseen, fresh, all, or names of {sorted(everything)}")
+        known = sorted(everything)
+        raise SystemExit(f"unknown series {unknown}: tuning, unseen, fresh, late, all, or names of {known}")
     return {"chosen": {name: everything[name] for name in spec.split(",")}}

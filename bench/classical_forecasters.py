@@ -13,7 +13,7 @@ series the best of AR(p), ETS and ARIMA on the test part itself (no method can d
 choosing among these three).
 
     python bench/classical_forecasters.py                  # the 11 tuning series, a minute or two
-    python bench/classical_forecasters.py --series all     # tuning, unseen and fresh, a few minutes
+    python bench/classical_forecasters.py --series all     # tuning, unseen, fresh and late, a few minutes
     python bench/classical_forecasters.py --json
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker, no torch.
@@ -81,7 +81,7 @@ def arima_one_step(x: np.ndarray, cut: int) -> tuple[np.ndarray, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
+    parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, late, all, or comma-separated names")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     groups = series_groups(args.series)

@@ -14,7 +14,7 @@ variant ``--baseline`` names: ``no-smoothing`` (its smoothed family left out,
 parameters, as before the shrink factor counted the best model's own).
 
     python bench/linear_offline.py                   # the 11 tuning series
-    python bench/linear_offline.py --series all      # tuning, unseen and fresh (26), a minute
+    python bench/linear_offline.py --series all      # tuning, unseen, fresh and late (30), a minute
     python bench/linear_offline.py --series all --baseline shrink-df-2 --json
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
@@ -101,7 +101,7 @@ def ratios(values: np.ndarray) -> tuple[float, float, np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, all, or comma-separated names")
+    parser.add_argument("--series", default="tuning", help="tuning, unseen, fresh, late, all, or comma-separated names")
     parser.add_argument("--baseline", choices=sorted(BASELINES), default="no-smoothing")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()

@@ -32,6 +32,7 @@ served <= 0.85x AR(p).
     python bench/real_series.py --json --plot real_series.png
     python bench/real_series.py --series unseen --regime burst      # the 10 series no default was tuned on
     python bench/real_series.py --series fresh --regime burst       # 5 more, run once the defaults were set
+    python bench/real_series.py --series late --regime burst        # 4 more, first run long after
 
 Needs the broker (``deploy/kafka.sh up``, or ``--bootstrap``) and the bench extra (statsmodels,
 matplotlib: the series' files).
@@ -59,7 +60,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests" / "integration"))
-from _series import FRESH, SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
+from _series import FRESH, LATE, SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
 from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, _fmt, emit, print_columns  # noqa: E402
 
@@ -483,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         "--series",
         default=",".join(SERIES),
         help=f"comma-separated names, or 'unseen' (the series no default was tuned on: {', '.join(UNSEEN)}), "
-        f"or 'fresh' (run only once every default was set: {', '.join(FRESH)}); default: {', '.join(SERIES)}",
+        f"or 'fresh' (run only once every default was set: {', '.join(FRESH)}), "
+        f"or 'late' (first run long after: {', '.join(LATE)}); default: {', '.join(SERIES)}",
     )
     parser.add_argument("--regime", choices=(*REGIMES, "both"), default="both")
     parser.add_argument("--train-s", type=float, default=150.0, help="seconds of training (burst) or of stream (paced)")
@@ -495,8 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, pkill) ends the run through its finally blocks, which stop the service it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args.settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
-    known = {**SERIES, **UNSEEN, **FRESH}
-    sets = {"unseen": UNSEEN, "fresh": FRESH}
+    known = {**SERIES, **UNSEEN, **FRESH, **LATE}
+    sets = {"unseen": UNSEEN, "fresh": FRESH, "late": LATE}
     names = [n for s in args.series.split(",") if s.strip() for n in sets.get(s.strip(), [s.strip()])]
     unknown = [s for s in names if s not in known]
     if unknown:

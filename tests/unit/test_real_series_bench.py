@@ -12,12 +12,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import real_series as rs  # noqa: E402
-from _series import FRESH, SERIES, UNSEEN  # noqa: E402
+from _series import FRESH, LATE, SERIES, UNSEEN  # noqa: E402
 
 
-@pytest.mark.parametrize("name", sorted(SERIES) + sorted(UNSEEN) + sorted(FRESH))
+@pytest.mark.parametrize("name", sorted(SERIES) + sorted(UNSEEN) + sorted(FRESH) + sorted(LATE))
 def test_every_loader_returns_a_finite_float32_series_in_time_order(name: str) -> None:
-    series = {**SERIES, **UNSEEN, **FRESH}[name]()
+    series = {**SERIES, **UNSEEN, **FRESH, **LATE}[name]()
     values = series.values
     assert values.dtype == np.float32 and values.ndim == 2
     assert values.shape[0] >= 100 and 1 <= values.shape[1] <= 4
@@ -29,10 +29,11 @@ def test_every_loader_returns_a_finite_float32_series_in_time_order(name: str) -
     assert (values[: int(rs.TRAIN_SHARE * len(values))].std(axis=0) > 0).all()  # z-scoring needs spread
 
 
-def test_no_unseen_or_fresh_series_is_a_series_of_an_earlier_set() -> None:
+def test_no_unseen_fresh_or_late_series_is_a_series_of_an_earlier_set() -> None:
     assert not set(SERIES) & set(UNSEEN) and not (set(SERIES) | set(UNSEEN)) & set(FRESH)
+    assert not (set(SERIES) | set(UNSEEN) | set(FRESH)) & set(LATE)
     earlier = [f().values for f in SERIES.values()]
-    for f in [*UNSEEN.values(), *FRESH.values()]:
+    for f in [*UNSEEN.values(), *FRESH.values(), *LATE.values()]:
         values = f().values
         assert not any(t.shape == values.shape and np.array_equal(t, values) for t in earlier)
         earlier.append(values)
