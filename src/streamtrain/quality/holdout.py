@@ -113,7 +113,13 @@ class HoldoutSplitter:
         return np.array([float(sum(v.guard + 1 for v in self._sensors.values())), float(len(self._sensors))])
 
     def state_dict(self) -> dict[str, Any]:
+        # each sensor's previous event too: without it the first event after a restart could not
+        # be compared with it, so its overlap (and the guard or growth it decides) would be missed
+        lasts = [v.last for v in self._sensors.values()]
+        kept = [last for last in lasts if last is not None]
         return {
+            "last_lengths": np.array([-1 if last is None else len(last) for last in lasts], dtype=np.int64),
+            "last_values": np.concatenate(kept) if kept else np.zeros((0, 1), np.float32),
             "sensors": [str(k) for k in self._sensors],
             "counts": np.array([v.count for v in self._sensors.values()], dtype=np.int64),
             "phases": np.array([v.phase for v in self._sensors.values()], dtype=np.int64),
@@ -123,20 +129,37 @@ class HoldoutSplitter:
             "trails": np.array([v.trail for v in self._sensors.values()], dtype=np.int64),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], channels: int | None = None) -> None:
+        """``channels``: the readings' width, where the stored previous events lost their shape."""
         self._sensors.clear()
         blocks = np.asarray(state["blocks"]).tolist()
         # saved before the first grown block trained: such a state's grown blocks keep their schedule
         grown = np.asarray(state.get("grown", np.zeros(len(blocks), np.bool_))).tolist()
         trails = np.asarray(state.get("trails", np.zeros(len(blocks), np.int64))).tolist()
-        for name, count, phase, guard, block, was_grown, trail in zip(
+        lasts = _previous_events(state, len(blocks), channels)
+        for name, count, phase, guard, block, was_grown, trail, last in zip(
             state["sensors"], np.asarray(state["counts"]).tolist(), np.asarray(state["phases"]).tolist(),
-            np.asarray(state["guards"]).tolist(), blocks, grown, trails, strict=True,
+            np.asarray(state["guards"]).tolist(), blocks, grown, trails, lasts, strict=True,
         ):  # fmt: skip
             self._sensors[str(name)] = _SensorBlocks(
-                int(count), int(phase) % max(self.period, 1), int(block), int(guard),
+                int(count), int(phase) % max(self.period, 1), int(block), int(guard), last=last,
                 grown=bool(was_grown), trail=int(trail),
             )  # fmt: skip
+
+
+def _previous_events(state: dict[str, Any], sensors: int, channels: int | None) -> list[np.ndarray | None]:
+    """Each sensor's previous event from a splitter's state (None for all in a state saved before
+    they were kept: those sensors' first events after the restart are compared with nothing)."""
+    if "last_lengths" not in state:
+        return [None] * sensors
+    lengths = np.asarray(state["last_lengths"], dtype=np.int64)
+    flat = np.asarray(state["last_values"], dtype=np.float32)
+    if channels is not None or flat.ndim != 2:
+        flat = flat.reshape(-1, channels or 1)
+    if int(lengths.clip(min=0).sum()) != flat.shape[0] or lengths.size != sensors:
+        raise ValueError("holdout splitter state is inconsistent: previous events do not match the stored readings")
+    bounds = np.concatenate([[0], np.cumsum(lengths.clip(min=0))])
+    return [None if n < 0 else flat[bounds[i] : bounds[i + 1]].copy() for i, n in enumerate(lengths.tolist())]
 
 
 def overlap_start(previous: np.ndarray | None, current: np.ndarray) -> int:

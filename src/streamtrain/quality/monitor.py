@@ -404,7 +404,7 @@ class QualityMonitor:
             if "guards" in state:  # saved before the guards were kept: none
                 self.guards.load_state_dict(state["guards"], channels)
             if "splitter" in state:
-                self.splitter.load_state_dict(state["splitter"])
+                self.splitter.load_state_dict(state["splitter"], channels)
             self.guarded_total = int(state.get("guarded_total", 0))
             self.versions = OrderedDict(
                 (

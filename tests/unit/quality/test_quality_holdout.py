@@ -10,7 +10,7 @@ import pytest
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model.normalization import RunningNorm
-from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter
+from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter, overlap_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the shared quality fixtures
 from quality_fixtures import ForecastsZero, Frozen, events, monitor  # noqa: E402
@@ -128,3 +128,151 @@ def test_an_event_held_before_the_blocks_grew_keeps_its_neighbours_out() -> None
     clone.load_state_dict(splitter.state_dict())
     more = EventBatch.from_events(sliding(np.random.default_rng(5).normal(size=600), sensor))
     assert all(np.array_equal(a, b) for a, b in zip(clone.split(more), splitter.split(more), strict=True))
+
+
+def split_rows(splitter: HoldoutSplitter, batch: EventBatch, rows: range) -> tuple[np.ndarray, np.ndarray]:
+    """(held, guard) among ``rows`` of ``batch``, split as one poll batch, as indices of ``batch``."""
+    held, guard = splitter.split(EventBatch.from_events([batch.event(i) for i in rows], channels=1))
+    return np.asarray(rows)[held], np.asarray(rows)[guard]
+
+
+def test_a_splitter_restored_anywhere_in_a_stream_splits_the_rest_as_the_uninterrupted_one() -> None:
+    """A restart must not move the blocks: an event trained before it could be held out after
+    it (and scored as if unseen), or a held one trained. Restored at every poll boundary, in
+    the middle of blocks, guards and the trail of an event held before its sensor's blocks grew."""
+    rng = np.random.default_rng(11)
+    probe = HoldoutSplitter(0.25, 3, "seeded", 0)
+    first_held = next(f"t{i}" for i in range(1000) if probe._phase(f"t{i}") == 0)  # held at once, then grows
+    items = (
+        sliding(rng.normal(size=90), first_held, length=8)
+        + sliding(rng.normal(size=120), "stride-3", length=8, stride=3)
+        + [SensorEvent("apart", 1000.0 + i, rng.normal(size=(5, 1)).astype(np.float32)) for i in range(60)]
+    )
+    batch = EventBatch.from_events(sorted(items, key=lambda e: (e.ts, e.sensor_id)), channels=1)
+    expected = split_rows(HoldoutSplitter(0.25, 3, "seeded", 0), batch, range(len(batch)))
+    assert expected[0].size > 0 and expected[1].size > 0
+    for cut in range(1, len(batch), 4):
+        before = HoldoutSplitter(0.25, 3, "seeded", 0)
+        head = split_rows(before, batch, range(cut))
+        after = HoldoutSplitter(0.25, 3, "seeded", 0)
+        after.load_state_dict(before.state_dict())
+        tail = split_rows(after, batch, range(cut, len(batch)))
+        got = [np.concatenate([h, t]) for h, t in zip(head, tail, strict=True)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), cut
+
+
+def test_no_held_out_reading_is_trained_on_when_the_service_restarts_right_after_a_held_event() -> None:
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    sensor = next(f"p{i}" for i in range(1000) if splitter._phase(f"p{i}") == 0)  # its first event is held
+    batch = EventBatch.from_events(sliding(np.random.default_rng(4).normal(size=80), sensor))
+    held, guard = split_rows(splitter, batch, range(1))
+    restarted = HoldoutSplitter(0.1, 1, "seeded", 0)
+    restarted.load_state_dict(splitter.state_dict())
+    more = split_rows(restarted, batch, range(1, len(batch)))
+    held, guard = np.concatenate([held, more[0]]), np.concatenate([guard, more[1]])
+    trained = np.setdiff1d(np.arange(len(batch)), np.concatenate([held, guard]))
+    readings = lambda rows: {float(v) for i in rows for v in batch.event(int(i)).values[:, 0]}  # noqa: E731
+    assert held.tolist()[:1] == [0] and not readings(held) & readings(trained)
+
+
+def test_a_splitter_state_saved_before_blocks_grew_or_trails_existed_still_loads() -> None:
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    splitter.split(EventBatch.from_events(sliding(np.random.default_rng(12).normal(size=40), "old")))
+    state = splitter.state_dict()
+    assert state["last_lengths"].tolist() == [24] and state["last_values"].shape == (24, 1)
+    del state["grown"], state["trails"], state["last_lengths"], state["last_values"]
+    clone = HoldoutSplitter(0.1, 1, "seeded", 0)
+    clone.load_state_dict(state)
+    restored = clone.state_dict()
+    assert restored["grown"].tolist() == [False] and restored["trails"].tolist() == [0]
+    assert restored["last_lengths"].tolist() == [-1]  # its next event is compared with nothing
+    assert restored["counts"].tolist() == state["counts"].tolist() and restored["blocks"].tolist() == [46]
+    broken = splitter.state_dict()
+    broken["last_values"] = broken["last_values"][:-1]
+    with pytest.raises(ValueError, match="previous events do not match the stored readings"):
+        HoldoutSplitter(0.1, 1, "seeded", 0).load_state_dict(broken, channels=1)
+
+
+def test_a_zero_share_holds_nothing_and_a_half_share_every_other_event() -> None:
+    batch = EventBatch.from_events([SensorEvent("s", 1000.0 + i, np.full((3, 1), i, np.float32)) for i in range(40)])
+    held, guard = HoldoutSplitter(0.0, 1, "seeded", 0).split(batch)
+    assert held.dtype == guard.dtype == np.int64 and held.size == guard.size == 0
+    held, guard = HoldoutSplitter(0.5, 1, "seeded", 0).split(batch)
+    assert guard.size == 0 and np.diff(held).tolist() == [2] * 19  # blocks of one event, one in two
+
+
+def test_the_first_grown_block_trains_and_the_second_is_held_when_its_phase_says_so() -> None:
+    probe = HoldoutSplitter(0.1, 1, "seeded", 0)
+    sensor = next(f"q{i}" for i in range(1000) if probe._phase(f"q{i}") == 9)  # (1 + 9) % 10: block 1 held
+    batch = EventBatch.from_events(sliding(np.random.default_rng(13).normal(size=60), sensor, length=8))
+    held, guard = HoldoutSplitter(0.1, 1, "seeded", 0).split(batch)
+    # overlap 7: blocks of 14 from the second event on (the first, before the overlap was seen, trains)
+    assert held.tolist() == list(range(15, 29)) and guard.tolist() == [*range(8, 15), *range(29, 36)]
+
+
+def test_the_least_recently_seen_sensors_are_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(HoldoutSplitter, "MAX_SENSORS", 2)
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    for name in "aba":
+        splitter.split(EventBatch.from_events([SensorEvent(name, 1000.0, np.zeros((2, 1), np.float32))]))
+    assert splitter.state_dict()["sensors"] == ["b", "a"]
+    splitter.split(EventBatch.from_events([SensorEvent("c", 1001.0, np.zeros((2, 1), np.float32))]))
+    assert splitter.state_dict()["sensors"] == ["a", "c"]  # b, seen least recently, forgotten
+
+
+def test_redundancy_counts_the_events_each_reading_is_in_per_sensor() -> None:
+    rng = np.random.default_rng(14)
+    items = sliding(rng.normal(size=30), "slide-1", length=8)
+    items += sliding(rng.normal(size=30), "slide-2", length=8, stride=2)
+    items.append(SensorEvent("apart", 1000.0, rng.normal(size=(8, 1)).astype(np.float32)))
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    splitter.split(EventBatch.from_events(items))
+    assert splitter.redundancy_sums().tolist() == [8.0 + 4.0 + 1.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("previous", "current", "start"),
+    [
+        ([1.0, 2.0, 3.0], [], 0),  # nothing to compare
+        ([1.0, 2.0, 3.0], [2.0], 1),  # a one-reading event that slid by one
+        ([1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 9.0], 2),  # a periodic signal: the first match at 0 is no slide
+        ([1.0, 2.0, 1.0, 2.0], [1.0, 2.0, 1.0, 2.0, 1.0, 2.0], 2),  # ... even where it would fit
+        ([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], 0),  # the same event again
+        ([1.0, 2.0, 3.0], [5.0, 6.0], 0),  # no overlap
+    ],
+)
+def test_overlap_start_finds_the_stride_of_a_sliding_window(
+    previous: list[float], current: list[float], start: int
+) -> None:
+    as_readings = lambda xs: np.array(xs, np.float32).reshape(-1, 1)  # noqa: E731
+    assert overlap_start(as_readings(previous), as_readings(current)) == start
+
+
+def test_the_holdout_buffer_round_trips_every_event_and_refuses_an_inconsistent_state() -> None:
+    batch = EventBatch.from_events(
+        [SensorEvent(name, 1000.0 + i, np.full((2 + i, 2), i, np.float32), label=i) for i, name in enumerate("abc")],
+        channels=2,
+    )
+    buffer = HoldoutBuffer(capacity=5)
+    versions = [buffer.version]
+    buffer.add(batch, np.arange(3))
+    versions.append(buffer.version)
+    buffer.add(batch, np.zeros(0, np.int64))  # nothing added: the content did not change
+    versions.append(buffer.version)
+    buffer.add(batch, np.array([1]))
+    versions.append(buffer.version)
+    assert versions[0] != versions[1] == versions[2] != versions[3]
+    back = HoldoutBuffer(capacity=5)
+    before = back.version
+    back.load_state_dict(buffer.state_dict(), channels=2)
+    assert back.version != before
+    assert [v.tolist() for v in back.values] == [v.tolist() for v in buffer.values]
+    assert list(back.labels) == [0, 1, 2, 1] and list(back.sensors) == ["a", "b", "c", "b"]
+    empty = HoldoutBuffer(capacity=5)
+    again = HoldoutBuffer(capacity=5)
+    again.load_state_dict(empty.state_dict(), channels=2)
+    assert len(again) == 0
+    state = buffer.state_dict()
+    state["lengths"] = state["lengths"][:-1]
+    with pytest.raises(ValueError, match="lengths do not sum to the stored values"):
+        HoldoutBuffer(capacity=5).load_state_dict(state, channels=2)
