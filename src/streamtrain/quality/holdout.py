@@ -54,7 +54,6 @@ class HoldoutSplitter:
     MAX_SENSORS = 100_000
 
     def __init__(self, share: float, block_events: int, mode: ShuffleMode, seed: int) -> None:
-        self.share = share
         self.block_events = max(1, int(block_events))
         self.period = max(2, round(1.0 / share)) if share > 0 else 0
         self.mode, self.seed = mode, seed
@@ -192,7 +191,6 @@ class HoldoutBuffer:
     """The most recent held-out events (readings, labels and sensors), never trained on."""
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
         self.values: deque[np.ndarray] = deque(maxlen=capacity)
         self.labels: deque[int] = deque(maxlen=capacity)
         self.sensors: deque[str] = deque(maxlen=capacity)  # whose consecutive events may share readings

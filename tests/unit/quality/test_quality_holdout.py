@@ -156,6 +156,7 @@ def test_a_splitter_restored_anywhere_in_a_stream_splits_the_rest_as_the_uninter
         head = split_rows(before, batch, range(cut))
         after = HoldoutSplitter(0.25, 3, "seeded", 0)
         after.load_state_dict(before.state_dict())
+        assert after.redundancy_sums().tolist() == before.redundancy_sums().tolist(), cut
         tail = split_rows(after, batch, range(cut, len(batch)))
         got = [np.concatenate([h, t]) for h, t in zip(head, tail, strict=True)]
         assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), cut
@@ -189,8 +190,69 @@ def test_a_splitter_state_saved_before_blocks_grew_or_trails_existed_still_loads
     assert restored["counts"].tolist() == state["counts"].tolist() and restored["blocks"].tolist() == [46]
     broken = splitter.state_dict()
     broken["last_values"] = broken["last_values"][:-1]
-    with pytest.raises(ValueError, match="previous events do not match the stored readings"):
+    with pytest.raises(ValueError, match="^holdout splitter state is inconsistent: previous events do not match"):
         HoldoutSplitter(0.1, 1, "seeded", 0).load_state_dict(broken, channels=1)
+    broken = splitter.state_dict()
+    broken["counts"] = broken["counts"][:0]  # a field per sensor, or the state is not this splitter's
+    with pytest.raises(ValueError):
+        HoldoutSplitter(0.1, 1, "seeded", 0).load_state_dict(broken, channels=1)
+
+
+def test_previous_events_of_several_channels_round_trip_with_or_without_their_width() -> None:
+    rng = np.random.default_rng(15)
+    readings = rng.normal(size=(40, 2)).astype(np.float32)
+    items = [SensorEvent(f"w{k}", 1000.0 + i, readings[i + k : i + k + 6]) for i in range(20) for k in range(2)]
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    splitter.split(EventBatch.from_events(items, channels=2))
+    state = splitter.state_dict()
+    assert state["last_values"].shape == (12, 2)
+    for channels, values in (
+        (2, state["last_values"]),
+        (None, state["last_values"]),
+        (2, state["last_values"].ravel()),
+    ):
+        clone = HoldoutSplitter(0.1, 1, "seeded", 0)
+        clone.load_state_dict({**state, "last_values": values}, channels)
+        assert np.array_equal(clone.state_dict()["last_values"], state["last_values"])
+    one = HoldoutSplitter(0.1, 1, "seeded", 0)
+    one.split(EventBatch.from_events([SensorEvent("one", 1000.0, np.arange(3, dtype=np.float32)[:, None])]))
+    flat_state = {**one.state_dict(), "last_values": np.arange(3, dtype=np.float32)}  # stored without its width
+    clone = HoldoutSplitter(0.1, 1, "seeded", 0)
+    clone.load_state_dict(flat_state)  # one reading wide unless told otherwise
+    assert clone.state_dict()["last_values"].shape == (3, 1)
+    empty = HoldoutSplitter(0.1, 1, "seeded", 0)
+    empty.load_state_dict(HoldoutSplitter(0.1, 1, "seeded", 0).state_dict())  # no sensor yet
+    assert empty.state_dict()["sensors"] == []
+
+
+def test_a_sensor_restored_from_an_old_state_keeps_no_previous_event_until_it_sends_one() -> None:
+    splitter = HoldoutSplitter(0.1, 1, "seeded", 0)
+    splitter.split(EventBatch.from_events([SensorEvent("old", 1000.0, np.ones((3, 1), np.float32))]))
+    state = splitter.state_dict()
+    del state["last_lengths"], state["last_values"]
+    clone = HoldoutSplitter(0.1, 1, "seeded", 0)
+    clone.load_state_dict(state)
+    clone.split(EventBatch.from_events([SensorEvent("new", 1001.0, np.full((4, 1), 2.0, np.float32))]))
+    for _ in range(2):  # and through another checkpoint
+        saved = clone.state_dict()
+        assert saved["last_lengths"].tolist() == [-1, 4] and saved["last_values"].ravel().tolist() == [2.0] * 4
+        clone = HoldoutSplitter(0.1, 1, "seeded", 0)
+        clone.load_state_dict(saved, channels=1)
+
+
+def test_a_producer_that_turns_to_sliding_windows_keeps_the_neighbours_of_a_held_event_out() -> None:
+    """Blocks grow when a sensor's events first overlap, which need not be at its second event:
+    the block the event before the growth fell in decides whether its overlapping successors
+    are guards, whatever the block length."""
+    probe = HoldoutSplitter(0.5, 3, "seeded", 0)
+    sensor = next(f"r{i}" for i in range(1000) if probe._phase(f"r{i}") == 1)  # blocks 1, 3, ... held
+    rng = np.random.default_rng(16)
+    apart = [SensorEvent(sensor, 1000.0 + i, rng.normal(size=(6, 1)).astype(np.float32)) for i in range(5)]
+    batch = EventBatch.from_events(apart + sliding(rng.normal(size=40), sensor, length=6))
+    held, guard = HoldoutSplitter(0.5, 3, "seeded", 0).split(batch)
+    trained = np.setdiff1d(np.arange(len(batch)), np.concatenate([held, guard]))
+    readings = lambda rows: {float(v) for i in rows for v in batch.event(int(i)).values[:, 0]}  # noqa: E731
+    assert 4 in held.tolist() and not readings(held) & readings(trained)
 
 
 def test_a_zero_share_holds_nothing_and_a_half_share_every_other_event() -> None:
@@ -266,6 +328,9 @@ def test_the_holdout_buffer_round_trips_every_event_and_refuses_an_inconsistent_
     before = back.version
     back.load_state_dict(buffer.state_dict(), channels=2)
     assert back.version != before
+    before = back.version
+    back.load_state_dict(buffer.state_dict(), channels=2)
+    assert back.version != before  # every load, not only the first
     assert [v.tolist() for v in back.values] == [v.tolist() for v in buffer.values]
     assert list(back.labels) == [0, 1, 2, 1] and list(back.sensors) == ["a", "b", "c", "b"]
     empty = HoldoutBuffer(capacity=5)
@@ -274,5 +339,9 @@ def test_the_holdout_buffer_round_trips_every_event_and_refuses_an_inconsistent_
     assert len(again) == 0
     state = buffer.state_dict()
     state["lengths"] = state["lengths"][:-1]
-    with pytest.raises(ValueError, match="lengths do not sum to the stored values"):
+    with pytest.raises(ValueError, match="^holdout state is inconsistent: lengths do not sum to the stored values$"):
+        HoldoutBuffer(capacity=5).load_state_dict(state, channels=2)
+    state = buffer.state_dict()
+    state["sensors"] = state["sensors"][:-1]
+    with pytest.raises(ValueError):  # a sensor per label, or the state is not this buffer's
         HoldoutBuffer(capacity=5).load_state_dict(state, channels=2)
