@@ -39,6 +39,8 @@ MODULES=(
   "checkpoint_codec|src/streamtrain/checkpoint/codec.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py"
   "checkpoint_format|src/streamtrain/checkpoint/format.py|tests/unit/checkpoint/test_checkpoint_codec.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_store.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
   "checkpoint_store|src/streamtrain/checkpoint/store.py|tests/unit/checkpoint/test_checkpoint_store.py tests/unit/checkpoint/test_checkpoint_format.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
+  "forecasters|src/streamtrain/model/forecasters.py|tests/unit/model/test_model_forecasters.py tests/unit/quality/test_quality_selection.py"
+  "holdout|src/streamtrain/quality/holdout.py|tests/unit/quality/test_quality_holdout.py tests/unit/quality/test_quality_selection.py tests/unit/quality/test_quality_gate_and_rollback.py"
   "checkpoint_incremental|src/streamtrain/checkpoint/incremental.py|tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 

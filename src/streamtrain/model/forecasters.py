@@ -515,12 +515,13 @@ class LinearForecast(nn.Module):
     def __init__(self, coefficients: torch.Tensor | np.ndarray) -> None:
         super().__init__()
         coefficients = torch.as_tensor(np.asarray(coefficients), dtype=torch.float32)
+        given = tuple(coefficients.shape)
         if coefficients.dim() == 2:
             coefficients = coefficients[:, None]
         if coefficients.dim() != 3 or coefficients.shape[1] < 1 or coefficients.shape[2] < 2:
             raise ValueError(
                 "LinearForecast: coefficients must be [C, 1 + order >= 2] or [C, positions >= 1, 1 + order >= 2],"
-                f" got {tuple(coefficients.shape)}"
+                f" got {given}"
             )
         self.order = int(coefficients.shape[2]) - 1
         self.register_buffer("intercept", coefficients[..., 0].clone())

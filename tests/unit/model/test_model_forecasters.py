@@ -7,6 +7,7 @@ served kind."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import orjson
@@ -30,6 +31,7 @@ from streamtrain.model.forecasters import (
     family_basis,
     family_fit,
     fit_model,
+    served_module,
     shrink_factor,
     unit_root_t,
 )
@@ -338,6 +340,8 @@ def test_the_shrink_factor_trusts_an_edge_in_proportion_to_its_evidence() -> Non
     assert shrink_factor(0.5, 40_000.0, 2.0) == pytest.approx(1 - 1e-4)
     assert shrink_factor(0.05, 400.0, 0.0) == 1.0
     assert shrink_factor(float("nan"), 400.0, 2.0) == shrink_factor(0.05, 0.0, 2.0) == 0.0
+    assert shrink_factor(0.0, 400.0, 2.0) == 0.0  # no edge: nothing to trust, and no division by it
+    assert shrink_factor(0.5, 1.0, 0.1) == pytest.approx(0.8)  # one target is evidence too, if little
 
 
 def later_error_over_last_value(train: list[np.ndarray], test: list[np.ndarray]) -> float | None:
@@ -548,6 +552,31 @@ def test_every_served_kind_answers_an_instance_alike_whatever_its_company_and_pa
     together = served(batch.values + 5.0 * (~batch.mask[..., None]), batch.mask)  # pads hold garbage
     torch.testing.assert_close(together.forecast[2, :4], alone.forecast[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together.logits[2], alone.logits[0], atol=1e-5, rtol=1e-5)
+    if kind != "network":  # the forecasters' own pads are zero, not the pads' garbage or a division by them
+        assert torch.equal(together.forecast[~batch.mask], torch.zeros_like(together.forecast[~batch.mask]))
+
+
+def test_the_smoothed_family_is_fitted_at_its_weights_and_orders_only() -> None:
+    sums = LagSums.of(ar2_instances(np.random.default_rng(13), 20, 30), 24, 1)
+    members = forecasters.family_members(sums, 0, ("smoothed",), 24, 1.0)
+    widest = 23  # orders of at most max_order - 1 readings of changes, and the widest itself
+    orders = sorted({o for o in forecasters.SMOOTHED_ORDERS if o < widest} | {widest})
+    assert sorted((m.smoothing, m.order) for m in members) == sorted((w, o) for w in SMOOTHING_WEIGHTS for o in orders)
+    assert {m.family for m in members} == {"smoothed"} and {m.relative_penalty for m in members} == {0.0}
+
+
+def test_the_network_serves_as_itself_and_every_other_kind_through_an_eval_mode_wrapper() -> None:
+    network = computing_network()
+    assert served_module(network, NETWORK) is network  # its compiled forward and state keys, unwrapped
+    for forecaster in (LAST_VALUE, Forecaster("linear", np.ones((2, 3))), Forecaster("blend", np.ones((2, 3)), 0.5)):
+        served = served_module(network.train(), forecaster)
+        assert isinstance(served, ServedModel) and not served.training and not network.training
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 0, 3), (2, 3, 1), (2, 1), (1, 2, 3, 4)])
+def test_coefficients_without_a_position_row_or_a_lag_are_refused(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=rf"^LinearForecast: coefficients must be .* got {re.escape(str(shape))}$"):
+        LinearForecast(np.zeros(shape))
 
 
 def test_the_last_value_kind_is_the_last_value_and_the_linear_kind_is_not() -> None:
@@ -565,6 +594,10 @@ def test_a_forecaster_round_trips_through_its_state() -> None:
     coefficients = np.arange(6, dtype=np.float64).reshape(2, 3)
     back = Forecaster.from_state(Forecaster("linear", coefficients).state_dict())
     assert back.kind == "linear" and np.array_equal(back.coefficients, coefficients)
+    rows = np.arange(12, dtype=np.float64).reshape(2, 2, 3) / 7.0  # a coefficient row per position
+    blend = Forecaster.from_state(Forecaster("blend", rows, 0.3).state_dict())
+    assert blend.kind == "blend" and blend.network_weight == 0.3 and np.array_equal(blend.coefficients, rows)
+    assert Forecaster.from_state(NETWORK.state_dict()) == NETWORK
     assert Forecaster.from_state(None) is NETWORK and Forecaster.from_state(LAST_VALUE.state_dict()) == LAST_VALUE
     with pytest.raises(ValueError, match="coefficients"):
         Forecaster("linear")
@@ -582,6 +615,7 @@ def test_the_blend_weight_is_the_least_squares_one() -> None:
     assert weight == pytest.approx(grid[int(np.argmin(brute))], abs=2e-4) and sse == pytest.approx(min(brute), rel=1e-6)
     assert best_blend(1.0, 4.0, 2.0)[0] == 1.0  # the linear errors only add: all network
     assert best_blend(4.0, 1.0, 2.0)[0] == 0.0
+    assert best_blend(2.0, 2.0, 2.0) == (0.0, 2.0)  # the same errors: nothing to blend, the linear serves
 
 
 def test_a_blend_serves_the_weighted_forecast_of_the_network_and_the_linear() -> None:
@@ -594,11 +628,21 @@ def test_a_blend_serves_the_weighted_forecast_of_the_network_and_the_linear() ->
             for f in (NETWORK, Forecaster("linear", coefficients), Forecaster("blend", coefficients, 0.3))
         ]
     torch.testing.assert_close(parts[2], 0.3 * parts[0] + 0.7 * parts[1])
-    with pytest.raises(ValueError, match="network weight"):
+    with pytest.raises(ValueError, match="^a blend needs its network weight, and only a blend has one$"):
         Forecaster("blend", coefficients)
+    with pytest.raises(
+        ValueError, match="^a linear or blended forecaster needs its coefficients, and only they have them$"
+    ):
+        Forecaster("network", coefficients)
+    assert Forecaster("blend", coefficients, 0.0).network_weight == 0.0  # either end may serve
+    assert Forecaster("blend", coefficients, 1.0).network_weight == 1.0
+    for outside in (-0.01, 1.01):
+        with pytest.raises(ValueError, match=rf"^a blend's network weight must be within \[0, 1\], got {outside}$"):
+            Forecaster("blend", coefficients, outside)
 
 
-def test_a_forecaster_in_other_units_forecasts_the_same_readings() -> None:
+@pytest.mark.parametrize("shape", [(2, 4), (2, 3, 4)])  # one row for every position, or a row per position
+def test_a_forecaster_in_other_units_forecasts_the_same_readings(shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(12)
     readings = torch.from_numpy(np.cumsum(rng.normal(size=(3, 20, 2)), axis=1).astype(np.float32) * 5 + 40)
     mask = torch.ones(3, 20, dtype=torch.bool)
@@ -608,9 +652,10 @@ def test_a_forecaster_in_other_units_forecasts_the_same_readings() -> None:
         (np.array([1.0, 3.0]), np.array([9.0, 0.5])),
     )
     for kind in ("linear", "blend"):
-        forecaster = Forecaster(kind, rng.normal(size=(2, 4)), 0.4 if kind == "blend" else None)
+        forecaster = Forecaster(kind, rng.normal(size=shape), 0.4 if kind == "blend" else None)
         moved = forecaster.in_units(mean, std, to_mean, to_std)
-        assert np.array_equal(moved.coefficients[:, 1:], forecaster.coefficients[:, 1:])
+        assert np.array_equal(moved.coefficients[..., 1:], forecaster.coefficients[..., 1:])
+        assert moved.network_weight == forecaster.network_weight
         served = []
         for f, (m, s) in ((forecaster, (mean, std)), (moved, (to_mean, to_std))):
             m_t, s_t = torch.tensor(m, dtype=torch.float32), torch.tensor(s, dtype=torch.float32)
