@@ -556,13 +556,47 @@ def test_every_served_kind_answers_an_instance_alike_whatever_its_company_and_pa
         assert torch.equal(together.forecast[~batch.mask], torch.zeros_like(together.forecast[~batch.mask]))
 
 
-def test_the_smoothed_family_is_fitted_at_its_weights_and_orders_only() -> None:
+@pytest.mark.parametrize("max_order", [24, 2])
+def test_the_smoothed_family_is_fitted_at_its_weights_and_orders_only(max_order: int) -> None:
     sums = LagSums.of(ar2_instances(np.random.default_rng(13), 20, 30), 24, 1)
-    members = forecasters.family_members(sums, 0, ("smoothed",), 24, 1.0)
-    widest = 23  # orders of at most max_order - 1 readings of changes, and the widest itself
+    members = forecasters.family_members(sums, 0, ("smoothed",), max_order, 1.0)
+    widest = max_order - 1  # orders of at most max_order - 1 readings of changes, and the widest itself
     orders = sorted({o for o in forecasters.SMOOTHED_ORDERS if o < widest} | {widest})
     assert sorted((m.smoothing, m.order) for m in members) == sorted((w, o) for w in SMOOTHING_WEIGHTS for o in orders)
     assert {m.family for m in members} == {"smoothed"} and {m.relative_penalty for m in members} == {0.0}
+    levels = forecasters.family_members(sums, 0, ("levels",), max_order, 1.0)
+    assert levels and {m.smoothing for m in levels} == {0.0}  # only the smoothed family has a weight
+    single = forecasters.averaged(levels[:1], sums, 0)  # a family of one model: all its weight
+    assert single is not None and single.weights == (1.0,) and single.models == (levels[0],)
+
+
+def test_the_choice_reports_each_channels_families_as_v1_model_shows_them() -> None:
+    sums = LagSums.of(ar2_instances(np.random.default_rng(14), 30, 40, channels=2), 24, 2)
+    choice = choose_linear(sums, 24)
+    assert choice is not None
+    report = orjson.loads(orjson.dumps(choice.report()))  # what the route serializes
+    assert report["chosen_by"] == "gcv" and len(report["channels"]) == 2
+    for channel, (shown, chosen) in enumerate(zip(report["channels"], choice.channels, strict=True)):
+        t = unit_root_t(sums, channel, 1.0)
+        assert t is not None and shown["unit_root_t"] == round(t, 3) != round(t, 4)
+        assert len(shown["families"]) == len(chosen.fits) >= 1
+        for family, fit in zip(shown["families"], chosen.fits, strict=True):
+            expected = {
+                "family": fit.best.family, "order": fit.best.order, "relative_penalty": fit.best.relative_penalty,
+                "weight": round(fit.weights[0], 4), "models_averaged": len(fit.models), "shrink": round(fit.shrink, 4),
+            }  # fmt: skip
+            if fit.best.family == "smoothed":
+                expected["smoothing"] = fit.best.smoothing
+            assert family == expected
+    fits = [f for c in choice.channels for f in c.fits]
+    assert any(len(f.models) > 1 and round(f.weights[0], 4) != round(f.weights[0], 5) for f in fits)
+
+
+def test_a_forecaster_reports_its_kind_order_and_blend_weight() -> None:
+    rows = np.zeros((2, 3, 5))  # order 4, a row per position for three positions
+    assert NETWORK.report() == {"kind": "network"} and LAST_VALUE.report() == {"kind": "last_value"}
+    assert Forecaster("linear", rows).report() == {"kind": "linear", "order": 4}
+    assert Forecaster("blend", rows[:, 0], 0.25).report() == {"kind": "blend", "order": 4, "network_weight": 0.25}
 
 
 def test_the_network_serves_as_itself_and_every_other_kind_through_an_eval_mode_wrapper() -> None:
