@@ -222,6 +222,8 @@ def family_basis(family: Family, order: int, smoothing: float = 0.0) -> tuple[np
         basis[1:, 0] = weights / weights.sum()
         basis[1, 0] -= 1.0
         return basis, order + 1
+    if family not in ("changes", "changes_no_drift"):
+        raise ValueError(f"unknown family {family!r}: levels, changes, changes_no_drift or smoothed")
     readings = order + 1
     basis = np.zeros((readings + 1, order + 1))
     basis[0, 0] = 1.0
@@ -625,8 +627,6 @@ class ServedModel(nn.Module):
             self.linear = LinearForecast(forecaster.coefficients).to(device)
         self.channels = network.channels
         self.n_classes = network.n_classes
-        self.max_len = network.max_len
-        self.config = network.config
 
     def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
         if self.kind == "network":

@@ -269,6 +269,21 @@ def test_the_unit_root_statistic_is_statsmodels_adf() -> None:
         expected = adfuller(x, maxlag=4, autolag=None, regression="c", result_object=False)[0]
         t = unit_root_t(LagSums.of([x[:, None]], 8, 1), 0, redundancy=1.0, lags=4)
         assert t == pytest.approx(expected, rel=1e-6)
+        # sums of fewer lags than asked for: as many lagged changes as they hold (max_order - 1)
+        expected = adfuller(x, maxlag=2, autolag=None, regression="c", result_object=False)[0]
+        t = unit_root_t(LagSums.of([x[:, None]], 3, 1), 0, redundancy=1.0, lags=4)
+        assert t == pytest.approx(expected, rel=1e-6)
+
+
+def test_an_unknown_family_is_refused_not_fitted_as_another() -> None:
+    for family in ("level", "CHANGES", ""):
+        with pytest.raises(ValueError, match=f"^unknown family {family!r}"):
+            family_basis(family, 3)  # type: ignore[arg-type]
+
+
+def test_a_single_training_row_is_a_choice_of_the_last_value() -> None:
+    choice = choose_linear(LagSums.of([np.array([[0.0], [1.0]], np.float32)], 24, 1), 24)
+    assert choice is not None and choice.is_last_value and choice.channels[0].fits == ()
 
 
 def test_sliding_windows_count_each_reading_once_in_the_unit_root_statistic() -> None:
@@ -588,6 +603,9 @@ def test_the_choice_reports_each_channels_families_as_v1_model_shows_them() -> N
             if fit.best.family == "smoothed":
                 expected["smoothing"] = fit.best.smoothing
             assert family == expected
+            assert family["relative_penalty"] in (0.0, *forecasters.RELATIVE_PENALTIES)
+    widest = max(f.coefficients.size - 1 for c in choice.channels for f in c.fits)
+    assert choice.order == widest and choice.coefficients.shape == (2, widest, widest + 1)
     fits = [f for c in choice.channels for f in c.fits]
     assert any(len(f.models) > 1 and round(f.weights[0], 4) != round(f.weights[0], 5) for f in fits)
 
