@@ -12,6 +12,7 @@
 # mutmut config: only that module is mutated and only its unit tests run, so a run is
 # as short as it can be. A run starts fresh (the module's previous results are removed);
 # MUTATION_RESUME=1 keeps them and runs only mutants without a result (naming mutants implies it).
+# MUTATION_CHILDREN=N runs N mutants at a time (default 1: the machine is shared).
 #
 # Afterwards, from the work dir:  cd mutants/<module> && ../../.venv/bin/mutmut results
 #                                 cd mutants/<module> && ../../.venv/bin/mutmut show <name>
@@ -105,7 +106,7 @@ EOF
 
   echo "== $name: mutating $src, tests: ${selected[*]}"
   local start=$SECONDS rc=0
-  (cd "$work" && "${NICE[@]}" "$PY" -m mutmut run --max-children 1 "$@") || rc=$?
+  (cd "$work" && "${NICE[@]}" "$PY" -m mutmut run --max-children "${MUTATION_CHILDREN:-1}" "$@") || rc=$?
   if [[ $rc -ne 0 ]]; then echo "mutation.sh: mutmut run for $name exited $rc" >&2; return $rc; fi
   (cd "$work" && "$PY" -m mutmut export-cicd-stats >/dev/null)
   "$PY" - "$name" "$work/mutants/mutmut-cicd-stats.json" "$((SECONDS - start))" <<'EOF'

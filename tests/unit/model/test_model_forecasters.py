@@ -715,3 +715,13 @@ def test_a_forecaster_in_other_units_forecasts_the_same_readings(shape: tuple[in
             served.append(linear_only((readings - m_t) / s_t, mask).forecast * s_t + m_t)
         torch.testing.assert_close(served[0], served[1], atol=1e-3, rtol=1e-5)
     assert LAST_VALUE.in_units(mean, std, to_mean, to_std) is LAST_VALUE
+
+
+def test_sums_of_readings_with_a_mean_and_scale_are_the_sums_of_the_standardized_readings() -> None:
+    rng = np.random.default_rng(15)
+    instances = ar2_instances(rng, 6, 20, channels=2)
+    mean, std = np.array([3.0, -1.0]), np.array([2.0, 0.5])
+    scaled = LagSums.of(instances, 8, 2, mean=mean, std=std)
+    by_hand = LagSums.of([(x.astype(np.float64) - mean) / std for x in instances], 8, 2)
+    np.testing.assert_allclose(scaled.as_array(), by_hand.as_array(), rtol=1e-6, atol=1e-9)
+    assert not np.allclose(scaled.as_array(), LagSums.of(instances, 8, 2).as_array())
