@@ -60,7 +60,7 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent / "tests" / "integration"))
-from _series import FRESH, LATE, SERIES, UNSEEN, Series, sliding_windows  # noqa: E402
+from _series import FRESH, LATE, SERIES, SETS, UNSEEN, Series, sliding_windows  # noqa: E402
 from _settings import add_set_option, service_settings  # noqa: E402
 from _table import Row, _fmt, emit, print_columns  # noqa: E402
 
@@ -497,9 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (kill, pkill) ends the run through its finally blocks, which stop the service it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args.settings = {name.upper(): value for name, value in service_settings(parser, args.set).items()}
-    known = {**SERIES, **UNSEEN, **FRESH, **LATE}
-    sets = {"unseen": UNSEEN, "fresh": FRESH, "late": LATE}
-    names = [n for s in args.series.split(",") if s.strip() for n in sets.get(s.strip(), [s.strip()])]
+    known = {name: make for group in SETS.values() for name, make in group.items()}
+    names = [n for s in args.series.split(",") if s.strip() for n in SETS.get(s.strip(), [s.strip()])]
     unknown = [s for s in names if s not in known]
     if unknown:
         parser.error(f"unknown series {unknown}; known: {', '.join(known)}")

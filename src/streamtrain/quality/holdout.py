@@ -155,10 +155,20 @@ def _previous_events(state: dict[str, Any], sensors: int, channels: int | None) 
     flat = np.asarray(state["last_values"], dtype=np.float32)
     if channels is not None or flat.ndim != 2:
         flat = flat.reshape(-1, channels or 1)
-    if int(lengths.clip(min=0).sum()) != flat.shape[0] or lengths.size != sensors:
+    runs = _cut(flat, lengths[lengths >= 0])
+    if runs is None or lengths.size != sensors:
         raise ValueError("holdout splitter state is inconsistent: previous events do not match the stored readings")
-    bounds = np.concatenate([[0], np.cumsum(lengths.clip(min=0))])
-    return [None if n < 0 else flat[bounds[i] : bounds[i + 1]].copy() for i, n in enumerate(lengths.tolist())]
+    kept = iter(runs)
+    return [None if n < 0 else next(kept) for n in lengths.tolist()]
+
+
+def _cut(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray] | None:
+    """``flat``'s rows cut into consecutive events of ``lengths`` (copies), as the states store
+    events; None when the lengths do not add up to the rows."""
+    if int(lengths.sum()) != flat.shape[0]:
+        return None
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    return [flat[bounds[i] : bounds[i + 1]].copy() for i in range(lengths.size)]
 
 
 def overlap_start(previous: np.ndarray | None, current: np.ndarray) -> int:
@@ -220,18 +230,17 @@ class HoldoutBuffer:
 
     def load_state_dict(self, state: dict[str, Any], channels: int) -> None:
         lengths = np.asarray(state["lengths"], dtype=np.int64)
-        flat = np.asarray(state["values"], dtype=np.float32).reshape(-1, channels)
-        if int(lengths.sum()) != flat.shape[0]:
+        runs = _cut(np.asarray(state["values"], dtype=np.float32).reshape(-1, channels), lengths)
+        if runs is None:
             raise ValueError("holdout state is inconsistent: lengths do not sum to the stored values")
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
         labels = np.asarray(state["labels"], dtype=np.int64).tolist()
         # a holdout saved before sensors were kept: each event its own (no neighbour known)
         sensors = [str(s) for s in state.get("sensors", [f"#{i}" for i in range(len(labels))])]
         self.values.clear()
         self.labels.clear()
         self.sensors.clear()
-        for i, (label, sensor) in enumerate(zip(labels, sensors, strict=True)):
-            self.values.append(flat[bounds[i] : bounds[i + 1]].copy())
+        for values, label, sensor in zip(runs, labels, sensors, strict=True):
+            self.values.append(values)
             self.labels.append(int(label))
             self.sensors.append(sensor)
         self.version += 1
