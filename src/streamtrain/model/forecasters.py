@@ -141,6 +141,8 @@ class LagSums:
     ) -> LagSums:
         """The sums over every one-step target of every instance in ``values`` (each ``[L, C]``),
         in units ``(x - mean) / std`` when those are given."""
+        if (mean is None) != (std is None):
+            raise ValueError("LagSums.of: give the mean and the std together, or neither")
         sums = cls.zeros(channels, max_order)
         arrays = [v for v in values if len(v) >= 2]
         if not arrays:

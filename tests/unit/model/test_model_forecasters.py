@@ -725,3 +725,138 @@ def test_sums_of_readings_with_a_mean_and_scale_are_the_sums_of_the_standardized
     by_hand = LagSums.of([(x.astype(np.float64) - mean) / std for x in instances], 8, 2)
     np.testing.assert_allclose(scaled.as_array(), by_hand.as_array(), rtol=1e-6, atol=1e-9)
     assert not np.allclose(scaled.as_array(), LagSums.of(instances, 8, 2).as_array())
+
+
+def test_a_mean_without_a_scale_or_a_scale_without_a_mean_is_refused_not_ignored() -> None:
+    instances = ar2_instances(np.random.default_rng(16), 2, 10)
+    for units in ({"mean": np.zeros(1)}, {"std": np.ones(1)}):
+        with pytest.raises(ValueError, match=r"^LagSums\.of: give the mean and the std together, or neither$"):
+            LagSums.of(instances, 4, 1, **units)
+
+
+def test_sums_over_more_targets_than_one_chunk_add_every_chunk() -> None:
+    """Past ``_CHUNK_ROWS`` targets the sums are built chunk by chunk; each must add to the last."""
+    rng = np.random.default_rng(17)
+    instances = ar2_instances(rng, 700, 100, channels=2)  # 69,300 targets: two chunks
+    assert sum(len(x) - 1 for x in instances) > forecasters._CHUNK_ROWS
+    whole = LagSums.of(instances, 6, 2)
+    halves = LagSums.of(instances[:350], 6, 2).as_array() + LagSums.of(instances[350:], 6, 2).as_array()
+    np.testing.assert_allclose(whole.as_array(), halves, rtol=1e-9)
+    assert whole.total_rows == 69_300 and whole.instances == 700
+
+
+def test_the_tail_from_past_the_last_bucket_is_the_last_bucket() -> None:
+    """The last bucket holds every origin at position ``P - 1`` or later."""
+    sums = LagSums.of(ar2_instances(np.random.default_rng(18), 4, 30), 5, 1)
+    last = sums.tail(0, 4)
+    for position in (5, 6, 100):
+        for got, expected in zip(sums.tail(0, position), last, strict=True):
+            np.testing.assert_array_equal(got, expected)
+    assert last[3] == 4 * (30 - 5)
+
+
+def test_no_data_has_no_unit_root_statistic() -> None:
+    assert unit_root_t(LagSums.zeros(1, 8), 0, redundancy=1.0) is None
+    assert unit_root_t(LagSums.of([np.zeros((1, 1), np.float32)], 8, 1), 0, redundancy=1.0) is None
+
+
+def test_the_unit_root_statistic_needs_one_degree_of_freedom_and_no_more() -> None:
+    """Intercept, level and one lagged change: three parameters; four targets leave one."""
+    x = np.array([[0.0], [1.0], [3.0], [2.0], [5.0], [4.5], [7.0]])  # origins 1..5 have a lagged change
+    short = LagSums.of([x[:5]], 2, 1)  # three targets with a lagged change: no degree of freedom
+    assert short.tail(0, 1)[3] == 3 and unit_root_t(short, 0, redundancy=1.0, lags=1) is None
+    four = LagSums.of([x[:6]], 2, 1)
+    assert four.tail(0, 1)[3] == 4
+    t = unit_root_t(four, 0, redundancy=1.0, lags=1)
+    assert t is not None and math.isfinite(t)
+
+
+def test_the_unit_root_statistic_and_the_fits_do_not_depend_on_the_readings_scale() -> None:
+    """A t-statistic and a relative penalty are scale-free: readings in thousandths (sums far below
+    one) give the same statistic and, in level space, the same coefficients up to the scale."""
+    instances = ar2_instances(np.random.default_rng(19), 10, 30)
+    small = [x / 1000.0 for x in instances]
+    sums, sums_small = LagSums.of(instances, 8, 1), LagSums.of(small, 8, 1)
+    t, t_small = unit_root_t(sums, 0, 1.0), unit_root_t(sums_small, 0, 1.0)
+    assert t is not None and t_small == pytest.approx(t, rel=1e-6)
+    for family in ("levels", "changes", "changes_no_drift"):
+        model, model_small = fit_model(sums, 0, family, 3, 0.1), fit_model(sums_small, 0, family, 3, 0.1)
+        assert model is not None and model_small is not None
+        scaled = model_small.coefficients.copy()
+        scaled[0] *= 1000.0  # the intercept is in readings; the lag weights are ratios
+        np.testing.assert_allclose(scaled, model.coefficients, rtol=1e-5, atol=1e-9)  # float32 readings
+
+
+def test_one_target_is_evidence_for_a_penalized_fit_and_none_for_an_unpenalized_one() -> None:
+    sums = LagSums.of([np.array([[0.0], [1.0], [3.0]], np.float32)], 4, 1)  # one target with a lagged change
+    assert sums.tail(0, 1)[3] == 1
+    model = fit_model(sums, 0, "changes_no_drift", 1, 1.0)
+    assert model is not None and model.df == pytest.approx(0.5)  # the ridge halves the one change's weight
+    # the change 1 -> 3 after a change of 1: weight 2 unpenalized, 1 with the penalty, as levels [0, 1, -1]
+    np.testing.assert_allclose(model.coefficients, [0.0, 1.0, -1.0])
+    assert fit_model(sums, 0, "changes_no_drift", 1, 0.0) is None  # as many parameters as targets
+
+
+def test_as_many_parameters_as_targets_is_no_fit() -> None:
+    x = np.array([[0.0], [1.0], [3.0], [2.0]], np.float32)  # two targets with a lagged change
+    sums = LagSums.of([x], 4, 1)
+    assert sums.tail(0, 1)[3] == 2
+    assert fit_model(sums, 0, "changes", 1, 0.0) is None  # intercept and one change: two parameters
+    assert fit_model(sums, 0, "changes_no_drift", 1, 0.0) is not None
+
+
+def test_a_constant_series_fits_the_last_value_under_a_penalty() -> None:
+    """No change at all: the penalized block's scale is zero and the penalty falls back to an
+    absolute one, so the fit exists and is the last value (every coefficient zero)."""
+    sums = LagSums.of([np.full((20, 1), 3.0, np.float32)], 4, 1)
+    model = fit_model(sums, 0, "changes_no_drift", 2, 0.1)
+    assert model is not None
+    np.testing.assert_array_equal(model.coefficients, np.zeros(4))
+    assert model.gcv_mse == 0.0
+
+
+def test_a_penalty_shrinks_the_smoothed_familys_one_coefficient() -> None:
+    rng = np.random.default_rng(20)
+    sums = LagSums.of([local_level(rng, 400, 1.0)[:, None].astype(np.float32)], 8, 1)
+    free = fit_model(sums, 0, "smoothed", 4, 0.0, smoothing=0.5)
+    penalized = fit_model(sums, 0, "smoothed", 4, 1.0, smoothing=0.5)
+    assert free is not None and penalized is not None
+    assert 0.0 < np.abs(penalized.coefficients).sum() < 0.75 * np.abs(free.coefficients).sum()
+    assert penalized.df == pytest.approx(0.5, rel=1e-6)  # a penalty equal to the feature's scale halves it
+
+
+def test_the_widest_order_asked_for_is_among_a_familys_members() -> None:
+    sums = LagSums.of(ar2_instances(np.random.default_rng(21), 20, 40), 12, 1)
+    for max_order in (3, 8, 11):
+        members = forecasters.family_members(sums, 0, ("levels", "changes"), max_order, 1.0)
+        for family in ("levels", "changes"):
+            assert max(m.order for m in members if m.family == family) == max_order
+
+
+def test_the_linear_forecast_keeps_its_coefficients_in_float32_and_answers_in_the_inputs_dtype() -> None:
+    module = LinearForecast(np.random.default_rng(22).normal(size=(2, 3, 4)))
+    assert {b.dtype for b in module.buffers()} == {torch.float32}
+    for dtype in (torch.bfloat16, torch.float64):
+        assert module(torch.ones(2, 5, 2, dtype=dtype)).dtype == dtype
+
+
+class _CountingNetwork(SensorModel):
+    calls = 0
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("n_classes", [0, 1, 3])
+def test_a_linear_forecaster_runs_the_network_only_for_its_class_head(n_classes: int) -> None:
+    torch.manual_seed(0)
+    network = _CountingNetwork(2, n_classes=n_classes, d_model=16, n_heads=2, n_layers=1, max_len=32).eval()
+    coefficients = np.random.default_rng(23).normal(size=(2, 1 + 3))
+    served = ServedModel(network, Forecaster("linear", coefficients))
+    _CountingNetwork.calls = 0
+    output = served(torch.ones(3, 6, 2), torch.ones(3, 6))
+    assert _CountingNetwork.calls == (1 if n_classes else 0)
+    assert (output.logits is None) == (n_classes == 0)
+    if n_classes:
+        assert output.logits is not None and output.logits.shape == (3, n_classes)
