@@ -75,9 +75,10 @@ class HoldoutSplitter:
         guard: list[int] = []
         if self.period == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        starts, lengths = batch.starts, batch.lengths
-        for i, sensor_id in enumerate(batch.sensor_ids.tolist()):
-            values = batch.values[int(starts[i]) : int(starts[i]) + int(lengths[i])]
+        sensor_ids = batch.sensor_ids.tolist()
+        slides, last_row = self._slides(batch, sensor_ids)
+        lengths = batch.lengths.tolist()
+        for i, sensor_id in enumerate(sensor_ids):
             state = self._sensors.get(sensor_id)
             if state is None:
                 state = _SensorBlocks(0, self._phase(sensor_id), self.block_events)
@@ -86,7 +87,8 @@ class HoldoutSplitter:
                     self._sensors.popitem(last=False)
             else:
                 self._sensors.move_to_end(sensor_id)
-                state.guard = _overlapping_neighbours(state.last, values)
+                stride = slides[i]  # later events that share readings with one: ceil(L / stride) - 1
+                state.guard = -(-lengths[i] // stride) - 1 if stride else 0
                 if 2 * state.guard > state.block:  # blocks grow once, when the overlap is first seen
                     # the events that share readings with a held event just before are its guard
                     previous_held = self._held(state, (state.count - 1) // state.block)
@@ -103,8 +105,41 @@ class HoldoutSplitter:
             ):
                 guard.append(i)
             state.count += 1
-            state.last = np.array(values)
+        starts = batch.starts
+        for sensor_id, i in last_row.items():  # each sensor's newest event, to compare the next batch's with
+            state = self._sensors.get(sensor_id)
+            if state is not None:
+                state.last = batch.values[starts[i] : starts[i] + batch.lengths[i]].copy()
         return np.array(held, dtype=np.int64), np.array(guard, dtype=np.int64)
+
+    def _slides(self, batch: EventBatch, sensor_ids: list[str]) -> tuple[list[int], dict[str, int]]:
+        """(:func:`overlap_start` of each event of ``batch`` within its sensor's previous event, or 0
+        where it has none; each sensor's last row in ``batch``), found for the whole batch at once:
+        per event only dictionary work is left to the loop of :meth:`split`."""
+        previous_row = np.full(len(sensor_ids), -1, dtype=np.int64)
+        last_row: dict[str, int] = {}
+        for i, sensor_id in enumerate(sensor_ids):
+            previous_row[i] = last_row.get(sensor_id, -1)
+            last_row[sensor_id] = i
+        # a sensor's first event in the batch is compared with the event its state kept
+        stored = [
+            (i, last)
+            for i in np.flatnonzero(previous_row < 0).tolist()
+            if (state := self._sensors.get(sensor_ids[i])) is not None and (last := state.last) is not None
+        ]  # fmt: skip
+        readings = batch.values
+        event_starts, event_lengths = batch.starts, batch.lengths
+        if stored:
+            readings = np.concatenate([readings, *(last for _, last in stored)])
+            extra = np.array([len(last) for _, last in stored], dtype=np.int64)
+            extra_starts = len(batch.values) + np.concatenate([[0], np.cumsum(extra[:-1])])
+            event_starts = np.concatenate([event_starts, extra_starts])
+            event_lengths = np.concatenate([event_lengths, extra])
+            previous_row[[i for i, _ in stored]] = len(sensor_ids) + np.arange(len(stored))
+        current = np.flatnonzero(previous_row >= 0)
+        slides = np.zeros(len(sensor_ids), dtype=np.int64)
+        slides[current] = overlap_starts(readings, event_starts, event_lengths, previous_row[current], current)
+        return slides.tolist(), last_row
 
     def redundancy_sums(self) -> np.ndarray:
         """[sum over sensors of the events each reading is in, sensors]: overlapping events
@@ -184,17 +219,48 @@ def overlap_start(previous: np.ndarray | None, current: np.ndarray) -> int:
     return 0
 
 
+def overlap_starts(
+    readings: np.ndarray, starts: np.ndarray, lengths: np.ndarray, previous: np.ndarray, current: np.ndarray
+) -> np.ndarray:
+    """:func:`overlap_start` of events ``current`` within events ``previous`` (pairs of indices into
+    events ``k`` = ``readings[starts[k] : starts[k] + lengths[k]]``), all pairs at once.
+
+    Every reading of a previous event after its first that equals its pair's first current reading
+    is a candidate start; candidates are checked in rounds, each pair's next one per round, so a pair
+    stops at its smallest start that matches, as :func:`overlap_start` does (most pairs settle in the
+    first round: a sliding window's stride, or no candidate at all)."""
+    found = np.zeros(len(current), dtype=np.int64)
+    prev_start, prev_len = starts[previous], lengths[previous]
+    cur_start, cur_len = starts[current], lengths[current]
+    span = np.where(cur_len > 0, np.maximum(prev_len - 1, 0), 0)  # candidates after each previous event's first
+    pair = np.repeat(np.arange(len(current)), span)
+    if pair.size == 0:
+        return found
+    offset = np.arange(pair.size) - np.repeat(np.cumsum(span) - span, span) + 1  # 1 .. prev_len - 1
+    first = readings[np.minimum(cur_start, max(len(readings) - 1, 0))]  # each pair's first current reading
+    hit = (readings[prev_start[pair] + offset] == first[pair]).all(axis=-1)
+    pair, offset = pair[hit], offset[hit]  # candidates, by pair, then start
+    rank = np.arange(pair.size) - np.searchsorted(pair, pair)  # each candidate's place among its pair's
+    settled = np.zeros(len(current), dtype=bool)
+    for r in range(int(rank.max()) + 1 if rank.size else 0):
+        trial = np.flatnonzero((rank == r) & ~settled[pair])
+        if trial.size == 0:
+            break
+        p, o = pair[trial], offset[trial]
+        shared = np.minimum(prev_len[p] - o, cur_len[p])
+        which = np.repeat(np.arange(trial.size), shared)
+        step = np.arange(which.size) - np.repeat(np.cumsum(shared) - shared, shared)
+        same = (readings[prev_start[p][which] + o[which] + step] == readings[cur_start[p][which] + step]).all(axis=-1)
+        matched = np.bincount(which, weights=~same, minlength=trial.size) == 0
+        found[p[matched]] = o[matched]
+        settled[p[matched]] = True
+    return found
+
+
 def repeated_readings(previous: np.ndarray | None, current: np.ndarray) -> int:
     """How many of ``current``'s first readings ``previous`` already held (0 without overlap)."""
     start = overlap_start(previous, current)
     return min(len(previous) - start, len(current)) if start and previous is not None else 0
-
-
-def _overlapping_neighbours(previous: np.ndarray | None, current: np.ndarray) -> int:
-    """How many later events share readings with one, if each starts where ``current`` starts
-    within ``previous`` (a sliding window of stride s shares readings with ceil(L / s) - 1 others)."""
-    start = overlap_start(previous, current)
-    return -(-len(current) // start) - 1 if start else 0
 
 
 class HoldoutBuffer:

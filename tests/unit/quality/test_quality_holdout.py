@@ -7,10 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model.normalization import RunningNorm
-from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter, overlap_start
+from streamtrain.quality.holdout import HoldoutBuffer, HoldoutSplitter, overlap_start, overlap_starts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the shared quality fixtures
 from quality_fixtures import ForecastsZero, Frozen, events, monitor  # noqa: E402
@@ -345,3 +347,76 @@ def test_the_holdout_buffer_round_trips_every_event_and_refuses_an_inconsistent_
     state["sensors"] = state["sensors"][:-1]
     with pytest.raises(ValueError):  # a sensor per label, or the state is not this buffer's
         HoldoutBuffer(capacity=5).load_state_dict(state, channels=2)
+
+
+def related_event(draw: st.DrawFn, previous: np.ndarray) -> np.ndarray:
+    """An event that follows ``previous`` as producers send them: slid by some stride, the same
+    again, unrelated, or cut from a signal of few values (many false starts to rule out)."""
+    channels = previous.shape[1]
+    kind = draw(st.sampled_from(["slide", "same", "other", "periodic"]))
+    if kind == "slide" and len(previous) > 1:
+        stride = draw(st.integers(1, len(previous) - 1))
+        more = np.array(draw(st.lists(st.integers(-2, 2), min_size=channels, max_size=channels * 6)), np.float32)
+        return np.concatenate([previous[stride:], more[: len(more) // channels * channels].reshape(-1, channels)])
+    if kind == "same":
+        return previous.copy()
+    length = draw(st.integers(0, 12))  # an empty event too: overlap_start finds no slide in it
+    values = draw(
+        st.lists(st.integers(0, 1 if kind == "periodic" else 9), min_size=length * channels, max_size=length * channels)
+    )
+    return np.array(values, np.float32).reshape(length, channels)
+
+
+@st.composite
+def event_pairs(draw: st.DrawFn) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+    channels = draw(st.integers(1, 2))
+    events: list[np.ndarray] = []
+    pairs: list[tuple[int, int]] = []
+    for _ in range(draw(st.integers(1, 12))):
+        length = draw(st.integers(0, 12))
+        values = draw(st.lists(st.integers(0, 2), min_size=length * channels, max_size=length * channels))
+        events.append(np.array(values, np.float32).reshape(length, channels))
+        for _ in range(draw(st.integers(0, 3))):
+            events.append(related_event(draw, events[-1]))
+            pairs.append((len(events) - 2, len(events) - 1))
+    return events, pairs
+
+
+@settings(max_examples=300, deadline=None)
+@given(event_pairs())
+def test_the_batch_overlap_starts_are_overlap_start_of_each_pair(
+    case: tuple[list[np.ndarray], list[tuple[int, int]]],
+) -> None:
+    events, pairs = case
+    lengths = np.array([len(e) for e in events], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
+    previous = np.array([p for p, _ in pairs], dtype=np.int64)
+    current = np.array([c for _, c in pairs], dtype=np.int64)
+    got = overlap_starts(np.concatenate(events), starts, lengths, previous, current)
+    assert got.dtype == np.int64 and got.tolist() == [overlap_start(events[p], events[c]) for p, c in pairs]
+
+
+def test_a_stream_split_in_poll_batches_of_any_size_is_split_as_one_event_at_a_time() -> None:
+    """Within a poll batch a sensor's previous event is in the batch; across batches the splitter
+    keeps it: both must find the same overlaps, blocks and guards."""
+    rng = np.random.default_rng(12)
+    items = (
+        sliding(rng.normal(size=160), "stride-1", length=8)
+        + sliding(rng.normal(size=200), "stride-3", length=12, stride=3)
+        + sliding(np.tile([0.0, 1.0], 80), "periodic", length=6, stride=2)
+        + [SensorEvent("apart", 1000.0 + i, rng.normal(size=(5, 1)).astype(np.float32)) for i in range(80)]
+        + [SensorEvent("constant", 1000.0 + i, np.full((4, 1), 2.0, np.float32)) for i in range(80)]
+    )
+    batch = EventBatch.from_events(sorted(items, key=lambda e: (e.ts, e.sensor_id)), channels=1)
+    one_at_a_time = HoldoutSplitter(0.25, 3, "seeded", 0)
+    expected = [
+        np.concatenate(parts)
+        for parts in zip(*(split_rows(one_at_a_time, batch, range(i, i + 1)) for i in range(len(batch))), strict=True)
+    ]
+    assert expected[0].size > 0 and expected[1].size > 0
+    for size in (2, 7, 64, len(batch)):
+        splitter = HoldoutSplitter(0.25, 3, "seeded", 0)
+        parts = [split_rows(splitter, batch, range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+        got = [np.concatenate(p) for p in zip(*parts, strict=True)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), size
+        assert splitter.redundancy_sums().tolist() == one_at_a_time.redundancy_sums().tolist()
