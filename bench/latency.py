@@ -37,6 +37,12 @@ Each ``--configs`` run (service settings, e.g. ``pass_max_items=256,pass_fresh_s
 runs separated by ``;``) gets a fresh service and topic. Needs the broker
 (``deploy/kafka.sh up``). Run: ``python bench/latency.py [--configs ...] [--json]``.
 
+``--gil`` (needs ``py-spy``, in the ``bench`` extra, and the right to trace this process) also
+samples, over the measured interval, which thread holds the interpreter lock (``py-spy record
+--gil``: 100 samples a second, only the holder's stack) and reports each holder's share of the
+wall clock: the trainer needs the lock between its kernels, so time others hold it is time the
+trainer may wait (docs/performance.md, "Who holds the interpreter lock").
+
 ``--in-process`` needs no broker (the GPU machine has none): a feeder thread inserts the
 same events (same lengths, same unique ``ts``, same 20 ms ticks) straight into the
 service's window, and only the trainer and the HTTP app run (no Kafka, no ingest thread,
@@ -50,7 +56,9 @@ import argparse
 import math
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -266,6 +274,46 @@ def clock_threads(begin: float, end: float, into: dict[str, tuple[float, float]]
     return clock
 
 
+#: who holds the interpreter lock, by the first of these found in a sampled stack (in this order)
+LOCK_HOLDERS = (
+    ("the holdout's split", ("HoldoutSplitter.split",)),
+    ("ingest's apply: scoring, window, holdout buffer", ("Ingestor._apply",)),
+    ("kafka-python: poll and its network thread", ("KafkaConsumer.poll", "NetworkSelector.run_forever")),
+    ("the trainer's thread", ("ModelTrainer._run",)),
+    ("HTTP, predict and the bench's poller", ("Server.run", "PredictBatcher", "poll_predictions")),
+)
+
+
+def py_spy() -> str | None:
+    """py-spy beside this interpreter (a virtual environment's bin/) or on the PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def sample_lock_holders(begin: float, end: float, into: dict[str, float], rate: int = 100) -> threading.Thread:
+    """Fill ``into`` with each holder's share of the wall clock in [begin, end), from ``py-spy
+    record --gil`` on this process (raw stacks, one line per stack with its sample count)."""
+
+    def run() -> None:
+        time.sleep(max(0.0, begin - time.time()))
+        seconds = max(1, round(end - begin))
+        with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+            command = [
+                str(py_spy()), "record", "--gil", "--nonblocking", "-r", str(rate), "-d", str(seconds),
+                "-f", "raw", "-o", out.name, "-p", str(os.getpid()),
+            ]  # fmt: skip
+            subprocess.run(command, check=True, capture_output=True)
+            samples = rate * seconds
+            for line in Path(out.name).read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                holder = next((name for name, marks in LOCK_HOLDERS if any(m in stack for m in marks)), "other")
+                into[holder] = into.get(holder, 0.0) + int(count) / samples
+
+    sampler = threading.Thread(target=run, name="bench-lock-sampler", daemon=True)
+    sampler.start()
+    return sampler
+
+
 # ---------------------------------------------------------------------- one run
 @dataclass
 class RunResult:
@@ -282,6 +330,7 @@ class RunResult:
     padding_share: float
     compile_s: float = 0.0  # waited for the forwards to compile before the first event (COMPILE=on)
     thread_cores: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (on a CPU, runnable)
+    lock_holders: dict[str, float] = field(default_factory=dict)  # holder -> share of the wall clock (--gil)
 
 
 def free_port() -> int:
@@ -339,6 +388,12 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
         duration = args.warmup_s + args.measure_s + args.tail_s
         cores: dict[str, tuple[float, float]] = {}
         clock_threads(start_at + args.warmup_s, start_at + args.warmup_s + args.measure_s, cores)
+        holders: dict[str, float] = {}
+        sampler = (
+            sample_lock_holders(start_at + args.warmup_s, start_at + args.warmup_s + args.measure_s, holders)
+            if args.gil
+            else None
+        )
         per_producer = args.rate / args.producers
         processes = [
             context.Process(
@@ -384,7 +439,9 @@ def run_once(args: argparse.Namespace, overrides: dict[str, str]) -> RunResult:
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown)
     begin = start_at + args.warmup_s
     result = analyse(seen, begin, begin + args.measure_s, label, produced_rate)
-    return replace(result, compile_s=compile_s, thread_cores=cores)
+    if sampler is not None:
+        sampler.join(30)
+    return replace(result, compile_s=compile_s, thread_cores=cores, lock_holders=holders)
 
 
 def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings: Any) -> RunResult:
@@ -521,6 +578,11 @@ def rows_for(result: RunResult, target_rate: float) -> list[Row]:
             if name in result.thread_cores
             for i, what in enumerate(("on a CPU", "runnable, waiting for a CPU"))
         ),
+        *(
+            Row(tag, f"interpreter lock held by {name}, share of wall clock", result.lock_holders[name])
+            for name in [*(n for n, _ in LOCK_HOLDERS), "other"]
+            if name in result.lock_holders
+        ),
     ]
 
 
@@ -544,8 +606,11 @@ def main() -> None:
         action="store_true",
         help="no broker: events fed straight into the window (the trainer's part of the latency)",
     )
+    parser.add_argument("--gil", action="store_true", help="also sample who holds the interpreter lock (py-spy)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.gil and (args.in_process or py_spy() is None):
+        parser.error("--gil samples a Kafka run with py-spy: install the bench extra (py-spy) and drop --in-process")
 
     import logging
 
