@@ -43,6 +43,10 @@ samples, over the measured interval, which thread holds the interpreter lock (``
 wall clock: the trainer needs the lock between its kernels, so time others hold it is time the
 trainer may wait (docs/performance.md, "Who holds the interpreter lock").
 
+``--in-process --quality`` sends the feeder's batches through the quality monitor first (the
+holdout's split, prequential scoring), as ingest does: everything ingest does in this
+interpreter but Kafka's client and the decoding.
+
 ``--in-process`` needs no broker (the GPU machine has none): a feeder thread inserts the
 same events (same lengths, same unique ``ts``, same 20 ms ticks) straight into the
 service's window, and only the trainer and the HTTP app run (no Kafka, no ingest thread,
@@ -146,8 +150,9 @@ def produce(
 
 
 def feed(window: Any, rate: float, start_at: float, duration_s: float, median: float, results: list[Any],
-         stop: threading.Event) -> None:  # fmt: skip
-    """In-process stand-in for the producers: ``rate`` events/s into ``window``, ts as they stamp it."""
+         stop: threading.Event, observe: Any = None) -> None:  # fmt: skip
+    """In-process stand-in for the producers: ``rate`` events/s into ``window``, ts as they stamp it;
+    through ``observe`` first when given (the quality monitor, as ingest does: holdout, scoring)."""
     import json
 
     from streamtrain.events import EventBatch, SensorEvent
@@ -166,7 +171,12 @@ def feed(window: Any, rate: float, start_at: float, duration_s: float, median: f
             sensor, values = templates[(sent + j) % len(templates)]
             events.append(SensorEvent(sensor, base + j * 1e-6, values))
         if events:
-            window.insert_batch(EventBatch.from_events(events))
+            batch = EventBatch.from_events(events)
+            to_window = batch if observe is None else observe(batch)
+            if len(to_window):
+                window.insert_batch(to_window, held_out=len(batch) - len(to_window))
+            else:
+                window.advance_offsets({}, held_out=len(batch))
         sent += n
     results.append((0, sent, time.time() - start_at))
 
@@ -468,7 +478,9 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     reports: list[Any] = []
     stop_feeding, stop_polling = threading.Event(), threading.Event()
     feeder = threading.Thread(
-        target=feed, args=(service.window, args.rate, start_at, duration, args.length_median, reports, stop_feeding),
+        target=feed,
+        args=(service.window, args.rate, start_at, duration, args.length_median, reports, stop_feeding,
+              service.trainer.quality.observe if args.quality and service.trainer.quality is not None else None),
         name="feeder", daemon=True,
     )  # fmt: skip
     poller = threading.Thread(target=poll_predictions, args=(port, stop_polling, seen), daemon=True)
@@ -488,6 +500,7 @@ def run_in_process(args: argparse.Namespace, overrides: dict[str, str], settings
     produced_rate = sum(sent for _, sent, _ in reports) / max(elapsed for _, _, elapsed in reports)
     shown = dict.fromkeys(("pass_max_items", "pass_fresh_share", *overrides))
     label = ", ".join(f"{name}={getattr(settings, name)}" for name in shown) + ", in-process"
+    label += ", through the quality monitor" if args.quality else ""
     begin = start_at + args.warmup_s
     result = analyse(seen, begin, begin + args.measure_s, label, produced_rate)
     return replace(result, compile_s=compile_s, thread_cores=cores)
@@ -606,9 +619,16 @@ def main() -> None:
         action="store_true",
         help="no broker: events fed straight into the window (the trainer's part of the latency)",
     )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="with --in-process: the feeder's batches go through the quality monitor first, as ingest's do",
+    )
     parser.add_argument("--gil", action="store_true", help="also sample who holds the interpreter lock (py-spy)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.quality and not args.in_process:
+        parser.error("--quality is for --in-process runs (through Kafka, ingest always goes through the monitor)")
     if args.gil and (args.in_process or py_spy() is None):
         parser.error("--gil samples a Kafka run with py-spy: install the bench extra (py-spy) and drop --in-process")
 
