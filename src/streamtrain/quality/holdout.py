@@ -20,6 +20,7 @@ import numpy as np
 from streamtrain.data.randomness import ShuffleMode, make_randomness
 from streamtrain.events import EventBatch
 from streamtrain.quality.config import HOLDOUT_STREAM
+from streamtrain.window.storage import token_positions
 
 
 @dataclass
@@ -116,11 +117,12 @@ class HoldoutSplitter:
         """(:func:`overlap_start` of each event of ``batch`` within its sensor's previous event, or 0
         where it has none; each sensor's last row in ``batch``), found for the whole batch at once:
         per event only dictionary work is left to the loop of :meth:`split`."""
-        previous_row = np.full(len(sensor_ids), -1, dtype=np.int64)
         last_row: dict[str, int] = {}
+        previous: list[int] = []
         for i, sensor_id in enumerate(sensor_ids):
-            previous_row[i] = last_row.get(sensor_id, -1)
+            previous.append(last_row.get(sensor_id, -1))
             last_row[sensor_id] = i
+        previous_row = np.array(previous, dtype=np.int64)
         # a sensor's first event in the batch is compared with the event its state kept
         stored = [
             (i, last)
@@ -236,10 +238,10 @@ def overlap_starts(
     pair = np.repeat(np.arange(len(current)), span)
     if pair.size == 0:
         return found
-    offset = np.arange(pair.size) - np.repeat(np.cumsum(span) - span, span) + 1  # 1 .. prev_len - 1
+    rows = token_positions(prev_start + 1, span)  # each previous event's readings after its first
     first = readings[np.minimum(cur_start, max(len(readings) - 1, 0))]  # each pair's first current reading
-    hit = (readings[prev_start[pair] + offset] == first[pair]).all(axis=-1)
-    pair, offset = pair[hit], offset[hit]  # candidates, by pair, then start
+    hit = (readings[rows] == first[pair]).all(axis=-1)
+    pair, offset = pair[hit], rows[hit] - prev_start[pair[hit]]  # candidates, by pair, then start
     rank = np.arange(pair.size) - np.searchsorted(pair, pair)  # each candidate's place among its pair's
     settled = np.zeros(len(current), dtype=bool)
     for r in range(int(rank.max()) + 1 if rank.size else 0):
@@ -249,8 +251,8 @@ def overlap_starts(
         p, o = pair[trial], offset[trial]
         shared = np.minimum(prev_len[p] - o, cur_len[p])
         which = np.repeat(np.arange(trial.size), shared)
-        step = np.arange(which.size) - np.repeat(np.cumsum(shared) - shared, shared)
-        same = (readings[prev_start[p][which] + o[which] + step] == readings[cur_start[p][which] + step]).all(axis=-1)
+        same = readings[token_positions(prev_start[p] + o, shared)] == readings[token_positions(cur_start[p], shared)]
+        same = same.all(axis=-1)
         matched = np.bincount(which, weights=~same, minlength=trial.size) == 0
         found[p[matched]] = o[matched]
         settled[p[matched]] = True
