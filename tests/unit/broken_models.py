@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamtrain.model.network import CausalSelfAttention, ModelOutput, SensorModel
+from streamtrain.model.network import CausalSelfAttention, ModelOutput, SensorModel, pad_rows
 
 HEAD_STD = 0.3  # a head of this size moves forecasts by about one step scale: far above any test tolerance
 
@@ -49,12 +49,11 @@ def computing_model(
 # ---------------------------------------------------------------------------- broken variants
 
 
-def _sees_the_future(attention: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+def _sees_the_future(attention: CausalSelfAttention, x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     """``CausalSelfAttention.forward`` without the causal mask."""
-    batch, length, d_model = x.shape
-    q, k, v = (attention._heads(layer(x)) for layer in (attention.query, attention.key, attention.value))
-    mixed = F.scaled_dot_product_attention(q, k, v)  # every query meets every key
-    return attention.out(mixed.transpose(1, 2).reshape(batch, length, d_model))
+    heads = (attention._heads(layer(x), batch, length) for layer in (attention.query, attention.key, attention.value))
+    mixed = F.scaled_dot_product_attention(*heads)  # every query meets every key
+    return attention.out(pad_rows(mixed.transpose(1, 2).reshape(batch * length, -1), x.shape[0]))
 
 
 def non_causal(model: SensorModel) -> SensorModel:
@@ -76,22 +75,31 @@ def mixes_batch(model: nn.Module, at: str = "final_norm") -> nn.Module:
     """A copy that adds the batch mean to the output of submodule ``at``.
 
     ``"final_norm"``: the hidden state right before the heads; ``"blocks.0"``: inside the
-    body; ``""``: the model's own outputs (after the heads).
+    body (both token rows: the mean over every instance's positions); ``""``: the model's own
+    outputs (after the heads).
     """
     broken = copy.deepcopy(model)
     broken.get_submodule(at).register_forward_hook(_plus_batch_mean)
     return broken
 
 
-def _plus_mean_over_positions(_module: nn.Module, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    return output + output.mean(dim=1, keepdim=True)  # the padding counts as positions
-
-
 def pools_over_padding(model: SensorModel) -> SensorModel:
     """A copy that adds the unmasked mean over all positions to the hidden state before the heads,
     so a real forecast depends on how much padding follows it."""
     broken = copy.deepcopy(model)
-    broken.final_norm.register_forward_hook(_plus_mean_over_positions)
+    shape: dict[str, int] = {}
+
+    def remember_shape(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        shape["batch"], shape["length"] = args[1].shape
+
+    def plus_mean_over_positions(_module: nn.Module, _args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        batch, length = shape["batch"], shape["length"]  # the hidden state is token rows, [B * L (+ pad rows), D]
+        positions = output[: batch * length].view(batch, length, -1)
+        pooled = positions + positions.mean(dim=1, keepdim=True)  # the padding counts as positions
+        return torch.cat([pooled.reshape(batch * length, -1), output[batch * length :]])
+
+    broken.register_forward_pre_hook(remember_shape)
+    broken.final_norm.register_forward_hook(plus_mean_over_positions)
     return broken
 
 

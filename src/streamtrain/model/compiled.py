@@ -204,14 +204,27 @@ def compiled_graphs() -> int:
 # the training forward
 
 
-def training_forward(model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor, amp: Precision) -> ModelOutput:
-    """The training step's forward: ``model`` under ``AMP``'s autocast, the output in ``x_norm``'s dtype
+def training_forward(
+    model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor, amp: Precision, row_multiple: int = 1
+) -> ModelOutput:
+    """The training step's forward: ``model`` under ``AMP``'s autocast (its token rows padded to a
+    multiple of ``row_multiple``: :func:`training_row_multiple`), the output in ``x_norm``'s dtype
     (the weights'; the same tensors when AMP is off)."""
     with autocast(x_norm.device, amp):
-        output = model(x_norm, mask)
+        output = model(x_norm, mask, row_multiple=row_multiple)
     logits = output.logits
     dtype = x_norm.dtype
     return ModelOutput(output.forecast.to(dtype), None if logits is None else logits.to(dtype))
+
+
+def training_row_multiple(device: torch.device, amp: Precision, token_budget: int) -> int:
+    """What the training forward pads its token rows to a multiple of: a sixteenth of the
+    token budget (at most 1/16 more rows, 16 row counts up to a full batch) where the step's
+    matmuls run in bf16 on a CPU, whose oneDNN kernels are built and cached per row count; 1
+    elsewhere, where no kernel depends on it (float32 ran as fast either way: docs/performance.md)."""
+    if device.type == "cpu" and amp == "bf16":
+        return max(1, token_budget // 16)
+    return 1
 
 
 #: (rows, positions) of the warm-up batches: a tiny one and one of a realistic size. Inductor
@@ -243,9 +256,12 @@ class ModelForward:
     """``forward(model, x_norm, mask) -> ModelOutput`` of the training step: compiled (once
     warmed up) unless ``enabled`` is False; inputs padded as the module docstring says."""
 
-    def __init__(self, template: SensorModel, amp: Precision, *, enabled: bool, niceness: int = 0) -> None:
+    def __init__(
+        self, template: SensorModel, amp: Precision, *, enabled: bool, niceness: int = 0, row_multiple: int = 1
+    ) -> None:
         self.amp: Precision = amp
-        eager = functools.partial(training_forward, amp=amp)
+        self.row_multiple = row_multiple
+        eager = functools.partial(training_forward, amp=amp, row_multiple=row_multiple)
         template = copy.deepcopy(template)  # the warm-up trains a copy: the live model is left alone
 
         def warm_up(run: Callable[..., ModelOutput]) -> None:

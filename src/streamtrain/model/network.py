@@ -70,13 +70,14 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+    def _heads(self, x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """Rows ``[:batch * length]`` of ``x`` (token rows, pad rows after them) as ``[B, H, L, head_dim]``."""
+        return x[: batch * length].view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, d_model = x.shape
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+    def forward(self, x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """``x``: ``[R, d_model]`` token rows, the first ``batch * length`` of them the batch's
+        positions in order and any after them pad rows (:func:`pad_rows`), which mix with nothing."""
+        q, k, v = (self._heads(layer(x), batch, length) for layer in (self.query, self.key, self.value))
         dropout = self.dropout if self.training else 0.0
         # Causal attention needs no padding mask: real positions come first, so every key a
         # real query may see (s <= t) is real; pad queries see pad keys, and their outputs are
@@ -96,8 +97,8 @@ class CausalSelfAttention(nn.Module):
                 mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         else:
             mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        mixed = mixed.transpose(1, 2).reshape(batch, length, d_model)
-        return self.out(mixed)
+        mixed = mixed.transpose(1, 2).reshape(batch * length, -1)
+        return self.out(pad_rows(mixed, x.shape[0]))
 
 
 class Block(nn.Module):
@@ -112,8 +113,9 @@ class Block(nn.Module):
         self.ff_out = nn.Linear(ff_mult * d_model, d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """``x``: ``[R, d_model]`` token rows, as :meth:`CausalSelfAttention.forward` takes them."""
+        x = x + self.dropout(self.attn(self.attn_norm(x), batch, length))
         return x + self.dropout(self.ff_out(F.gelu(self.ff_in(self.ff_norm(x)))))
 
 
@@ -168,7 +170,15 @@ class SensorModel(nn.Module):
             )
         return cls(**arguments)
 
-    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor, row_multiple: int = 1) -> ModelOutput:
+        """Forecasts (and logits) of ``x_norm [B, L, C]`` whose real positions ``mask [B, L]`` marks.
+
+        The body runs on the batch's ``B * L`` positions as token rows, padded up to a multiple
+        of ``row_multiple`` (pad rows mix with nothing and are cut off). On a CPU, oneDNN builds
+        bf16 matmul kernels for each new row count, which cost more than the products
+        themselves; a few row counts keep them cached (docs/performance.md, "One matmul kernel
+        per row count"). 1 leaves the rows as they are.
+        """
         batch, length, channels = x_norm.shape
         if channels != self.channels or mask.shape != (batch, length):
             raise ValueError(
@@ -182,18 +192,28 @@ class SensorModel(nn.Module):
         # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
         x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
         features, scale = level_free_features(x, real)
-        hidden = self.input(features) + self.positions[:length]
+        positions = batch * length
+        rows = positions + (-positions) % row_multiple
+        hidden = self.input(pad_rows(features.reshape(positions, -1), rows))
+        hidden = hidden + pad_rows(self.positions[:length].repeat(batch, 1), rows)
         for block in self.blocks:
-            hidden = block(hidden)
+            hidden = block(hidden, batch, length)
         hidden = self.final_norm(hidden)
         # The forecast is the last reading plus a change in the instance's own step scale.
-        forecast = (x + scale * self.forecast_head(hidden)) * real
+        change = self.forecast_head(hidden)[:positions].view(batch, length, channels)
+        forecast = (x + scale * change) * real
         logits = None
         if self.class_head is not None:
             last = (mask.sum(dim=1) - 1).clamp_min(0)  # real positions come first
-            last_hidden = hidden[torch.arange(batch, device=hidden.device), last]
+            last_hidden = hidden[:positions].view(batch, length, -1)[torch.arange(batch, device=hidden.device), last]
             logits = self.class_head(last_hidden)
         return ModelOutput(forecast=forecast, logits=logits)
+
+
+def pad_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``rows [N, D]`` followed by zero rows up to ``count`` (a copy, also when none is missing:
+    no branch on a size that torch.compile would have to guard)."""
+    return F.pad(rows, (0, 0, 0, count - rows.shape[0]))
 
 
 SCALE_FLOOR = 0.05  # in units of the running (global) std: a flat instance is not blown up

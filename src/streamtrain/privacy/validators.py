@@ -215,14 +215,20 @@ def _mixing_error(model: nn.Module, kept_row: int, changed_row: int, training: b
 
 def _check_no_mixing(model: nn.Module, x: torch.Tensor, changed: dict[int, torch.Tensor], mask: torch.Tensor,
                      training: bool) -> None:  # fmt: skip
-    """Each example's hidden state and outputs are the same whatever the other example holds."""
-    batch = int(x.shape[0])
+    """Each example's hidden state and outputs are the same whatever the other example holds.
+
+    Hidden states are compared per example where they are batch-first (``[B, ...]``) or token
+    rows (``[B * L, ...]``, an example's positions one after another, as SensorModel's body
+    runs: its rows ``[i * L, (i + 1) * L)`` are example ``i``'s)."""
+    batch, length = int(x.shape[0]), int(x.shape[1])
     reference_seen, reference_outputs = _trace(model, x, mask)
     for changed_row, kept_row in ((1, 0), (0, 1)):
         seen, outputs = _trace(model, changed[changed_row], mask)
         if [(label, t.shape) for label, t in seen] != [(label, t.shape) for label, t in reference_seen]:
             raise _mixing_error(model, kept_row, changed_row, training, "path through the modules (or their shapes)")
         for (label, a), (_, b) in zip(reference_seen, seen, strict=True):
+            if a.dim() >= 1 and a.shape[0] == batch * length != batch:  # token rows: per example
+                a, b = (t.reshape(batch, length, *t.shape[1:]) for t in (a, b))
             if a.dim() >= 1 and a.shape[0] == batch and not _same_row(a, b, kept_row):  # batch-first tensors only
                 raise _mixing_error(model, kept_row, changed_row, training, f"hidden state ({label})")
         for a, b in zip(reference_outputs, outputs, strict=True):

@@ -34,7 +34,7 @@ from streamtrain.distributed.launch import DistContext
 from streamtrain.distributed.wire import StepSignals
 from streamtrain.events import EventBatch
 from streamtrain.metrics import Metrics
-from streamtrain.model.compiled import ModelForward
+from streamtrain.model.compiled import ModelForward, training_row_multiple
 from streamtrain.model.losses import forecast_loss
 from streamtrain.model.network import ModelOutput, build_model
 from streamtrain.model.normalization import RunningNorm
@@ -150,7 +150,11 @@ class Trainer(ModelTrainer):
         self.optimizer = build_optimizer(self.model, settings)
         # The step's forward, compiled on a background thread (eager until then): COMPILE.
         self.forward = ModelForward(
-            self.model, settings.precision, enabled=settings.compile == "on", niceness=settings.train_nice
+            self.model,
+            settings.precision,
+            enabled=settings.compile == "on",
+            niceness=settings.train_nice,
+            row_multiple=training_row_multiple(self.device, settings.precision, settings.token_budget),
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))

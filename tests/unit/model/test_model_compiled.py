@@ -21,9 +21,16 @@ import torch
 from broken_models import computing_model
 from small_trainer import make_small_trainer
 
+import streamtrain.training.trainer as trainer_module
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.data.collate import Batch
-from streamtrain.model.compiled import CompiledForward, compiled_graphs, compiling, pad_rows_and_positions
+from streamtrain.model.compiled import (
+    CompiledForward,
+    compiled_graphs,
+    compiling,
+    pad_rows_and_positions,
+    training_row_multiple,
+)
 from streamtrain.model.inference import CompiledInference, PredictionArrays, predict_arrays
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
@@ -130,9 +137,16 @@ def trained(trainer: Trainer, batches: list[Batch]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def trainers() -> Iterator[dict[str, Any]]:
-    """Two small trainers from one seed, compiled and eager, and batches of their (identical) stream."""
-    compiled = make_small_trainer(seed=5, compile="on", n_classes=0)
+    """Two small trainers from one seed, compiled and eager, and batches of their (identical) stream.
+
+    The compiled one pads its token rows to a multiple of 16 as a bf16 step on a CPU does
+    (:func:`training_row_multiple`; the suite trains in float32): the curve, the checkpoints and
+    the one graph for every batch shape are checked with the padding."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_module, "training_row_multiple", lambda *_: 16)
+        compiled = make_small_trainer(seed=5, compile="on", n_classes=0)
     eager = make_small_trainer(seed=5, compile="off", n_classes=0)
+    assert (compiled.forward.row_multiple, eager.forward.row_multiple) == (16, 1)
     assert compiled.forward.compiled.wait(COMPILE_WAIT_S), "the training forward did not compile in time"
     assert compiled.forward.compiled.state == "compiled", "torch.compile failed here (see the log): nothing was tested"
     source = iter(eager.dataset)
@@ -302,3 +316,20 @@ def test_compiles_take_turns_by_default_only_where_torchs_fx_flag_is_shared(monk
     assert forward._serialize is not hasattr(symbolic_trace, "_is_fx_tracing_tls")
     monkeypatch.delattr(symbolic_trace, "_is_fx_tracing_tls", raising=False)
     assert CompiledForward(lambda x: x, name="test forward", enabled=False, warm_up=lambda run: None)._serialize
+
+
+@pytest.mark.parametrize(
+    ("device", "amp", "budget", "multiple"),
+    [("cpu", "bf16", 2048, 128), ("cpu", "bf16", 8192, 512), ("cpu", "bf16", 8, 1), ("cpu", "off", 2048, 1),
+     ("cuda", "bf16", 2048, 1)],
+)  # fmt: skip
+def test_token_rows_are_padded_only_where_bf16_matmuls_run_on_a_cpu(
+    device: str, amp: str, budget: int, multiple: int
+) -> None:
+    assert training_row_multiple(torch.device(device), amp, budget) == multiple  # type: ignore[arg-type]
+
+
+def test_a_bf16_trainer_on_a_cpu_pads_its_token_rows_to_a_sixteenth_of_the_budget() -> None:
+    trainer = make_small_trainer(compile="off", amp="bf16", token_budget=1024)
+    assert trainer.forward.row_multiple == 64
+    assert make_small_trainer(compile="off", amp="off", token_budget=1024).forward.row_multiple == 1

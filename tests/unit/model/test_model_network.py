@@ -127,6 +127,25 @@ def test_alone_equals_padded_in_company() -> None:
     assert_alone_equals_padded_in_company(small_model())
 
 
+@pytest.mark.parametrize("row_multiple", [7, 64, 1000])
+def test_token_rows_padded_to_a_multiple_change_no_forecast_logit_or_gradient(row_multiple: int) -> None:
+    """The body's pad rows mix with no position: outputs and every parameter's gradient are those of
+    the unpadded forward (a model whose random body and head both reach the outputs)."""
+    x, mask = pad_batch(ragged(np.random.default_rng(3), 9, 2))
+    assert x.shape[0] * x.shape[1] % row_multiple, "no pad row: nothing checked"
+    outputs, gradients = [], []
+    for multiple in (1, row_multiple):
+        model = small_model().train()
+        output = model(x, mask, row_multiple=multiple)
+        (output.forecast.square().sum() + output.logits.square().sum()).backward()
+        outputs.append(output)
+        gradients.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(outputs[1].forecast, outputs[0].forecast, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-6, rtol=1e-5)
+    for padded, plain in zip(*gradients, strict=True):
+        torch.testing.assert_close(padded, plain, atol=1e-6, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ the checks catch what they guard
 
 
