@@ -6,7 +6,11 @@ seed (the same initial weights), trained on the same batches of the first arm's 
 (a window of 20,000 noisy sinusoids of lognormal length, bench/train_throughput.py), one
 batch through every arm in turn, the arms' order reversed every round, so load on the
 shared machine hits them alike. Arms that compile are timed only after their background
-compilation has finished (its seconds are a row).
+compilation has finished (its seconds are a row). Every arm first trains every batch once,
+untimed: oneDNN builds a bf16 matmul kernel per new row count and caches it for the whole
+process, so otherwise the first arm would pay for the kernels that the others then reuse
+(docs/performance.md, "One matmul kernel per row count"). The arms are thus compared on
+warm kernels; what new batch shapes cost a stream is ``bench/row_padding.py``'s.
 
 Rows per arm: CPU milliseconds per step (the thread's CPU time: what the step costs,
 robust to other processes taking the core), real tokens per CPU second and per wall
@@ -69,11 +73,10 @@ def main() -> None:
         trainer.forward.compiled.wait()
     warm_up_s = time.perf_counter() - started
     source = iter(next(iter(trainers.values())).dataset)
-    batches = [next(source) for _ in range(args.steps + 3)]
+    batches = [next(source) for _ in range(args.steps)]
     for trainer in trainers.values():
-        for batch in batches[:3]:  # allocator and kernel warm-up
+        for batch in batches:  # allocator and kernel warm-up: every batch shape (see the docstring)
             trainer.train_step(batch)
-    batches = batches[3:]
     cpu = dict.fromkeys(trainers, 0.0)
     wall = dict.fromkeys(trainers, 0.0)
     for round_ in range(args.rounds):

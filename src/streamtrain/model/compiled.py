@@ -217,12 +217,13 @@ def training_forward(
     return ModelOutput(output.forecast.to(dtype), None if logits is None else logits.to(dtype))
 
 
-def training_row_multiple(device: torch.device, amp: Precision, token_budget: int) -> int:
-    """What the training forward pads its token rows to a multiple of: a sixteenth of the
-    token budget (at most 1/16 more rows, 16 row counts up to a full batch) where the step's
-    matmuls run in bf16 on a CPU, whose oneDNN kernels are built and cached per row count; 1
-    elsewhere, where no kernel depends on it (float32 ran as fast either way: docs/performance.md)."""
-    if device.type == "cpu" and amp == "bf16":
+def training_row_multiple(device: torch.device, token_budget: int) -> int:
+    """What the training forward pads its token rows to a multiple of: on a CPU a sixteenth of
+    the token budget (at most 1/16 more rows, 16 row counts up to a full batch), where the
+    matmul kernels are built and cached per row count (bf16 and float32 alike ran faster
+    padded: docs/performance.md, "One matmul kernel per row count"); 1 on a GPU, where that
+    was not measured."""
+    if device.type == "cpu":
         return max(1, token_budget // 16)
     return 1
 

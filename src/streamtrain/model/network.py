@@ -174,10 +174,10 @@ class SensorModel(nn.Module):
         """Forecasts (and logits) of ``x_norm [B, L, C]`` whose real positions ``mask [B, L]`` marks.
 
         The body runs on the batch's ``B * L`` positions as token rows, padded up to a multiple
-        of ``row_multiple`` (pad rows mix with nothing and are cut off). On a CPU, oneDNN builds
-        bf16 matmul kernels for each new row count, which cost more than the products
-        themselves; a few row counts keep them cached (docs/performance.md, "One matmul kernel
-        per row count"). 1 leaves the rows as they are.
+        of ``row_multiple`` (pad rows mix with nothing and are cut off). On a CPU the matmul
+        kernels are built for each new row count (oneDNN's bf16 ones cost more to build than to
+        run); a few row counts keep them cached (docs/performance.md, "One matmul kernel per
+        row count"). 1 leaves the rows as they are.
         """
         batch, length, channels = x_norm.shape
         if channels != self.channels or mask.shape != (batch, length):

@@ -154,7 +154,7 @@ class Trainer(ModelTrainer):
             settings.precision,
             enabled=settings.compile == "on",
             niceness=settings.train_nice,
-            row_multiple=training_row_multiple(self.device, settings.precision, settings.token_budget),
+            row_multiple=training_row_multiple(self.device, settings.token_budget),
         )
         warmup = max(1, settings.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
