@@ -192,20 +192,20 @@ class SensorModel(nn.Module):
         # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
         x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
         features, scale = level_free_features(x, real)
-        positions = batch * length
-        rows = positions + (-positions) % row_multiple
-        hidden = self.input(pad_rows(features.reshape(positions, -1), rows))
+        n_positions = batch * length
+        rows = n_positions + (-n_positions) % row_multiple
+        hidden = self.input(pad_rows(features.reshape(n_positions, -1), rows))
         hidden = hidden + pad_rows(self.positions[:length].repeat(batch, 1), rows)
         for block in self.blocks:
             hidden = block(hidden, batch, length)
         hidden = self.final_norm(hidden)
         # The forecast is the last reading plus a change in the instance's own step scale.
-        change = self.forecast_head(hidden)[:positions].view(batch, length, channels)
+        change = self.forecast_head(hidden)[:n_positions].view(batch, length, channels)
         forecast = (x + scale * change) * real
         logits = None
         if self.class_head is not None:
             last = (mask.sum(dim=1) - 1).clamp_min(0)  # real positions come first
-            last_hidden = hidden[:positions].view(batch, length, -1)[torch.arange(batch, device=hidden.device), last]
+            last_hidden = hidden[:n_positions].view(batch, length, -1)[torch.arange(batch, device=hidden.device), last]
             logits = self.class_head(last_hidden)
         return ModelOutput(forecast=forecast, logits=logits)
 
