@@ -211,9 +211,13 @@ class SensorModel(nn.Module):
 
 
 def pad_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
-    """``rows [N, D]`` followed by zero rows up to ``count`` (a copy, also when none is missing:
-    no branch on a size that torch.compile would have to guard)."""
-    return F.pad(rows, (0, 0, 0, count - rows.shape[0]))
+    """``rows [N, D]`` followed by zero rows up to ``count``. Eagerly, ``rows`` itself when none is
+    missing; a size torch.compile traces is padded whatever it is (a copy of no pad rows), so the
+    graph holds no branch on it to guard."""
+    missing = count - rows.shape[0]
+    if isinstance(missing, int) and missing == 0:
+        return rows
+    return F.pad(rows, (0, 0, 0, missing))
 
 
 SCALE_FLOOR = 0.05  # in units of the running (global) std: a flat instance is not blown up
