@@ -171,7 +171,7 @@ class Settings(BaseSettings):
     pad_to_multiple_of: int = Field(1, ge=1, le=4096, description="Round padded length up to this")
     pool_size: int = Field(4096, ge=1, description="Items sorted together when bucketing by length")
     pass_max_items: int = Field(
-        1024,
+        768,
         ge=0,
         description=(
             "Items per training pass (0 = the whole window); smaller: lower event-to-trained latency, more padding"

@@ -144,7 +144,7 @@ def test_sampler_from_settings_follows_sampling() -> None:
     settings = load_settings(sampling="curriculum", curriculum_strength=2.0, curriculum_half_life_steps=10.0)
     sampler = pass_sampler_from_settings(settings)
     assert isinstance(sampler.policy, CurriculumPolicy) and sampler.policy.beta(10) == pytest.approx(1.0)
-    assert (sampler.max_items, sampler.fresh_share, sampler.mode) == (1024, 0.9, "seeded")
+    assert (sampler.max_items, sampler.fresh_share, sampler.mode) == (768, 0.9, "seeded")
 
 
 def test_diagnostics_report_the_selection() -> None:
