@@ -40,13 +40,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import SERIES, sliding_windows  # noqa: E402
+from _series import FRESH, LATE, SERIES, UNSEEN, sliding_windows  # noqa: E402
 from _table import _fmt, print_columns  # noqa: E402
 from real_series import CONTEXT, baselines, fit_ar  # noqa: E402
 
 from streamtrain.model.network import SensorModel  # noqa: E402
 
 REPLAYS = (4, 8, 16, 32, 64)
+#: Every series ``--series`` may name: the tuning set (the default) and the later sets.
+KNOWN = {**SERIES, **UNSEEN, **FRESH, **LATE}
 BATCH = 64
 HELD_OUT_SHARE = 0.1
 
@@ -77,7 +79,7 @@ def run_series(name: str, seeds: list[int], n_heads: int = 4, hybrid: bool = Fal
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
     on AR(p)'s forecast (``hybrid_R``)."""
-    values = SERIES[name]().values.astype(np.float64)
+    values = KNOWN[name]().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
     windows = np.stack(sliding_windows(values, CONTEXT, base.cut))
@@ -145,16 +147,20 @@ def run_series(name: str, seeds: list[int], n_heads: int = 4, hybrid: bool = Fal
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--series", default=",".join(SERIES), help=f"comma-separated subset of: {', '.join(SERIES)}")
+    parser.add_argument(
+        "--series",
+        default=",".join(SERIES),
+        help=f"comma-separated subset of: {', '.join(KNOWN)} (default: the tuning set)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each series' figures are their mean")
     parser.add_argument("--json", action="store_true", help="one JSON object per series, then the geometric means")
     parser.add_argument("--n-heads", type=int, default=4, help="the network's heads (width 64; default 4)")
     parser.add_argument("--hybrid", action="store_true", help="also the network as a correction on AR(p)")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.series.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SERIES]
+    unknown = [s for s in names if s not in KNOWN]
     if unknown:
-        parser.error(f"unknown series {unknown}; known: {', '.join(SERIES)}")
+        parser.error(f"unknown series {unknown}; known: {', '.join(KNOWN)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     torch.set_num_threads(1)
     rows: dict[str, dict[str, float]] = {}
