@@ -33,22 +33,20 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _series import FRESH, LATE, SERIES, UNSEEN, sliding_windows  # noqa: E402
+from _series import Series, series_groups, sliding_windows  # noqa: E402
 from _table import _fmt, print_columns  # noqa: E402
 from real_series import CONTEXT, baselines, fit_ar  # noqa: E402
 
 from streamtrain.model.network import SensorModel  # noqa: E402
 
 REPLAYS = (4, 8, 16, 32, 64)
-#: Every series ``--series`` may name: the tuning set (the default) and the later sets.
-KNOWN = {**SERIES, **UNSEEN, **FRESH, **LATE}
 BATCH = 64
 HELD_OUT_SHARE = 0.1
 
@@ -75,11 +73,13 @@ def ar_bases(z: np.ndarray, coefficients: Sequence[np.ndarray]) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def run_series(name: str, seeds: list[int], n_heads: int = 4, hybrid: bool = False) -> dict[str, float]:
+def run_series(
+    make: Callable[[], Series], seeds: list[int], n_heads: int = 4, hybrid: bool = False
+) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
     on AR(p)'s forecast (``hybrid_R``)."""
-    values = KNOWN[name]().values.astype(np.float64)
+    values = make().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
     windows = np.stack(sliding_windows(values, CONTEXT, base.cut))
@@ -148,25 +148,20 @@ def run_series(name: str, seeds: list[int], n_heads: int = 4, hybrid: bool = Fal
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--series",
-        default=",".join(SERIES),
-        help=f"comma-separated subset of: {', '.join(KNOWN)} (default: the tuning set)",
+        "--series", default="tuning", help="tuning (the default), unseen, fresh, late, all, or comma-separated names"
     )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each series' figures are their mean")
     parser.add_argument("--json", action="store_true", help="one JSON object per series, then the geometric means")
     parser.add_argument("--n-heads", type=int, default=4, help="the network's heads (width 64; default 4)")
     parser.add_argument("--hybrid", action="store_true", help="also the network as a correction on AR(p)")
     args = parser.parse_args(argv)
-    names = [s.strip() for s in args.series.split(",") if s.strip()]
-    unknown = [s for s in names if s not in KNOWN]
-    if unknown:
-        parser.error(f"unknown series {unknown}; known: {', '.join(KNOWN)}")
+    makers = {name: make for group in series_groups(args.series).values() for name, make in group.items()}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     torch.set_num_threads(1)
     rows: dict[str, dict[str, float]] = {}
-    for name in names:
+    for name, make in makers.items():
         started = time.monotonic()
-        rows[name] = run_series(name, seeds, args.n_heads, args.hybrid)
+        rows[name] = run_series(make, seeds, args.n_heads, args.hybrid)
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
