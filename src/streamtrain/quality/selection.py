@@ -92,23 +92,22 @@ class HoldoutErrors:
     events: float
     stretches: float = math.inf  # runs of overlapping held-out events (each event its own when none overlap)
 
-    def loss_difference(self, weights_a: np.ndarray, weights_b: np.ndarray) -> float:
-        """The mean over targets of ``loss(a) - loss(b)``, where ``a`` and ``b`` are forecasts
-        ``sum_i w_i f_i`` (each a weight per model)."""
-        return float(_contrast(weights_a, weights_b) @ self.gram.ravel()) / max(self.steps, 1.0)
-
     def evidence(self, better: np.ndarray, than: np.ndarray) -> float:
         """The paired (Diebold-Mariano) statistic that ``better`` forecasts with less error than
         ``than``: the mean loss difference over its Newey-West standard error (Bartlett weights),
         events as the units; 0 when the holdout holds fewer than :data:`MIN_LAG_WINDOWS` lag
-        windows, or fewer than :data:`MIN_STRETCHES` stretches, or the difference has no spread."""
+        windows, or fewer than :data:`MIN_STRETCHES` stretches, or the difference has no spread.
+        Only the products of the two forecasts' models are read: a model the contrast does not
+        weigh (a non-finite candidate beside the reference) leaves the statistic as it is."""
         lags = self.lagged.shape[0] - 1
         if self.events < MIN_LAG_WINDOWS * (lags + 1) or self.stretches < MIN_STRETCHES or self.steps <= 0:
             return 0.0
         contrast = _contrast(than, better)
-        mean = float(contrast @ self.gram.ravel()) / self.steps
-        residual = np.append(contrast, -mean)  # per event: its summed difference minus mean x its targets
-        gammas = np.einsum("a,jab,b->j", residual, self.lagged, residual)
+        used = np.flatnonzero(contrast)
+        mean = float(contrast[used] @ self.gram.ravel()[used]) / self.steps
+        residual = np.append(contrast[used], -mean)  # per event: its summed difference minus mean x its targets
+        rows = np.append(used, contrast.size)  # ... and its target count, the last row
+        gammas = np.einsum("a,jab,b->j", residual, self.lagged[:, rows][:, :, rows], residual)
         bartlett = 1.0 - np.arange(lags + 1) / (lags + 1)
         variance = float(gammas[0] + 2.0 * (bartlett[1:] * gammas[1:]).sum())
         if not variance > 0:
@@ -270,6 +269,10 @@ class ForecasterSelector:
         assert candidate_mse is not None
         if not math.isfinite(candidate_mse):
             decision = GateDecision(False, "candidate forecasts are not finite", n, candidate_mse, reference_mse)
+        elif reference_mse is not None and not math.isfinite(reference_mse):
+            # a reference that fails on today's holdout bars nothing: the finite candidate replaces it
+            reason = "the reference network's forecasts are not finite"
+            decision = GateDecision(True, reason, n, candidate_mse, reference_mse)
         elif reference_mse is None or candidate_mse <= reference_mse * (1.0 + tolerance):
             decision = GateDecision(True, "not worse than the reference network", n, candidate_mse, reference_mse)
         else:
@@ -286,7 +289,7 @@ class ForecasterSelector:
                 decision, forecaster, None, f"{decision.reason}; the reference network serves on: {reason}", n, mse,
                 linear=None if linear is None else linear.report(), refreshed=True,
             )  # fmt: skip
-        new_reference = reference_mse is None or candidate_mse <= reference_mse
+        new_reference = reference_mse is None or not candidate_mse > reference_mse  # a NaN reference is replaced
         _, forecaster, reason = self._choose(errors, mse, linear)
         return Selection(
             decision, forecaster, candidate, reason, n, mse,

@@ -6,6 +6,7 @@ test needs one: ingest not started, no Kafka)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +28,16 @@ from streamtrain.model.normalization import RunningNorm
 from streamtrain.quality.config import QualityConfig
 from streamtrain.quality.monitor import QualityMonitor
 from streamtrain.quality.scoring import score_events
-from streamtrain.quality.selection import ForecasterSelector, HoldoutErrors, TrainingSample, fresh_targets_from
+from streamtrain.quality.selection import (
+    MAX_LAG,
+    MIN_LAG_WINDOWS,
+    MIN_STRETCHES,
+    ForecasterSelector,
+    HoldoutErrors,
+    TrainingSample,
+    fresh_targets_from,
+    lag_window,
+)
 from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 from streamtrain.tools.export import decode_bundle, encode_bundle
@@ -581,3 +591,274 @@ def test_an_idle_trainer_publishes_what_changed_since_its_last_publication(tmp_p
         trainer.stop()
     assert trainer.step == steps  # published while idle: not a step trained
     assert trainer.last_selection is not None and trainer.last_selection.holdout_events == 10
+
+
+# what the mutation run of the selection asked (docs/testing.md)
+
+
+def plain_selector(redundancy: tuple[float, float] = (1.0, 1.0), **config: Any) -> ForecasterSelector:
+    """One process (the identity for the sums across ranks), events that repeat no reading."""
+    return ForecasterSelector(QualityConfig(**config), lambda local: local, lambda: np.asarray(redundancy))
+
+
+def test_the_newey_west_bandwidth_grows_with_the_cube_root_of_the_events_up_to_its_cap() -> None:
+    assert [lag_window(n) for n in (0, 1, 2, 8, 9, 27, 28, 64, 65)] == [2, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert lag_window(10**9) == MAX_LAG
+
+
+def test_fresh_targets_are_integer_positions_and_need_a_sensor_for_every_event() -> None:
+    windows = sliding_windows_of(np.arange(30.0), 3)
+    first = fresh_targets_from(windows, ["a"] * 3)
+    assert first.dtype == np.int64 and first.tolist() == [0, 23, 23]
+    with pytest.raises(ValueError):
+        fresh_targets_from(windows, ["a"] * 2)
+
+
+def test_the_evidence_is_judged_from_exactly_five_lag_windows_and_never_without_targets_or_spread() -> None:
+    rng = np.random.default_rng(41)
+    last = rng.normal(size=40)
+    better = 0.7 * last + 0.1 * rng.normal(size=40)
+    errors = holdout_errors(np.stack([better, last]))  # 40 events, one target each, lag window 1
+    w_better, w_last = np.eye(2)
+    sums = last**2 - better**2
+    at_the_edge = dataclasses.replace(errors, events=float(MIN_LAG_WINDOWS))  # exactly five windows of one event
+    assert at_the_edge.evidence(w_better, w_last) == pytest.approx(newey_west_t(sums, np.ones(40), lags=0))
+    assert dataclasses.replace(errors, events=MIN_LAG_WINDOWS - 1.0).evidence(w_better, w_last) == 0.0
+    assert dataclasses.replace(errors, stretches=MIN_STRETCHES - 1.0).evidence(w_better, w_last) == 0.0
+    assert dataclasses.replace(errors, steps=0.0).evidence(w_better, w_last) == 0.0
+    one_step = dataclasses.replace(errors, steps=1.0)  # sums over one target: a statistic all the same
+    assert one_step.evidence(w_better, w_last) > 0
+    assert errors.evidence(w_last, w_last) == 0.0  # no difference, no spread: no evidence either way
+
+
+def choice_errors(network: np.ndarray, last: np.ndarray, linear: np.ndarray) -> HoldoutErrors:
+    """The four scored models' errors per target: network, reference (as the network), last value, linear."""
+    return holdout_errors(np.stack([network, network, last, linear]))
+
+
+def mse_of(errors: HoldoutErrors) -> dict[str, float | None]:
+    return {"last_value": errors.gram[2, 2] / errors.steps, "linear": errors.gram[3, 3] / errors.steps}
+
+
+def some_linear(zero: bool = False) -> LinearChoice:
+    rng = np.random.default_rng(42)
+    fitted = choose_linear(LagSums.of([np.cumsum(rng.normal(size=(40, 1)), axis=0) for _ in range(5)], 4, 1), 4)
+    assert fitted is not None
+    return LinearChoice(np.zeros((1, 3)) if zero else np.array([[0.0, 0.1, -0.1]]), fitted.channels)
+
+
+def test_a_blend_of_the_network_and_the_linear_forecaster_serves_with_its_weight_and_its_own_evidence() -> None:
+    """Two forecasters as good as each other whose errors are independent: their blend halves the
+    error of either. It serves with the least-squares weight, its error, and the statistic of its
+    own per-target losses against the linear forecaster's."""
+    rng = np.random.default_rng(43)
+    linear_e, network_e, last = rng.normal(size=400), 1.05 * rng.normal(size=400), 3.0 * rng.normal(size=400)
+    errors = choice_errors(network_e, last, linear_e)
+    mse = mse_of(errors)
+    kind, forecaster, reason = plain_selector()._choose(errors, mse, some_linear())
+    nn_, ll, nl = network_e @ network_e, linear_e @ linear_e, network_e @ linear_e
+    weight = (ll - nl) / (nn_ - 2 * nl + ll)
+    blend = weight * network_e + (1 - weight) * linear_e
+    assert kind == forecaster.kind == "blend" and forecaster.network_weight == pytest.approx(weight)
+    assert mse["blend"] == pytest.approx(np.mean(blend**2)) and np.mean(blend**2) < 0.6 * np.mean(linear_e**2)
+    z = newey_west_t(linear_e**2 - blend**2, np.ones(400), lags=0)
+    shown = f"last_value {np.mean(last**2):.4g}, linear {np.mean(linear_e**2):.4g}, "
+    shown += f"network {np.mean(network_e**2):.4g}, blend {np.mean(blend**2):.4g}"
+    assert reason == f"blend forecasts the holdout better than linear by z = {z:.2f} ({shown})"
+
+
+def test_of_several_forecasters_shown_better_with_evidence_the_least_held_out_error_serves() -> None:
+    """The window chose a linear forecaster that the holdout shows is bad: the last value and the
+    network both beat it with evidence, and the network, with the lesser error, serves."""
+    rng = np.random.default_rng(44)
+    network_e = rng.normal(size=400)
+    last, linear_e = 1.5 * network_e + 0.2 * rng.normal(size=400), 3.0 * network_e  # no blend beats the network
+    errors = choice_errors(network_e, last, linear_e)
+    mse = mse_of(errors)
+    kind, forecaster, reason = plain_selector()._choose(errors, mse, some_linear())
+    assert kind == forecaster.kind == "network", reason
+    assert reason.startswith("network forecasts the holdout better than linear by z = ")
+    assert "blend" not in reason and mse["blend"] == pytest.approx(np.mean(network_e**2))  # its weight is 1
+
+
+def test_a_linear_fit_that_found_nothing_better_leaves_the_last_value_as_what_the_window_chose() -> None:
+    rng = np.random.default_rng(45)
+    last = rng.normal(size=400)
+    network_e = 1.2 * last + 0.1 * rng.normal(size=400)  # worse than the last value
+    errors = choice_errors(network_e, last, last)  # an all-zero linear forecaster forecasts the last value
+    mse = mse_of(errors)
+    kind, forecaster, reason = plain_selector()._choose(errors, mse, some_linear(zero=True))
+    assert kind == forecaster.kind == "last_value"
+    shown = f"last_value {np.mean(last**2):.4g}, linear {np.mean(last**2):.4g}, network {np.mean(network_e**2):.4g}"
+    assert reason == f"last_value serves: nothing forecasts the holdout better with evidence (z >= 1.645) ({shown})"
+    # a better network short of the evidence is named with its statistic
+    close = 0.99 * last + 0.1 * np.random.default_rng(104).normal(size=400)
+    errors = choice_errors(close, last, last)
+    kind, _, reason = plain_selector()._choose(errors, mse_of(errors), some_linear(zero=True))
+    z = newey_west_t(last**2 - close**2, np.ones(400), lags=0)
+    assert kind == "last_value" and 0 < z < 1.645
+    assert f"(z >= 1.645; network z = {z:.2f}) (last_value " in reason, reason
+
+
+def test_the_gate_holds_back_a_candidate_better_than_the_last_value_but_short_of_the_reference() -> None:
+    """The bar is the best network so far, not the last value; a held-back candidate leaves the
+    reference serving with a choice made afresh with *its* errors."""
+    norm = RunningNorm.from_public([0.0], [1.0])
+    held = sine_map_instances(np.random.default_rng(46), 64, 24)
+    sensors = [f"s{i}" for i in range(64)]
+    nothing: Callable[[], TrainingSample] = lambda: ([], 1.0)  # noqa: E731
+    selector = plain_selector()
+    reference = Frozen(TowardsTheSineMap(1.0), norm, 1)
+    short = selector.select(Frozen(TowardsTheSineMap(0.6), norm, 2), reference, nothing, held, sensors)
+    mse, decision = short.mse, short.decision
+    assert mse["reference"] is not None and mse["candidate"] is not None and mse["last_value"] is not None
+    assert mse["reference"] < mse["candidate"] < mse["last_value"] and mse["candidate"] > 1.05 * mse["reference"]
+    assert not decision.publish and short.network is None and short.refreshed and not short.new_reference
+    assert (decision.holdout_events, decision.candidate_mse, decision.serving_mse) == (
+        64, mse["candidate"], mse["reference"],
+    )  # fmt: skip
+    assert decision.reason == f"holdout MSE {mse['candidate']:.4g} > 1.05 x reference {mse['reference']:.4g}"
+    assert short.reason.startswith(decision.reason + "; the reference network serves on: network forecasts")
+    assert short.forecaster.kind == "network" and short.holdout_events == 64
+    # a candidate far worse than the last value: the reference's own errors still put the network first
+    bad = selector.select(Frozen(TowardsTheSineMap(-1.0), norm, 3), reference, nothing, held, sensors)
+    assert not bad.decision.publish and bad.forecaster.kind == "network", bad.reason
+    assert bad.mse["candidate"] is not None and bad.mse["candidate"] > bad.mse["last_value"]
+    # within tolerance: it publishes, and becomes the reference only if no worse
+    close = selector.select(Frozen(TowardsTheSineMap(0.97), norm, 4), reference, nothing, held, sensors)
+    assert close.decision.publish and close.network is not None and not close.new_reference
+    assert close.decision.reason == "not worse than the reference network"
+    assert (close.decision.holdout_events, close.decision.candidate_mse, close.decision.serving_mse) == (
+        64, close.mse["candidate"], close.mse["reference"],
+    )  # fmt: skip
+
+
+def test_with_no_tolerance_a_candidate_equal_to_the_reference_passes_and_becomes_the_reference() -> None:
+    norm = RunningNorm.from_public([0.0], [1.0])
+    held = sine_map_instances(np.random.default_rng(47), 40, 24)
+    selector = plain_selector(publish_gate_tolerance=0.0)
+    same = selector.select(
+        Frozen(TowardsTheSineMap(0.8), norm, 2), Frozen(TowardsTheSineMap(0.8), norm, 1), lambda: ([], 1.0), held,
+        [f"s{i}" for i in range(40)],
+    )  # fmt: skip
+    assert same.mse["candidate"] == same.mse["reference"]
+    assert same.decision.publish and same.new_reference
+
+
+def test_a_non_finite_candidate_is_refused_with_its_reason_with_or_without_a_reference() -> None:
+    norm = RunningNorm.from_public([0.0], [1.0])
+    held = sine_map_instances(np.random.default_rng(48), 40, 24)
+    sensors = [f"s{i}" for i in range(40)]
+    broken = trained_like(1)
+    with torch.no_grad():
+        broken.forecast_head.weight.fill_(float("nan"))
+    for reference in (None, Frozen(TowardsTheSineMap(1.0), norm, 1)):
+        selection = plain_selector().select(Frozen(broken, norm, 2), reference, lambda: ([], 1.0), held, sensors)
+        decision = selection.decision
+        assert not decision.publish and decision.reason == "candidate forecasts are not finite"
+        assert decision.holdout_events == selection.holdout_events == 40 and selection.network is None
+        assert decision.candidate_mse is not None and math.isnan(decision.candidate_mse)
+        assert decision.serving_mse == selection.mse["reference"]
+        if reference is None:  # nothing serves on: the selection says so and changes nothing
+            assert selection.reason == decision.reason and not selection.refreshed
+            assert selection.forecaster.kind == "network" and selection.mse["last_value"] is not None
+        else:
+            assert selection.refreshed and selection.forecaster.kind == "network"
+
+
+def test_a_holdout_too_small_to_judge_publishes_the_candidate_with_the_windows_choice() -> None:
+    rng = np.random.default_rng(49)
+    norm = RunningNorm.from_public([0.0], [1.0])
+    window = [e[:, None] for e in ar2_events(rng, 200, 0.0).values.reshape(200, 24, 1)[:, :, 0]]
+    held = window[:10]
+    candidate, later = Frozen(trained_like(0), norm, 1), Frozen(trained_like(0), norm, 2)
+    selector = plain_selector()
+    first = selector.select(candidate, None, lambda: (window[10:], 1.0), held, [f"s{i}" for i in range(10)])
+    expected = choose_linear(LagSums.of([*window[10:], *held], 24, 1, np.zeros(1), np.ones(1)), 24)
+    assert expected is not None and not expected.is_last_value
+    reason = "holdout has 10 of the 32 events the gate needs: the linear forecaster (chosen by GCV) serves"
+    assert first.decision.publish and first.decision.reason == first.reason == reason
+    assert first.decision.holdout_events == first.holdout_events == 10
+    assert first.network is candidate and first.new_reference and first.forecaster.kind == "linear"
+    assert first.linear == expected.report()
+    assert first.report() == {
+        "kind": "linear", "reason": reason, "holdout_events": 10, "holdout_mse": {}, "linear": expected.report(),
+    }  # fmt: skip
+    second = selector.select(later, candidate, lambda: ([], 1.0), [], [])
+    assert second.network is later and not second.new_reference and second.linear is None
+    assert second.reason == "holdout has 0 of the 32 events the gate needs: the last value serves"
+    assert second.forecaster.kind == "last_value"
+
+
+def test_holdout_events_without_a_step_to_forecast_leave_the_candidate_unjudged() -> None:
+    norm = RunningNorm.from_public([0.0], [1.0])
+    single = [np.full((1, 1), float(i), np.float32) for i in range(40)]
+    sensors = [f"s{i}" for i in range(40)]
+    candidate = Frozen(trained_like(0), norm, 2)
+    for reference in (None, Frozen(trained_like(1), norm, 1)):
+        selection = plain_selector().select(candidate, reference, lambda: ([], 1.0), single, sensors)
+        reason = "holdout events have no steps to forecast"
+        assert selection.decision.publish and selection.decision.reason == selection.reason == reason
+        assert selection.decision.holdout_events == selection.holdout_events == 40
+        assert selection.network is candidate and selection.forecaster.kind == "network"
+        assert selection.new_reference == (reference is None)
+
+
+def test_the_redundancy_is_the_readings_per_sensor_and_floors_the_linear_fits_evidence_at_one() -> None:
+    assert plain_selector((48.0, 2.0))._redundancy() == 24.0
+    assert plain_selector((0.0, 0.0))._redundancy() == 1.0  # no sensor seen yet
+    rng = np.random.default_rng(50)
+    norm = RunningNorm.from_public([0.0], [1.0])
+    window = [e[:, None] for e in ar2_events(rng, 60, 0.0).values.reshape(60, 24, 1)[:, :, 0]]
+    sums = LagSums.of(window, 24, 1, np.zeros(1), np.ones(1))
+    at_one, at_two = choose_linear(sums, 24, redundancy=1.0), choose_linear(sums, 24, redundancy=2.0)
+    assert at_one is not None and at_two is not None and at_one.report() != at_two.report()
+    # a sample holding half the events of a stream whose readings are each in one: still one
+    candidate = Frozen(trained_like(0), norm, 1)
+    chosen = plain_selector()._fit_linear(candidate, lambda: (window, 0.5), 1.0)
+    assert chosen is not None and chosen.report() == at_one.report()
+    # an order capped at one lag still fits one lag
+    one_lag = plain_selector(linear_max_order=1)._fit_linear(candidate, lambda: (window, 1.0), 1.0)
+    expected = choose_linear(LagSums.of(window, 1, 1, np.zeros(1), np.ones(1)), 1)
+    assert one_lag is not None and expected is not None
+    np.testing.assert_array_equal(one_lag.coefficients, expected.coefficients)
+
+
+class Shifted(SensorModel):
+    """A two-channel "network": the last value plus a fixed offset per channel."""
+
+    def __init__(self, offsets: tuple[float, float]) -> None:
+        super().__init__(2, d_model=8, n_heads=2, n_layers=1, max_len=64)
+        self.offsets = torch.tensor(offsets)
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        return ModelOutput(forecast=(x_norm + self.offsets) * mask[..., None], logits=None)
+
+
+def test_the_held_out_error_of_several_channels_is_each_targets_channel_mean() -> None:
+    rng = np.random.default_rng(51)
+    values = [rng.normal(size=(n, 2)).astype(np.float32) for n in (5, 9, 7)]
+    norm = RunningNorm.from_public([0.0, 0.0], [1.0, 1.0])
+    model = Frozen(Shifted((0.5, -1.0)), norm, 1)
+    errors = plain_selector()._error_gram(values, ["a", "b", "c"], [model], norm, lags=0)  # type: ignore[list-item]
+    per_target = [((v[:-1] + [0.5, -1.0] - v[1:]) ** 2).mean(axis=1) for v in values]
+    assert errors.steps == 4 + 8 + 6
+    assert errors.gram[0, 0] == pytest.approx(sum(float(p.sum()) for p in per_target), rel=1e-5)
+
+
+def test_a_reference_network_that_fails_on_todays_holdout_bars_no_finite_candidate() -> None:
+    """A network that forecast yesterday's holdout may overflow on today's; it must not hold back
+    every candidate after it (each would be compared with NaN and lose)."""
+    norm = RunningNorm.from_public([0.0], [1.0])
+    held = sine_map_instances(np.random.default_rng(52), 40, 24)
+    broken = trained_like(1)
+    with torch.no_grad():
+        broken.forecast_head.weight.fill_(float("inf"))
+    candidate = Frozen(TowardsTheSineMap(0.5), norm, 2)
+    selection = plain_selector().select(
+        candidate, Frozen(broken, norm, 1), lambda: ([], 1.0), held, [f"s{i}" for i in range(40)]
+    )
+    assert selection.mse["reference"] is not None and not math.isfinite(selection.mse["reference"])
+    assert selection.decision.publish and selection.network is candidate and selection.new_reference
+    assert selection.decision.reason == "the reference network's forecasts are not finite"
+    assert selection.forecaster.kind == "network", selection.reason  # it beats the last value with evidence
