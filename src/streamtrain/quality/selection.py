@@ -209,7 +209,7 @@ class ForecasterSelector:
         reference: Scorable | None,
         training_values: Callable[[], TrainingSample],
         values: list[np.ndarray],
-        sensors: Sequence[str] | None = None,
+        sensors: Sequence[str],
         guards: Sequence[np.ndarray] = (),
     ) -> Selection:
         """The network gate, then the forecaster that serves (:meth:`_choose`).
@@ -251,8 +251,7 @@ class ForecasterSelector:
             _Served(candidate, LAST_VALUE),
             None if linear_forecaster is None else _Served(candidate, linear_forecaster),
         ]
-        keys = sensors if sensors is not None else [str(i) for i in range(len(values))]
-        errors = self._error_gram(values, keys, models, units, lag_window(n))
+        errors = self._error_gram(values, sensors, models, units, lag_window(n))
         steps, gram = errors.steps, errors.gram
         if steps == 0:
             reason = "holdout events have no steps to forecast"

@@ -698,6 +698,14 @@ def test_a_linear_fit_that_found_nothing_better_leaves_the_last_value_as_what_th
     z = newey_west_t(last**2 - close**2, np.ones(400), lags=0)
     assert kind == "last_value" and 0 < z < 1.645
     assert f"(z >= 1.645; network z = {z:.2f}) (last_value " in reason, reason
+    # the window's linear forecaster, a little worse than both others on the holdout: two doubts, it serves on
+    linear_e = last + 0.05 * np.random.default_rng(113).normal(size=400)
+    errors = choice_errors(close, last, linear_e)
+    kind, _, reason = plain_selector()._choose(errors, mse_of(errors), some_linear())
+    z_last = newey_west_t(linear_e**2 - last**2, np.ones(400), lags=0)
+    z_network = newey_west_t(linear_e**2 - close**2, np.ones(400), lags=0)
+    assert kind == "linear" and 0 < z_network < 1.645 and 0 < z_last < 1.645
+    assert f"(z >= 1.645; last_value z = {z_last:.2f}, network z = {z_network:.2f}) (" in reason, reason
 
 
 def test_the_gate_holds_back_a_candidate_better_than_the_last_value_but_short_of_the_reference() -> None:
@@ -707,9 +715,13 @@ def test_the_gate_holds_back_a_candidate_better_than_the_last_value_but_short_of
     held = sine_map_instances(np.random.default_rng(46), 64, 24)
     sensors = [f"s{i}" for i in range(64)]
     nothing: Callable[[], TrainingSample] = lambda: ([], 1.0)  # noqa: E731
+    window = sine_map_instances(np.random.default_rng(53), 100, 24)
+    linear = choose_linear(LagSums.of(window, 24, 1, np.zeros(1), np.ones(1)), 24)
+    assert linear is not None
     selector = plain_selector()
     reference = Frozen(TowardsTheSineMap(1.0), norm, 1)
-    short = selector.select(Frozen(TowardsTheSineMap(0.6), norm, 2), reference, nothing, held, sensors)
+    short = selector.select(Frozen(TowardsTheSineMap(0.6), norm, 2), reference, lambda: (window, 1.0), held, sensors)
+    assert short.linear == linear.report()  # what /v1/model shows of the linear fit, held back or not
     mse, decision = short.mse, short.decision
     assert mse["reference"] is not None and mse["candidate"] is not None and mse["last_value"] is not None
     assert mse["reference"] < mse["candidate"] < mse["last_value"] and mse["candidate"] > 1.05 * mse["reference"]
@@ -725,8 +737,9 @@ def test_the_gate_holds_back_a_candidate_better_than_the_last_value_but_short_of
     assert not bad.decision.publish and bad.forecaster.kind == "network", bad.reason
     assert bad.mse["candidate"] is not None and bad.mse["candidate"] > bad.mse["last_value"]
     # within tolerance: it publishes, and becomes the reference only if no worse
-    close = selector.select(Frozen(TowardsTheSineMap(0.97), norm, 4), reference, nothing, held, sensors)
+    close = selector.select(Frozen(TowardsTheSineMap(0.97), norm, 4), reference, lambda: (window, 1.0), held, sensors)
     assert close.decision.publish and close.network is not None and not close.new_reference
+    assert close.linear == linear.report()
     assert close.decision.reason == "not worse than the reference network"
     assert (close.decision.holdout_events, close.decision.candidate_mse, close.decision.serving_mse) == (
         64, close.mse["candidate"], close.mse["reference"],
@@ -755,7 +768,7 @@ def test_a_non_finite_candidate_is_refused_with_its_reason_with_or_without_a_ref
     for reference in (None, Frozen(TowardsTheSineMap(1.0), norm, 1)):
         selection = plain_selector().select(Frozen(broken, norm, 2), reference, lambda: ([], 1.0), held, sensors)
         decision = selection.decision
-        assert not decision.publish and decision.reason == "candidate forecasts are not finite"
+        assert decision.publish is False and decision.reason == "candidate forecasts are not finite"
         assert decision.holdout_events == selection.holdout_events == 40 and selection.network is None
         assert decision.candidate_mse is not None and math.isnan(decision.candidate_mse)
         assert decision.serving_mse == selection.mse["reference"]
@@ -861,4 +874,7 @@ def test_a_reference_network_that_fails_on_todays_holdout_bars_no_finite_candida
     assert selection.mse["reference"] is not None and not math.isfinite(selection.mse["reference"])
     assert selection.decision.publish and selection.network is candidate and selection.new_reference
     assert selection.decision.reason == "the reference network's forecasts are not finite"
+    assert (selection.decision.holdout_events, selection.decision.candidate_mse, selection.decision.serving_mse) == (
+        40, selection.mse["candidate"], selection.mse["reference"],
+    )  # fmt: skip
     assert selection.forecaster.kind == "network", selection.reason  # it beats the last value with evidence
