@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,16 @@ def build_service(tmp: Path, **overrides: Any) -> Service:
         **overrides,
     }  # fmt: skip
     return Service(load_settings(**values))
+
+
+def trained_service(tmp: Path, **overrides: Any) -> Service:
+    """A service whose holdout judges (a quarter held out, 16 events enough), trained 30 steps on
+    400 oscillations and published once."""
+    svc = build_service(tmp, holdout_share=0.25, holdout_min_events=16, **overrides)
+    feed(svc, oscillations(np.random.default_rng(0), 400, time.time()))
+    train(svc, 30)
+    svc.trainer.publish()
+    return svc
 
 
 def feed(service: Service, batch: EventBatch) -> None:

@@ -23,16 +23,12 @@ from streamtrain.runtime.service import Service
 from streamtrain.serve.app import create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/unit/quality: the service the quality tests share
-from quality_service_fixtures import AUTH, build_service, feed, oscillations, train  # noqa: E402
+from quality_service_fixtures import AUTH, build_service, feed, oscillations, train, trained_service  # noqa: E402
 
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[Service]:
-    svc = build_service(tmp_path, holdout_share=0.25, holdout_min_events=16)
-    rng = np.random.default_rng(0)
-    feed(svc, oscillations(rng, 400, time.time()))
-    train(svc, 30)
-    svc.trainer.publish()
+    svc = trained_service(tmp_path)
     yield svc
     svc.trainer.stop()
 

@@ -26,7 +26,7 @@ from streamtrain.training import publishing
 from streamtrain.training.publishing import ModelTrainer, build_optimizer, lower_thread_priority
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quality"))  # the quality tests' service
-from quality_service_fixtures import build_service, feed, oscillations, train  # noqa: E402
+from quality_service_fixtures import build_service, feed, oscillations, train, trained_service  # noqa: E402
 
 PROBE = [np.sin(np.arange(20, dtype=np.float32))[:, None], np.cos(np.arange(9, dtype=np.float32))[:, None]]
 
@@ -48,12 +48,7 @@ def scramble(model: SensorModel) -> None:
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[Service]:
-    svc = build_service(
-        tmp_path, holdout_share=0.25, holdout_min_events=16, publish_interval_s=0.5, model_versions_keep=5
-    )
-    feed(svc, oscillations(np.random.default_rng(0), 400, time.time()))
-    train(svc, 30)
-    svc.trainer.publish()
+    svc = trained_service(tmp_path, publish_interval_s=0.5, model_versions_keep=5)
     yield svc
     svc.trainer.stop()
 
