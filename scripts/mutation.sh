@@ -45,6 +45,7 @@ MODULES=(
   "selection|src/streamtrain/quality/selection.py|tests/unit/quality/test_quality_selection.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/quality/test_quality_holdout.py"
   "publishing|src/streamtrain/training/publishing.py|tests/unit/training/test_training_publishing.py tests/unit/training/test_training_trainer.py tests/unit/training/test_training_registry.py tests/unit/training/test_training_faults.py tests/unit/training/test_training_resume.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/quality/test_quality_selection.py"
   "monitor|src/streamtrain/quality/monitor.py|tests/unit/quality/test_quality_monitor.py tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_scoring.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/quality/test_quality_selection.py tests/unit/quality/test_quality_holdout.py"
+  "replays|src/streamtrain/training/replays.py|tests/unit/training/test_training_replays.py tests/unit/quality/test_quality_selection.py"
   "checkpoint_incremental|src/streamtrain/checkpoint/incremental.py|tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
