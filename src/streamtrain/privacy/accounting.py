@@ -151,8 +151,7 @@ def grid_points(steps: int, points: int = DEFAULT_GRID_POINTS) -> np.ndarray:
     return np.union1d(grid, [steps])
 
 
-@functools.lru_cache(maxsize=256)
-def _subsampled_gaussian(
+def _subsampled_gaussian_pld(
     noise_multiplier: float, rate: float, relation: NeighboringRelation, discretization: float
 ) -> Any:
     return pld_lib.from_gaussian_mechanism(
@@ -165,6 +164,11 @@ def _subsampled_gaussian(
     )
 
 
+# Each cache wraps a plain function rather than decorating it: mutmut mutates no decorated function
+# (docs/testing.md), and these hold the composition itself.
+_subsampled_gaussian = functools.lru_cache(maxsize=256)(_subsampled_gaussian_pld)
+
+
 def _segments(groups: np.ndarray, grid: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) runs of ages that share a group and do not cross a grid point."""
     cuts = set((np.flatnonzero(np.diff(groups)) + 1).tolist()) | set(grid.tolist()) | {0}
@@ -172,14 +176,13 @@ def _segments(groups: np.ndarray, grid: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:], strict=True))
 
 
-@functools.lru_cache(maxsize=32)
-def _composed(
+def _compose_schedule(
     noise_multiplier: float,
     schedule: tuple[float, ...],
     discretization: float,
     max_levels: int,
     points: int,
-    relation: NeighboringRelation = RELATION,
+    relation: NeighboringRelation,
 ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
     """The PLD of one record after each tabulated step count (grid points), and the grid."""
     q = np.asarray(schedule, dtype=np.float64)
@@ -197,6 +200,9 @@ def _composed(
     return tuple(int(n) for n in grid), tuple(plds)
 
 
+_composed = functools.lru_cache(maxsize=32)(_compose_schedule)
+
+
 def _epsilon(pld: Any, delta: float, slack: DiscreteSlack | None = None, steps: int = 1) -> float:
     """ε of a PLD at δ; with ``slack``, the bound for the discrete Gaussian over ``steps`` steps
     (the PLD must then be that of σ' = ``slack.accounted_multiplier``)."""
@@ -205,8 +211,7 @@ def _epsilon(pld: Any, delta: float, slack: DiscreteSlack | None = None, steps: 
     return slack.epsilon(float(pld.get_epsilon_for_delta(slack.pld_delta(delta, steps))), steps)
 
 
-@functools.lru_cache(maxsize=32)
-def _epsilon_table(
+def _tabulate_epsilons(
     noise_multiplier: float,
     schedule: tuple[float, ...],
     delta: float,
@@ -228,6 +233,9 @@ def _epsilon_table(
         bound = [_epsilon(pld, delta, slack, int(n)) for n, pld in zip(grid, coupled, strict=True)]
         epsilons = np.maximum(epsilons, np.asarray(bound))
     return grid, tuple(float(e) for e in np.maximum.accumulate(epsilons))
+
+
+_epsilon_table = functools.lru_cache(maxsize=32)(_tabulate_epsilons)
 
 
 class PerEventAccountant:
@@ -336,36 +344,27 @@ class PerEventAccountant:
         self.epsilons = np.maximum(self.epsilons, np.asarray(state["epsilons"], dtype=np.float64))
 
 
-@functools.lru_cache(maxsize=16)
-def _lifetime_table(
+def _tabulate_lifetime(
     noise_multiplier: float,
     schedule: tuple[float, ...],
     delta: float,
     target_epsilon: float,
     max_groups: int | None,
-    discretization: float = DEFAULT_DISCRETIZATION,
-    points: int = DEFAULT_GRID_POINTS,
-    slack: DiscreteSlack | None = None,
+    discretization: float,
+    slack: DiscreteSlack,
 ) -> tuple[int, tuple[int, ...], tuple[float, ...]]:
     """(G, grid of group counts, ε after each): G is the most K-step groups within the target.
 
-    ``slack`` as in :func:`_epsilon_table`: g groups are g·K steps of the discrete Gaussian."""
-    _, plds = _composed(noise_multiplier, schedule, discretization, DEFAULT_RATE_LEVELS, DEFAULT_GRID_POINTS)
-    one = plds[-1]
-    coupled = None
-    if slack is not None:
-        _, coupled_plds = _composed(
-            slack.accounted_multiplier, schedule, discretization, DEFAULT_RATE_LEVELS, DEFAULT_GRID_POINTS
-        )
-        coupled = coupled_plds[-1]
+    As in :func:`_tabulate_epsilons`, g groups (g·K steps of the discrete Gaussian) are bounded by
+    the coupled PLD at σ' plus the slack, floored at the continuous figure at σ."""
+    levels, points = DEFAULT_RATE_LEVELS, DEFAULT_GRID_POINTS
+    one = _composed(noise_multiplier, schedule, discretization, levels, points, RELATION)[1][-1]
+    coupled = _composed(slack.accounted_multiplier, schedule, discretization, levels, points, RELATION)[1][-1]
 
     def epsilon_of(groups: int) -> float:
-        epsilon = _epsilon(one.self_compose(groups) if groups > 1 else one, delta)
-        if coupled is None:
-            return epsilon
-        steps = groups * len(schedule)
-        bound = _epsilon(coupled.self_compose(groups) if groups > 1 else coupled, delta, slack, steps)
-        return max(epsilon, bound)  # as in _epsilon_table: the coupled bound, floored at the continuous figure
+        floor = _epsilon(one.self_compose(groups) if groups > 1 else one, delta)
+        bound = _epsilon(coupled.self_compose(groups) if groups > 1 else coupled, delta, slack, groups * len(schedule))
+        return max(floor, bound)
 
     ceiling = MAX_LIFETIME_GROUPS if max_groups is None else int(max_groups)
     if epsilon_of(1) > target_epsilon:
@@ -377,9 +376,12 @@ def _lifetime_table(
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if epsilon_of(middle) <= target_epsilon else (low, middle)
-    grid = grid_points(low, points)
+    grid = grid_points(low)
     epsilons = np.maximum.accumulate([epsilon_of(int(g)) for g in grid])
     return low, tuple(int(g) for g in grid), tuple(float(e) for e in epsilons)
+
+
+_lifetime_table = functools.lru_cache(maxsize=16)(_tabulate_lifetime)
 
 
 class SensorLifetimeAccountant:
@@ -401,7 +403,6 @@ class SensorLifetimeAccountant:
             float(target_epsilon),
             max_groups,
             record.discretization,
-            DEFAULT_GRID_POINTS,
             record.slack,
         )
         self.max_groups = int(groups)
