@@ -195,15 +195,6 @@ class WindowBatchDataset(IterableDataset[Batch]):
         return self._rank, self._world_size  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ planning
-    def plan_pass(self, snapshot: Snapshot, pass_index: int, stratify: bool = False) -> BatchPlan:
-        """The plan of one pass over ``snapshot`` (already the pass's items), the same on every rank and worker."""
-        rank, world_size = self.coordinates
-        if self.shuffle == "crypto" and world_size > 1:
-            _, plan = self._share_from_rank_zero(snapshot, pass_index, rank, lambda: (None, snapshot))
-        else:
-            plan = self._plan(snapshot, pass_index, world_size, stratify)
-        return self._stamp(plan, pass_index, snapshot.version)
-
     def _plan(self, snapshot: Snapshot, pass_index: int, world_size: int, stratify: bool) -> BatchPlan:
         rng = make_randomness(self.shuffle, self.seed, pass_index, purpose="plan")
         return plan_batches(

@@ -449,3 +449,383 @@ def test_a_bounded_pass_in_training_no_longer_holds_the_window_it_chose_from(
     next(batches)  # the first pass is in training
     gc.collect()
     assert len(sources) == 1 and sources[0]() is None
+
+
+# ---------------------------------------------------------------------- what the first mutation run asked
+# (docs/testing.md, "dataset"): the crypto plan shared from rank 0 as each rank sees it, the
+# resume point in every place a consumer can stop, the saved state's keys and bounds, the
+# digest that decides a skip, the pass budget at its edges, and the messages a user reads.
+
+
+class FakeBroadcast:
+    """torch.distributed as two ranks of one process see it: rank 0's payload is what rank 1 receives."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[list[Any]] = []
+        self.sources: list[int] = []
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+        monkeypatch.setattr(torch.distributed, "broadcast_object_list", self.broadcast)
+
+    def broadcast(self, payload: list[Any], src: int) -> None:
+        self.sources.append(src)
+        if payload[0] is None and payload[1] is None:  # a receiving rank: rank 0's last payload
+            payload[:] = self.sent[-1]
+        else:
+            self.sent.append(list(payload))
+
+
+def crypto_rank(snapshot: WindowSnapshot, rank: int, sampler: PassSampler | None = None) -> WindowBatchDataset:
+    return WindowBatchDataset(
+        lambda: snapshot, TokenBudget(256), shuffle="crypto", rank=rank, world_size=2, max_passes=1, sampler=sampler
+    )
+
+
+@pytest.mark.parametrize("policy", [None, "stratified"])
+def test_a_crypto_plan_from_rank_zero_is_what_rank_one_trains(
+    make_snapshot: Callable, monkeypatch: pytest.MonkeyPatch, policy: str | None
+) -> None:
+    from streamtrain.data.policies import StratifiedPolicy
+
+    fake = FakeBroadcast(monkeypatch)
+    snapshot = make_snapshot(np.full(400, 8), seed=4)  # 32 items a batch: room to stratify by label
+
+    def sampler() -> PassSampler | None:
+        return None if policy is None else PassSampler(120, 0.5, "crypto", 0, StratifiedPolicy())
+
+    zero, one = crypto_rank(snapshot, 0, sampler()), crypto_rank(snapshot, 1, sampler())
+    first, second = list(zero), list(one)
+    assert fake.sources == [0, 0] and len(fake.sent) == 1
+    selection, plan, size, version = fake.sent[0]
+    assert (size, version) == (len(snapshot), snapshot.version)
+    if policy is not None:  # each batch's label mix within 0.045 of the pass's (unstratified: 0.058-0.19 in 50 draws)
+        assert plan.diagnostics.label_deviation < 0.045
+    assert len(first) == len(second) == len(plan.for_rank(0))
+    ids = [item_ids(first), item_ids(second)]
+    assert not set(ids[0].tolist()) & set(ids[1].tolist())
+    chosen = snapshot.ts if selection is None else snapshot.ts[selection.index]
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.sort(chosen))
+    if policy is not None:  # rank 1 never selected, yet its counters moved as rank 0's did
+        assert len(chosen) == 120 and zero.sampler.state_dict() == one.sampler.state_dict()  # type: ignore[union-attr]
+        assert one.sampler.passes == 1  # type: ignore[union-attr]
+
+
+def test_a_rank_that_read_another_snapshot_than_rank_zero_is_stopped(
+    make_snapshot: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FakeBroadcast(monkeypatch)
+    list(crypto_rank(make_snapshot(np.full(40, 8), version=3), 0))
+    with pytest.raises(RuntimeError) as raised:
+        list(crypto_rank(make_snapshot(np.full(41, 8), version=4), 1))
+    assert str(raised.value) == (
+        "WindowBatchDataset: rank 1 took a snapshot of 41 items (version 4) but rank 0 planned 40 items "
+        "(version 3); every rank must read the same snapshot for a pass"
+    )
+
+
+def test_the_messages_of_the_refused_process_layouts_in_full(
+    make_snapshot: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = make_snapshot(np.full(20, 4))
+    with pytest.raises(RuntimeError) as raised:
+        list(crypto_rank(snapshot, 0))
+    assert str(raised.value) == (
+        "WindowBatchDataset: shuffle='crypto' with world_size > 1 needs torch.distributed initialized, "
+        "so that rank 0 can share its unpredictable plan; initialize the process group first"
+    )
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: SimpleNamespace(id=0, num_workers=2))
+    expected = {
+        "crypto": "WindowBatchDataset: shuffle='crypto' cannot run in DataLoader worker processes, because each "
+        "would draw a different plan and their batches would overlap; use num_workers=0 with "
+        "streamtrain.data.Prefetcher",
+        "fork": "WindowBatchDataset: a DataLoader worker process sees the window as it was at fork time, not the "
+        "live one; use num_workers=0 with streamtrain.data.Prefetcher, or pass "
+        "allow_worker_processes=True if snapshot_fn reads a store shared across processes",
+        "tracked": "WindowBatchDataset: track_trained needs the batches in one process, in order; "
+        "use num_workers=0 with streamtrain.data.Prefetcher",
+    }
+    layouts = {
+        "crypto": {"shuffle": "crypto", "allow_worker_processes": True},
+        "fork": {},
+        "tracked": {"allow_worker_processes": True, "track_trained": True},
+    }
+    for name, kwargs in layouts.items():
+        with pytest.raises(RuntimeError) as raised:
+            next(iter(WindowBatchDataset(lambda: snapshot, TokenBudget(16), max_passes=1, **kwargs)))
+        assert str(raised.value) == expected[name], name
+
+
+def test_a_worker_takes_every_other_batch_of_the_one_plan_and_seeds_torch_for_itself(
+    make_snapshot: Callable, lognormal: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = make_snapshot(lognormal(300))
+    whole = list(WindowBatchDataset(lambda: snapshot, BUDGET, seed=2, max_passes=1))
+    monkeypatch.setattr(dataset_module, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
+    worker = WindowBatchDataset(lambda: snapshot, BUDGET, seed=2, max_passes=1, allow_worker_processes=True)
+    mine = iter(worker)
+    first = next(mine)
+    assert torch.initial_seed() == derive_seed(2, 0, 0, 1, purpose="worker")
+    taken = [first, *mine]
+    assert [b.position.index for b in taken] == list(range(1, len(whole), 2))  # type: ignore[union-attr]
+    assert all(torch.equal(a.ts, b.ts) for a, b in zip(taken, whole[1::2], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_items": 0}, "min_items must be an integer >= 1, got 0"),
+        ({"min_batches_per_pass": 0}, "min_batches_per_pass must be an integer >= 1, got 0"),
+        ({"max_passes": -1}, r"max_passes \(None: forever\) must be None or an integer >= 0, got -1"),
+        ({"seed": -2}, "seed must be an integer >= 0, got -2"),
+        ({"seed": 1.5}, "seed must be an integer >= 0, got 1.5"),
+        ({"rank": 0}, "give both rank and world_size, or neither to take them from torch.distributed"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_whole_reason(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        WindowBatchDataset(lambda: None, BUDGET, **kwargs)  # type: ignore[arg-type, return-value]
+
+
+def test_the_defaults_a_caller_relies_on(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.array([5]))
+    dataset = WindowBatchDataset(lambda: snapshot, BUDGET, max_passes=0)
+    assert dataset.min_items == 1 and dataset.min_batches_per_pass == 1 and dataset.idle_wait_s == 0.05
+    assert dataset.planned_steps == 0 and dataset.last_diagnostics is None and list(dataset) == []
+    dataset.max_passes = 1
+    assert len(list(dataset)) == 1 and dataset.planned_steps == 1  # one item is a pass
+    assert dataset.pass_budget(snapshot.lengths) is BUDGET
+
+
+def test_a_pass_is_planned_with_the_datasets_pool_labels_and_the_selections_stratification(
+    make_snapshot: Callable, lognormal: Callable
+) -> None:
+    from streamtrain.data.bucketing import plan_batches
+    from streamtrain.data.policies import StratifiedPolicy
+    from streamtrain.data.randomness import make_randomness
+
+    snapshot = make_snapshot(lognormal(600), seed=5)
+    sampler = PassSampler(200, 0.5, "seeded", 4, StratifiedPolicy())
+    dataset = WindowBatchDataset(lambda: snapshot, BUDGET, seed=4, pool_size=32, sampler=sampler, max_passes=1)
+    batches = list(dataset)
+    chosen = snapshot.subset(PassSampler(200, 0.5, "seeded", 4, StratifiedPolicy()).select(snapshot).index)
+    plan = plan_batches(
+        chosen.lengths,
+        BUDGET,
+        make_randomness("seeded", 4, 0, purpose="plan"),
+        pool_size=32,
+        labels=chosen.labels,
+        stratify=True,
+    )
+    assert [b.ts.tolist() for b in batches] == [chosen.ts[index].tolist() for index in plan.batches]
+
+
+def test_the_pass_budget_at_its_edges(make_snapshot: Callable) -> None:
+    budget = TokenBudget(max_tokens=1024, pad_to_multiple_of=4)
+    dataset = WindowBatchDataset(lambda: None, budget, min_batches_per_pass=2)  # type: ignore[arg-type, return-value]
+    assert dataset.pass_budget(np.full(10, 10)).max_tokens == 50  # 100 tokens in at least two batches
+    assert dataset.pass_budget(np.array([10, 10, 61])).max_tokens == 64  # never below the longest, padded
+    assert dataset.pass_budget(np.array([30])).max_tokens == 32  # one item: its own padded length
+    assert dataset.pass_budget(np.zeros(0, dtype=np.int64)) is budget  # nothing to plan
+    assert dataset.pass_budget(np.full(100, 30)) is budget  # 1,500 tokens a batch: more than the budget
+    three = WindowBatchDataset(lambda: None, budget, min_batches_per_pass=3)  # type: ignore[arg-type, return-value]
+    assert three.pass_budget(np.full(10, 10)).max_tokens == 34  # ceil(100 / 3)
+    one = WindowBatchDataset(lambda: None, budget)  # type: ignore[arg-type, return-value]
+    assert one.pass_budget(np.full(10, 10)) is budget
+
+
+def test_a_sampler_is_told_how_many_steps_were_planned_before_each_pass(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.full(64, 8))
+    sampler = PassSampler(20, 0.5, "seeded", 0)
+    asked: list[int] = []
+    select = sampler.select
+
+    def spy(window: Any, *, planned_steps: int = -1) -> Any:
+        asked.append(planned_steps)
+        return select(window, planned_steps=planned_steps)
+
+    sampler.select = spy  # type: ignore[method-assign]
+    dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(64), sampler=sampler, max_passes=3)
+    per_pass = [d.batches for d in [*_diagnostics(dataset)]]
+    assert asked == [0, per_pass[0], per_pass[0] + per_pass[1]]
+    assert dataset.planned_steps == sum(per_pass)
+
+
+def _diagnostics(dataset: WindowBatchDataset) -> list[PassDiagnostics]:
+    seen: list[PassDiagnostics] = []
+    dataset.on_pass_end = seen.append
+    list(dataset)
+    return seen
+
+
+def test_a_window_of_exactly_min_items_is_a_pass(make_snapshot: Callable) -> None:
+    snapshot = make_snapshot(np.full(3, 4))
+    batches = list(WindowBatchDataset(lambda: snapshot, TokenBudget(64), min_items=3, max_passes=1))
+    assert item_ids(batches).size == 3
+
+
+def test_snapshot_digest_reads_the_order_the_lengths_and_the_configuration(make_snapshot: Callable) -> None:
+    from streamtrain.data.dataset import snapshot_digest
+
+    snapshot = make_snapshot(np.array([3, 4, 5]))
+    digest = snapshot_digest(snapshot, "a")
+    assert len(digest) == 32 and digest == snapshot_digest(snapshot, "a") != snapshot_digest(snapshot, "b")
+    moved = SimpleNamespace(seq=None, ts=snapshot.ts + 1.0, lengths=snapshot.lengths)
+    assert snapshot_digest(moved, "a") != digest  # other items
+    same_ts = SimpleNamespace(seq=None, ts=snapshot.ts, lengths=snapshot.lengths.astype(np.int32))
+    assert snapshot_digest(same_ts, "a") == snapshot_digest(
+        SimpleNamespace(ts=snapshot.ts, lengths=snapshot.lengths), "a"
+    )
+    assert snapshot_digest(same_ts, "a") == digest or snapshot.seq is not None
+    longer = SimpleNamespace(seq=None, ts=snapshot.ts, lengths=snapshot.lengths + 1)
+    assert snapshot_digest(longer, "a") != snapshot_digest(same_ts, "a")
+    with_seq = SimpleNamespace(seq=np.array([7, 8, 9]), ts=snapshot.ts, lengths=snapshot.lengths)
+    reseq = SimpleNamespace(seq=np.array([7, 8, 10]), ts=snapshot.ts, lengths=snapshot.lengths)
+    assert snapshot_digest(with_seq, "a") != snapshot_digest(reseq, "a")  # the window's sequence numbers, not ts
+    assert snapshot_digest(with_seq, "a") == snapshot_digest(
+        SimpleNamespace(seq=np.array([7, 8, 9]), ts=snapshot.ts + 5.0, lengths=snapshot.lengths), "a"
+    )
+
+
+def tracked_on(snapshot: WindowSnapshot, **kwargs: Any) -> WindowBatchDataset:
+    """A tracking dataset without a sampler: every pass is the whole snapshot."""
+    return WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=5, track_trained=True, **kwargs)
+
+
+def batches_per_pass(snapshot: WindowSnapshot) -> int:
+    return len(list(WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=5, max_passes=1)))
+
+
+def test_the_resume_point_wherever_the_consumer_stopped(make_snapshot: Callable) -> None:
+    """Nothing trained yet, mid-pass, at a pass's end with the next drawn ahead, and across many passes."""
+    snapshot = make_snapshot(np.full(40, 8))  # about 5 batches of 8 items a pass
+    dataset = tracked_on(snapshot)
+    batches = iter(dataset)
+    drawn = take(batches, 1)  # pass 0 drawn, nothing trained
+    assert dataset.state_dict()["next_pass"] == 0 and dataset.state_dict()["skip_batches"] == 0
+    per_pass = drawn[0].position.batches  # type: ignore[union-attr]
+    assert per_pass == batches_per_pass(snapshot) > 2
+    dataset.mark_trained(drawn[0].position)  # type: ignore[arg-type]  # a position does as well as a batch
+    state = dataset.state_dict()
+    assert (state["next_pass"], state["skip_batches"]) == (0, 1) and state["skip_digest"] is not None
+    take(batches, per_pass - 1, dataset)  # pass 0 trained to its end; pass 1 not drawn yet
+    state = dataset.state_dict()
+    assert (state["next_pass"], state["skip_batches"], state["planned_steps"]) == (1, 0, per_pass)
+    ahead = take(batches, 2)  # pass 1 drawn ahead of training
+    assert ahead[0].position.pass_index == 1  # type: ignore[union-attr]
+    state = dataset.state_dict()  # pass 0's end: resume at pass 1's start, not after it
+    assert (state["next_pass"], state["skip_batches"], state["planned_steps"]) == (1, 0, per_pass)
+    for _ in range(3):  # three more passes trained: the records of finished passes are dropped
+        take(batches, per_pass, dataset)
+    assert dataset.planned_steps == 5 * per_pass and len(dataset._records) <= 2
+
+
+def test_a_consumer_a_pass_behind_keeps_its_pass_to_resume(make_snapshot: Callable) -> None:
+    """The planner runs a pass ahead: the record of the pass being trained must survive that draw."""
+    snapshot = make_snapshot(np.full(40, 8))
+    dataset = tracked_on(snapshot)
+    batches = iter(dataset)
+    first = take(batches, 1)
+    per_pass = batches_per_pass(snapshot)
+    take(batches, per_pass)  # the rest of pass 0 and pass 1's first batch handed out
+    dataset.mark_trained(first[0])  # only pass 0's first batch trained
+    state = dataset.state_dict()
+    assert (state["next_pass"], state["skip_batches"]) == (0, 1)
+    resumed = tracked_on(snapshot)
+    resumed.load_state_dict(state)
+    again = next(iter(resumed))
+    assert again.position == BatchPosition(0, 1, per_pass) and torch.equal(
+        again.ts, take(iter(tracked_on(snapshot)), 2)[1].ts
+    )
+
+
+@pytest.mark.parametrize("shuffle", ["seeded", "crypto"])
+def test_only_a_reproducible_pass_skips_what_was_trained(
+    make_snapshot: Callable, caplog: pytest.LogCaptureFixture, shuffle: str
+) -> None:
+    """Seeded: the restored pass skips its trained batches. Crypto: it cannot be drawn the same way
+    again, so it is drawn whole, and the log says why."""
+    snapshot = make_snapshot(np.full(40, 8))
+    dataset = tracked_on(snapshot, shuffle=shuffle)
+    take(iter(dataset), 2, dataset)
+    per_pass = batches_per_pass(snapshot)
+    state = dataset.state_dict()
+    assert state["skip_batches"] == 2 and (state["skip_digest"] is None) == (shuffle == "crypto")
+    resumed = tracked_on(snapshot, shuffle=shuffle)
+    resumed.load_state_dict(state)
+    with caplog.at_level(logging.INFO, logger=dataset_module.log.name):
+        first = next(iter(resumed))
+    if shuffle == "seeded":
+        assert first.position == BatchPosition(0, 2, per_pass) and not caplog.records
+    else:
+        assert first.position.pass_index == 0 and first.position.index == 0  # type: ignore[union-attr]
+        assert [r.getMessage() for r in caplog.records] == [
+            "pass 0 was 2 batches in when the state was saved; the window or the settings have changed since (or "
+            "the plan is not reproducible), so the pass is drawn again from its start"
+        ]
+
+
+def test_a_saved_state_round_trips_its_counters_and_reads_old_states(
+    make_snapshot: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    snapshot = make_snapshot(np.full(40, 8))
+    dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=5, max_passes=2)
+    list(dataset)
+    state = dataset.state_dict()
+    per_pass = batches_per_pass(snapshot)
+    assert state == {
+        "next_pass": 2,
+        "planned_steps": 2 * per_pass,
+        "seed": 5,
+        "sampler": None,
+        "skip_batches": 0,
+        "skip_digest": None,
+    }
+    restored = WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=5, max_passes=1)
+    assert restored.load_state_dict(state) == 5 and restored.planned_steps == 2 * per_pass and restored.next_pass == 2
+    old = WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=5, max_passes=1)
+    with caplog.at_level(logging.INFO, logger=dataset_module.log.name):
+        old.load_state_dict({"next_pass": 3, "seed": 5})  # a state written before the optional keys
+        batches = list(old)
+    assert old.planned_steps == per_pass and [b.position.index for b in batches] == list(range(per_pass))  # type: ignore[union-attr]
+    assert batches[0].position.pass_index == 3 and not caplog.records  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("key", ["next_pass", "seed", "planned_steps", "skip_batches"])
+def test_a_state_with_a_negative_counter_is_refused(key: str) -> None:
+    state = {"next_pass": 1, "seed": 0, "planned_steps": 3, "skip_batches": 1, key: -1}
+    dataset = WindowBatchDataset(lambda: None, BUDGET)  # type: ignore[arg-type, return-value]
+    with pytest.raises(ValueError) as raised:
+        dataset.load_state_dict(state)
+    assert str(raised.value) == f"WindowBatchDataset state needs counters >= 0, got {state}"
+
+
+def test_the_states_own_sampler_counters_win_over_the_legacy_argument_and_a_dataset_without_a_sampler_ignores_them(
+    make_snapshot: Callable,
+) -> None:
+    current = {"passes": 4, "watermark": 90, "seed": 0, "policy": "uniform"}
+    legacy = {"passes": 1, "watermark": 10, "seed": 0, "policy": "uniform"}
+    with_sampler = WindowBatchDataset(lambda: None, BUDGET, sampler=PassSampler(10, 0.5, "seeded", 0))  # type: ignore[arg-type, return-value]
+    with_sampler.load_state_dict({"next_pass": 4, "seed": 0, "sampler": current}, sampler_state=legacy)
+    assert with_sampler.sampler.passes == 4 and with_sampler.sampler.watermark == 90  # type: ignore[union-attr]
+    with_sampler.load_state_dict({"next_pass": 1, "seed": 0}, sampler_state=legacy)
+    assert with_sampler.sampler.passes == 1 and with_sampler.sampler.watermark == 10  # type: ignore[union-attr]
+    without = WindowBatchDataset(lambda: None, BUDGET)  # type: ignore[arg-type, return-value]
+    without.load_state_dict({"next_pass": 4, "seed": 0, "sampler": current})  # sampling turned off since
+    assert without.next_pass == 4
+
+
+def test_a_changed_seed_redraws_the_interrupted_pass_without_a_second_message(
+    make_snapshot: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    snapshot = make_snapshot(np.full(40, 8))
+    dataset = tracked_on(snapshot)
+    take(iter(dataset), 2, dataset)
+    reseeded = WindowBatchDataset(lambda: snapshot, TokenBudget(64), seed=6, track_trained=True)
+    with caplog.at_level(logging.INFO, logger=dataset_module.log.name):
+        reseeded.load_state_dict(dataset.state_dict())
+        first = next(iter(reseeded))
+    assert first.position.pass_index == 0 and first.position.index == 0  # type: ignore[union-attr]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the checkpoint was trained with SEED=5; continuing with the configured SEED=6: "
+        "passes from here on are drawn from the new seed"
+    ]
