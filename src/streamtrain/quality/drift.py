@@ -37,9 +37,8 @@ class DriftMonitor:
     events: both are the detector-independent "levels before and after" of a log line.
     """
 
-    def __init__(
-        self, kind: str, adwin_delta: float = 0.002, ph_threshold: float = 100.0, half_life: float = 2000.0
-    ) -> None:
+    def __init__(self, kind: str, adwin_delta: float, ph_threshold: float, half_life: float) -> None:
+        """The settings' ``DRIFT_*`` and ``QUALITY_HALF_LIFE_EVENTS`` (their defaults live there, once)."""
         self.kind = kind
         self.adwin_delta = adwin_delta
         self.ph_threshold = ph_threshold
