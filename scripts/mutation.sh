@@ -47,6 +47,11 @@ MODULES=(
   "monitor|src/streamtrain/quality/monitor.py|tests/unit/quality/test_quality_monitor.py tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_scoring.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/quality/test_quality_selection.py tests/unit/quality/test_quality_holdout.py"
   "replays|src/streamtrain/training/replays.py|tests/unit/training/test_training_replays.py tests/unit/quality/test_quality_selection.py"
   "checkpoint_incremental|src/streamtrain/checkpoint/incremental.py|tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
+  "accounting|src/streamtrain/privacy/accounting.py|tests/unit/privacy/test_dp_accounting.py"
+  "dataset|src/streamtrain/data/dataset.py|tests/unit/data/test_dataset.py tests/unit/data/test_passes.py tests/unit/data/test_policies.py tests/unit/data/test_prefetch.py tests/unit/data/test_randomness.py tests/unit/training/test_training_resume.py tests/unit/distributed/test_data_parallel.py tests/unit/distributed/test_lockstep.py"
+  "scoring|src/streamtrain/quality/scoring.py|tests/unit/quality/test_quality_scoring.py tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_monitor.py"
+  "drift|src/streamtrain/quality/drift.py|tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_monitor.py"
+  "dp_window|src/streamtrain/privacy/window.py|tests/unit/privacy/test_dp_window.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

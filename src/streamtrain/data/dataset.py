@@ -97,7 +97,7 @@ def _distributed_coordinates() -> tuple[int, int]:
     return 0, 1
 
 
-def snapshot_digest(snapshot: Any, configuration: str = "") -> str:
+def snapshot_digest(snapshot: Any, configuration: str) -> str:
     """A short fingerprint of which items a snapshot holds, in which order, their lengths,
     and ``configuration`` (whatever else decides the pass drawn from it)."""
     seq = getattr(snapshot, "seq", None)
