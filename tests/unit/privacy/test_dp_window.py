@@ -349,3 +349,161 @@ def test_a_share_keeps_the_ledger_and_refuses_windows_of_different_cuts() -> Non
     old[1].close_step(4)
     with pytest.raises(ValueError, match="closed at different steps"):
         share.share_state([old[0].state_dict(), old[1].state_dict()], lambda p: True)
+
+
+# ----------------------------------------------------------------------------------------
+# what the first mutation run of the DP window asked (docs/testing.md, "dp_window")
+
+
+def test_resume_charges_the_candidacies_of_the_lost_steps_only_and_drops_decided_pending_groups() -> None:
+    window = sensor_window(b=2, k=3)
+    window.admit(kafka_batch([0, 1], sensors=["a", "b"]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([2, 3], sensors=["c", "c"]), step=2)  # pending at the checkpoint
+    window.admit(kafka_batch([10, 11], sensors=["d", "e"]), step=5)  # pending, after the record's last step
+    restored = sensor_window(b=2, k=3, seed=16)
+    restored.load_state_dict(window.state_dict())
+    # the record: steps 2 and 3 ran; "c" was a candidate at 2, "x" at 3, "y" at 7 (not yet run: not charged),
+    # and "a" at 1 (already in the ledger: not charged twice); offsets below 11 were decided
+    restored.resume(3, {0: 11}, {1: ["a"], 2: ["c"], 3: ["x"], 7: ["y"]})
+    assert restored.ledger == {"a": (1, 1), "b": (1, 1), "c": (1, 2), "x": (1, 3)}
+    assert restored.closed_step == 3 and restored.gaps == [(2, 3)] and restored.pending_steps == 1
+    decision = restored.close_step(4)
+    assert decision.admitted == {} and decision.admitted_records == 0
+    assert restored.close_step(5).admitted == {0: [11]}  # "d" at 10 was decided before the crash; "e" at 11 not
+    assert restored.watermarks == {0: 12}
+
+
+def test_resume_at_or_before_the_checkpoint_step_only_raises_the_watermarks() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(17))
+    window.admit(kafka_batch([0, 1]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([2, 3, 4]), step=2)
+    window.resume(1, {0: 4, 1: 7}, {1: ["s"]})
+    assert window.closed_step == 1 and window.gaps == [] and window.ledger == {}
+    assert window.watermarks == {0: 4, 1: 7}
+    window.resume(0, {0: 3}, {})  # a lower mark never lowers one
+    assert window.watermarks == {0: 4, 1: 7}
+    assert window.close_step(2).admitted == {0: [4]}  # 2 and 3 were decided: dropped from the pending step
+
+
+def test_resume_keeps_pending_arrivals_without_an_offset() -> None:
+    """Arrivals not read from Kafka (offset -1) cannot have been decided before: they stay."""
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(18))
+    window.admit(events(2), step=2)  # offsets -1
+    window.resume(1, {0: 100}, {})
+    window.close_step(2)
+    assert sorted(ids(window.eligible().values)) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("gaps", "expected"),
+    [
+        ([(3, 4)], [(1, 2), (5, 6)]),
+        ([(1, 2)], [(3, 6)]),
+        ([(5, 6)], [(1, 4)]),
+        ([(0, 9)], []),
+        ([(2, 2), (4, 5)], [(1, 1), (3, 3), (6, 6)]),
+        ([(7, 9)], [(1, 6)]),
+    ],
+)
+def test_eligible_ranges_are_the_last_k_steps_less_the_gaps(gaps: list[tuple[int, int]], expected: list) -> None:
+    window = DPWindow(eligible_steps=8, admit_per_step=1, randomness=SeededRandomness(19))
+    for step in range(1, 7):
+        window.close_step(step)
+    window.gaps = list(gaps)
+    assert window.eligible_ranges() == expected
+
+
+def test_eligible_ranges_start_at_the_first_step_and_slide_with_k() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=1, randomness=SeededRandomness(19))
+    assert window.eligible_ranges() == []
+    window.close_step(1)
+    assert window.eligible_ranges() == [(1, 1)]
+    for step in range(2, 6):
+        window.close_step(step)
+    assert window.eligible_ranges() == [(3, 5)]
+
+
+def test_steps_eligible_so_far_counts_from_the_first_admission_and_stops_at_k() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(20))
+    window.close_step(1)  # nothing admitted yet
+    assert window.steps_eligible_so_far() == 0
+    window.admit(kafka_batch([0]), step=2)
+    window.close_step(2)
+    assert window.first_admit_step == 2 and window.steps_eligible_so_far() == 1
+    window.close_step(3)
+    assert window.steps_eligible_so_far() == 2
+    for step in (4, 5, 6):
+        window.close_step(step)
+    assert window.steps_eligible_so_far() == 3
+
+
+def test_most_groups_is_the_largest_count_in_the_ledger() -> None:
+    window = sensor_window(b=1, k=1)
+    assert window.most_groups() == 0
+    for step, sensors in enumerate([["a", "b"], ["a"], ["a", "c"]], start=1):
+        window.admit(kafka_batch(list(range(10 * step, 10 * step + len(sensors))), sensors=sensors), step=step)
+        window.close_step(step)
+    assert window.ledger["a"] == (3, 3) and window.most_groups() == 3
+
+
+def test_dropping_partitions_drops_their_pending_groups_and_marks_and_owning_raises_marks_only() -> None:
+    window = sensor_window(b=2, k=3)
+    window.drop_partitions([5])  # owning nothing in particular (None: all): still admits the rest
+    assert window.owned is None
+    window.admit(placed_batch([(0, 0, "a"), (1, 0, "a"), (1, 1, "b")]), step=1)
+    window.drop_partitions([1])
+    decision = window.close_step(1)
+    assert decision.admitted == {0: [0]} and decision.watermarks == {0: 1}
+    assert sorted(ids(window.eligible().values)) == [0]
+    window.own([2, 3], {2: 10, 3: 4})
+    window.own([3], {2: 5, 3: 6})
+    assert window.owned == {2, 3} and window.watermarks == {0: 1, 2: 10, 3: 6}
+
+
+def test_a_share_refuses_nothing_to_share_and_another_k_or_unit_in_full() -> None:
+    window = DPWindow(eligible_steps=4, admit_per_step=3, randomness=SeededRandomness(60))
+    with pytest.raises(ValueError, match="^DPWindow.share_state: no window states to take a share of$"):
+        window.share_state([], lambda p: True)
+    other = DPWindow(eligible_steps=3, admit_per_step=3, randomness=SeededRandomness(61), unit="sensor")
+    with pytest.raises(ValueError) as raised:
+        window.share_state([other.state_dict()], lambda p: True)
+    assert str(raised.value) == (
+        "DPWindow.share_state: a window of K=3, unit sensor cannot be shared into one of K=4, unit event; "
+        "restore the STREAMTRAIN_DP_* settings of the checkpoint"
+    )
+    closed = DPWindow(eligible_steps=4, admit_per_step=3, randomness=SeededRandomness(62))
+    closed.close_step(1)
+    with pytest.raises(ValueError) as raised:
+        window.share_state([window.state_dict(), closed.state_dict()], lambda p: True)
+    assert str(raised.value) == (
+        "DPWindow.share_state: the windows were closed at different steps [0, 1], not one checkpoint's cut"
+    )
+
+
+def test_a_share_keeps_the_largest_offsets_and_ledger_entries_every_gap_and_the_first_admission() -> None:
+    windows = []
+    for rank, (first, offsets) in enumerate([(2, [5, 6]), (3, [9])]):
+        window = sensor_window(b=1, k=4, seed=70 + rank)
+        for step in range(1, 4):
+            if step == first:
+                window.admit(placed_batch([(rank, o, f"s{o}") for o in offsets]), step=step, next_offsets={rank: 50})
+            window.close_step(step)
+        window.ledger["shared"] = (2 + rank, 3 - rank)  # one sensor seen by both ranks, counts disagreeing
+        window.gaps = [(rank + 1, rank + 1)]
+        windows.append(window)
+    states = [window.state_dict() for window in windows]
+    share = sensor_window(b=1, k=4, seed=80)
+    share.load_state_dict(share.share_state(states, lambda p: True))
+    assert share.first_admit_step == 2
+    assert share.ledger["shared"] == (3, 3)  # the largest count and the latest step, each
+    assert share.gaps == [(1, 1), (2, 2)]
+    assert share.watermarks == {0: 7, 1: 10} and share.next_offsets == {0: 50, 1: 50}
+    assert share.arrived_total == share.admitted_total == share.expired_total == 0  # counters start again
+    only_one = sensor_window(b=1, k=4, seed=81)
+    only_one.load_state_dict(only_one.share_state(states, lambda p: p == 1))
+    assert only_one.watermarks == {1: 10} and only_one.next_offsets == {1: 50}
+    nothing = DPWindow(eligible_steps=4, admit_per_step=3, randomness=SeededRandomness(82))
+    nothing.load_state_dict(nothing.share_state([nothing.state_dict()], lambda p: True))
+    assert nothing.first_admit_step is None
