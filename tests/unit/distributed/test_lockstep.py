@@ -84,6 +84,8 @@ def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed(ahead: bool
     loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=cuts, on_stopped=stopped.set, stage_ahead=ahead)
     thread = run_loop(loop)
     wait(lambda: trainer.step >= 5 and trainer.published is not None, 60, "training and a first version")
+    if ahead:  # a batch is staged early only when the planner has the next one ready at that moment
+        wait(lambda: loop.stager is not None and loop.stager.staged_ahead > 0, 60, "a batch staged ahead")
     loop.checkpoint_due.set()
     wait(lambda: cuts.calls, 30, "a checkpoint")
     assert cuts.calls[0][0] is False and not loop.checkpoint_due.is_set()
