@@ -507,3 +507,290 @@ def test_a_share_keeps_the_largest_offsets_and_ledger_entries_every_gap_and_the_
     nothing = DPWindow(eligible_steps=4, admit_per_step=3, randomness=SeededRandomness(82))
     nothing.load_state_dict(nothing.share_state([nothing.state_dict()], lambda p: True))
     assert nothing.first_admit_step is None
+
+
+class FixedKeys:
+    """Randomness whose keys are given: draws come from ``keys`` in order."""
+
+    def __init__(self, keys: list[int]) -> None:
+        self.keys = list(keys)
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        drawn, self.keys = self.keys[:n], self.keys[n:]
+        return np.asarray(drawn, dtype=np.uint64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"eligible_steps": 0}, "DPWindow: need K >= 1 and R >= 1, got K=0, R=5"),
+        ({"admit_per_step": 0}, "DPWindow: need K >= 1 and R >= 1, got K=3, R=0"),
+        ({"unit": "fleet"}, "DPWindow: unit must be one of ('event', 'sensor'), got 'fleet'"),
+        ({"unit": "sensor", "sensor_events": 0}, "DPWindow: need b >= 1 events per sensor group, got 0"),
+    ],
+)
+def test_a_window_refuses_bad_settings_with_the_whole_reason(kwargs: dict, message: str) -> None:
+    settings = {"eligible_steps": 3, "admit_per_step": 5, "randomness": SeededRandomness(0), **kwargs}
+    with pytest.raises(ValueError) as raised:
+        DPWindow(**settings)
+    assert str(raised.value) == message
+
+
+def test_a_sensor_group_is_one_event_unless_told_otherwise() -> None:
+    assert DPWindow(3, 5, SeededRandomness(0), unit="sensor").sensor_events == 1
+
+
+def test_arrivals_of_partitions_not_owned_and_offsets_decided_are_turned_away_across_partitions() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(90))
+    window.own([2, 3], {2: 1, 3: 1})  # offset 0 of each was decided before
+    batch = placed_batch([(0, 0, "s"), (1, 0, "s"), (2, 0, "s"), (2, 5, "s"), (3, 0, "s"), (3, 6, "s")])
+    window.admit(batch, step=1)
+    assert window.close_step(1).admitted == {2: [5], 3: [6]}
+    assert window.turned_away["not_owned"] == 2 and window.turned_away["decided_before"] == 2
+
+
+def test_a_steps_arrivals_and_pending_marks_add_up_over_its_batches() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(91))
+    window.admit(kafka_batch([5, 6]), step=1)
+    window.admit(kafka_batch([2]), step=1)  # a later batch of the same step, lower offsets
+    state = window.state_dict()
+    assert state["pending_arrivals"] == {"1": 3} and state["pending_watermarks"] == {"1": {"0": 7}}
+    decision = window.close_step(1)
+    assert decision.step == 1 and decision.watermarks == {0: 7} and decision.admitted == {0: [2, 5, 6]}
+
+
+def test_arrivals_without_an_offset_leave_a_watermark_of_zero() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(92))
+    window.admit(events(2), step=1)
+    assert window.close_step(1).watermarks == {0: 0} and window.watermarks == {0: 0}
+    window.own([3], {3: 0})
+    window.resume(1, {4: 0}, {})
+    assert window.watermarks == {0: 0, 3: 0, 4: 0}
+
+
+def test_a_mark_raised_while_a_step_is_open_is_never_lowered_by_its_close() -> None:
+    """A rebalance hands this window a partition's recorded mark between an arrival and its step's close."""
+    window = DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(93))
+    window.admit(kafka_batch([5]), step=1)
+    window.own([0], {0: 100})
+    window.close_step(1)
+    assert window.watermarks == {0: 100}
+
+
+def test_steps_close_in_order_and_say_which_is_next() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=1, randomness=SeededRandomness(94))
+    window.close_step(1)
+    with pytest.raises(ValueError) as raised:
+        window.close_step(3)
+    assert str(raised.value) == "DPWindow.close_step: steps close in order; expected 2, got 3"
+
+
+def test_a_sensor_offered_for_two_open_steps_is_a_candidate_once_in_k_steps() -> None:
+    """Its arrivals for steps 2 and 3 both come before either closes: only the first close may take it."""
+    window = sensor_window(b=1, k=3)
+    window.admit(kafka_batch([0], sensors=["a"]), step=1)
+    window.admit(kafka_batch([1], sensors=["a"]), step=2)
+    assert window.close_step(1).admitted == {0: [0]}
+    assert window.close_step(2).admitted == {} and window.turned_away["group_refused"] == 1
+    window.admit(kafka_batch([2], sensors=["b"]), step=4)
+    window.admit(kafka_batch([3], sensors=["b"]), step=5)
+    window.close_step(3)
+    window.close_step(4)
+    window.close_step(5)
+    assert window.turned_away["group_refused"] == 2  # counted, not overwritten
+    assert window.ledger == {"a": (1, 1), "b": (1, 4)}
+
+
+def test_which_groups_fill_the_steps_r_slots_is_random_not_by_sensor_name() -> None:
+    window = sensor_window(b=1, k=1, r=1, seed=95)
+    first = 0
+    steps = 60
+    for step in range(1, steps + 1):
+        window.admit(kafka_batch([2 * step, 2 * step + 1], sensors=["a", "z"]), step=step)
+        if window.close_step(step).admitted == {0: [2 * step]}:
+            first += 1
+    assert within_binomial(first, steps, 0.5) and 0 < first < steps
+
+
+def test_a_gap_is_forgotten_the_step_it_leaves_the_window() -> None:
+    window = DPWindow(eligible_steps=4, admit_per_step=1, randomness=SeededRandomness(96))
+    window.gaps = [(3, 4)]
+    for step in range(1, 8):
+        window.close_step(step)
+    assert window.gaps == [(3, 4)] and window.eligible_ranges() == [(5, 7)]
+    window.close_step(8)
+    assert window.gaps == [] and window.eligible_ranges() == [(5, 8)]
+
+
+@pytest.mark.parametrize(("gap", "expected"), [((1, 2), [(3, 6)]), ((6, 7), [(2, 5)]), ((2, 2), [(3, 6)])])
+def test_a_gap_that_touches_the_eligible_range_cuts_it(gap: tuple[int, int], expected: list) -> None:
+    window = DPWindow(eligible_steps=5, admit_per_step=1, randomness=SeededRandomness(97))
+    for step in range(1, 7):
+        window.close_step(step)
+    window.gaps = [gap]
+    assert window.eligible_ranges() == expected
+
+
+def test_record_ids_run_from_zero_across_slots_and_an_empty_window_holds_nothing() -> None:
+    window = DPWindow(eligible_steps=4, admit_per_step=2, randomness=SeededRandomness(98))
+    empty = window.eligible()
+    assert empty.labels.shape == (0,) and empty.groups.shape == (0,) and empty.ages.shape == (0,)
+    assert empty.labels.dtype == np.int64 and empty.groups.dtype == np.int64
+    window.admit(kafka_batch([0]), step=1)  # a slot of one record
+    window.close_step(1)
+    window.admit(kafka_batch([2, 3]), step=2)
+    window.close_step(2)
+    eligible = window.eligible()
+    assert eligible.groups.tolist() == [0, 1, 2] and eligible.ages.tolist() == [1, 0, 0]
+    assert eligible.ages.dtype == np.int64 and eligible.groups.dtype == np.int64
+
+
+def test_dropping_a_partition_without_pending_arrivals_leaves_the_others_pending() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(99))
+    window.admit(kafka_batch([0, 1]), step=1)
+    window.drop_partitions([1])
+    assert window.close_step(1).admitted == {0: [0, 1]}
+
+
+def test_resume_drops_the_pending_arrivals_of_the_last_recorded_step_and_only_decided_offsets() -> None:
+    window = sensor_window(b=1, k=4)
+    window.admit(kafka_batch([0], sensors=["b"]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([1], sensors=["b2"]), step=2)
+    window.close_step(2)
+    window.ledger["b"] = (1, 2)  # a count and a last step that differ
+    window.admit(kafka_batch([7], sensors=["c"]), step=3)  # pending at the last recorded step: decided then
+    window.admit(placed_batch([(2, 0, "d"), (2, 9, "e"), (1, 0, "f")]), step=4)  # pending after it
+    window.resume(3, {2: 1}, {3: ["b"]})
+    assert window.ledger["b"] == (2, 3) and window.pending_steps == 1
+    decision = window.close_step(4)  # offset 0 of partition 2 was decided; partition 1 has no mark yet
+    assert decision.admitted == {1: [0], 2: [9]}
+
+
+def test_the_r_smallest_keys_are_admitted_and_kept_exactly() -> None:
+    big = 2**63
+    for keys in ([big + 9, 3, big + 1, 2**64 - 1, 7], [50, 40, 30, 20, 10], [5, big, 1, big + 2, 3]):
+        window = DPWindow(eligible_steps=3, admit_per_step=2, randomness=FixedKeys(keys))  # type: ignore[arg-type]
+        window.admit(kafka_batch([0, 1]), step=1)
+        window.admit(kafka_batch([2, 3, 4]), step=1)
+        state = window.state_dict()
+        smallest = sorted(range(5), key=lambda i: keys[i])[:2]
+        assert sorted(np.asarray(state["pending"]["keys"]).tolist()) == sorted(keys[i] for i in smallest)
+        assert window.close_step(1).admitted == {0: sorted(smallest)}, keys
+
+
+def test_a_sensor_group_keeps_its_b_smallest_keys_and_a_ruled_out_sensor_does_not_stop_the_batch() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=FixedKeys([30, 10, 20, 99]), unit="sensor",
+                      sensor_events=2)  # type: ignore[arg-type]  # fmt: skip
+    window.admit(kafka_batch([0, 1, 2], sensors=["a", "a", "a"]), step=1)
+    assert window.close_step(1).admitted == {0: [1, 2]}  # keys 10 and 20, not 30
+    ruled = sensor_window(b=1, k=3, seed=100)
+    ruled.ledger["x"] = (1, 1)
+    ruled.admit(kafka_batch([0, 1], sensors=["x", "y"]), step=2)
+    ruled.close_step(1)
+    assert ruled.close_step(2).admitted == {0: [1]}
+
+
+def strip_optional_keys(state: dict) -> dict:
+    """A state as written before the keys that came later (unit, sensors, marks, ledger, gaps)."""
+    optional = ("unit", "pending_sensors", "pending_group_keys", "pending_watermarks", "watermarks", "ledger",
+                "ledger_sensors", "gaps")  # fmt: skip
+    return {k: v for k, v in state.items() if k not in optional}
+
+
+def test_an_old_state_without_the_later_keys_loads_and_shares_with_empty_defaults() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(101))
+    window.admit(kafka_batch([0, 1]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([2]), step=2)
+    old = strip_optional_keys(window.state_dict())
+    loaded = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(102))
+    loaded.load_state_dict(old)
+    assert loaded.ledger == {} and loaded.gaps == [] and loaded.watermarks == {}
+    assert sorted(ids(loaded.eligible().values)) == [0, 1] and loaded.pending_steps == 1
+    share = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(103))
+    shared = share.share_state([old], lambda p: True)
+    assert shared["ledger_sensors"] == [] and shared["gaps"].shape == (0, 2) and shared["watermarks"] == {}
+    share.load_state_dict(shared)
+    assert sorted(ids(share.eligible().values)) == [0, 1] and share.close_step(2).admitted == {0: [2]}
+
+
+def test_a_state_round_trips_its_records_pending_groups_and_counts() -> None:
+    window = sensor_window(b=2, k=3, seed=104)
+    window.admit(kafka_batch([0, 1, 2], sensors=["a", "a", "b"]), step=1)
+    window.close_step(1)
+    window.admit(kafka_batch([3, 4, 5], sensors=["c", "d", "d"]), step=2)
+    state = window.state_dict()
+    clone = sensor_window(b=2, k=3, seed=105)
+    clone.load_state_dict(state)
+    again = clone.state_dict()
+    for key in ("pending_sensors", "pending_arrivals", "pending_watermarks", "ledger_sensors", "first_admit_step"):
+        assert again[key] == state[key], key
+    for key in ("steps", "groups", "labels", "partitions", "offsets", "lengths"):
+        np.testing.assert_array_equal(again["eligible"][key], state["eligible"][key])
+        np.testing.assert_array_equal(again["pending"][key], state["pending"][key])
+    assert clone.close_step(2).candidates == {0: ["c", "d"]}
+
+
+def test_loading_another_k_or_unit_is_refused_with_the_whole_reason() -> None:
+    sensor_state = sensor_window(k=3).state_dict()
+    with pytest.raises(ValueError) as raised:
+        DPWindow(eligible_steps=3, admit_per_step=10, randomness=SeededRandomness(0)).load_state_dict(sensor_state)
+    assert str(raised.value) == (
+        "DPWindow.load_state_dict: checkpoint was written with DP_UNIT=sensor, this run uses event; "
+        "restore STREAMTRAIN_DP_UNIT or start from an empty checkpoint directory"
+    )
+    with pytest.raises(ValueError) as raised:
+        sensor_window(k=4).load_state_dict(sensor_state)
+    assert str(raised.value) == (
+        "DPWindow.load_state_dict: checkpoint has K=3, this run K=4; "
+        "restore STREAMTRAIN_DP_ELIGIBLE_STEPS or start from an empty checkpoint directory"
+    )
+    with pytest.raises(ValueError, match="cannot be shared into one of K=4, unit sensor"):
+        sensor_window(k=4).share_state([sensor_state], lambda p: True)
+
+
+def test_a_share_merges_one_sensors_pending_groups_and_the_largest_marks_across_windows() -> None:
+    """Two old windows both hold a pending group of sensor "s" for step 1 (it sent on a partition of each)."""
+    windows = []
+    for rank, (keys, marks, offsets) in enumerate([([40, 10, 5], {0: 9}, [30, 31]), ([20, 30, 6], {0: 4}, [20, 21])]):
+        window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=FixedKeys(keys), unit="sensor",
+                          sensor_events=2)  # type: ignore[arg-type]  # fmt: skip
+        window.own([rank], marks)
+        window.admit(placed_batch([(rank, offsets[0], "s"), (0, offsets[1], "s")]), step=1)
+        windows.append(window)
+    states = [window.state_dict() for window in windows]
+    share = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(106), unit="sensor",
+                     sensor_events=2)  # fmt: skip
+    shared = share.share_state(states, lambda p: True)
+    assert shared["pending_sensors"] == ["s"] and shared["pending_arrivals"] == {"1": 2}
+    assert np.asarray(shared["pending_group_keys"]).tolist() == [5]  # the smaller group key
+    assert sorted(np.asarray(shared["pending"]["keys"]).tolist()) == [10, 20]  # its two smallest event keys
+    assert np.asarray(shared["pending"]["groups"]).tolist() == [0, 0]  # both events in sensor "s"'s group
+    # the largest of each partition's marks, pending or decided, whichever window holds it first
+    assert shared["watermarks"] == {"0": 9} and shared["pending_watermarks"] == {"1": {"0": 32, "1": 21}}
+
+
+def test_a_share_counts_every_sensors_pending_events_and_keeps_zero_marks() -> None:
+    window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(107), unit="sensor")
+    window.admit(placed_batch([(3, 3, "a"), (3, 4, "b")]), step=1)
+    window.admit(events(1), step=1)  # no offset (partition 0): a pending mark of 0
+    window.own([5], {5: 0})
+    window.next_offsets[5] = 0
+    share = DPWindow(eligible_steps=3, admit_per_step=5, randomness=SeededRandomness(108), unit="sensor")
+    shared = share.share_state([window.state_dict()], lambda p: True)
+    assert shared["pending_arrivals"] == {"1": 3} and sorted(shared["pending_sensors"]) == ["a", "b", "s"]
+    assert shared["pending_watermarks"] == {"1": {"3": 5, "0": 0}} and shared["watermarks"] == {"5": 0}
+    assert shared["next_offsets"] == {"5": 0}
+
+
+def test_a_step_whose_arrivals_were_all_ruled_out_is_still_pending_after_a_restore() -> None:
+    """Its arrivals count and its marks move the watermark when it closes, though no group is left."""
+    window = sensor_window(b=1, k=3)
+    window.ledger["x"] = (1, 1)
+    window.admit(kafka_batch([8], sensors=["x"]), step=2)  # ruled out: no group, but arrived and decided
+    clone = sensor_window(b=1, k=3, seed=109)
+    clone.load_state_dict(window.state_dict())
+    assert clone.state_dict()["pending_arrivals"] == {"2": 1}
+    clone.close_step(1)
+    assert clone.close_step(2).watermarks == {0: 9}
