@@ -756,7 +756,7 @@ def test_a_share_merges_one_sensors_pending_groups_and_the_largest_marks_across_
     for rank, (keys, marks, offsets) in enumerate([([40, 10, 5], {0: 9}, [30, 31]), ([20, 30, 6], {0: 4}, [20, 21])]):
         window = DPWindow(eligible_steps=3, admit_per_step=5, randomness=FixedKeys(keys), unit="sensor",
                           sensor_events=2)  # type: ignore[arg-type]  # fmt: skip
-        window.own([rank], marks)
+        window.own([rank, 0], marks)
         window.admit(placed_batch([(rank, offsets[0], "s"), (0, offsets[1], "s")]), step=1)
         windows.append(window)
     states = [window.state_dict() for window in windows]
