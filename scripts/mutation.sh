@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation score for the modules whose bugs would be silent (issue 19, docs/testing.md).
 #
-#   scripts/mutation.sh               every module, smallest first
+#   scripts/mutation.sh               every module, in the order listed
 #   scripts/mutation.sh collate       one module (names: see MODULES below)
 #   scripts/mutation.sh collate 'streamtrain.data.collate.x_collate__mutmut_*'
 #                                     rerun only the mutants named (globs), keeping the other results
