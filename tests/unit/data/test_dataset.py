@@ -645,7 +645,7 @@ def test_a_sampler_is_told_how_many_steps_were_planned_before_each_pass(make_sna
 
     sampler.select = spy  # type: ignore[method-assign]
     dataset = WindowBatchDataset(lambda: snapshot, TokenBudget(64), sampler=sampler, max_passes=3)
-    per_pass = [d.batches for d in [*_diagnostics(dataset)]]
+    per_pass = [d.batches for d in _diagnostics(dataset)]
     assert asked == [0, per_pass[0], per_pass[0] + per_pass[1]]
     assert dataset.planned_steps == sum(per_pass)
 
