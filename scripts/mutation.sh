@@ -52,6 +52,7 @@ MODULES=(
   "scoring|src/streamtrain/quality/scoring.py|tests/unit/quality/test_quality_scoring.py tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_monitor.py"
   "drift|src/streamtrain/quality/drift.py|tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_monitor.py"
   "dp_window|src/streamtrain/privacy/window.py|tests/unit/privacy/test_dp_window.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
+  "dp_validators|src/streamtrain/privacy/validators.py|tests/unit/privacy/test_dp_validators.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

@@ -194,3 +194,182 @@ def test_engine_refuses_seeded_randomness_and_unsafe_model() -> None:
     bad = WithBatchNorm()
     with pytest.raises(DPConfigError, match="BatchNorm"):
         DPEngine(bad, torch.optim.SGD(bad.parameters(), lr=0.1), DPConfig(**SAFE), 512)
+
+
+# --- every range at its edges, each refusal in full (what the first mutation run of the validators asked) ---
+
+
+def ranges_refusal(**changes: object) -> str:
+    from streamtrain.privacy.validators import check_ranges
+
+    with pytest.raises(DPConfigError) as raised:
+        check_ranges(DPConfig(**{**SAFE, **changes}))
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"noise_multiplier": 0.3},
+        {"noise_multiplier": 1000.0},
+        {"clip_norm": 1e-6},
+        {"clip_norm": 1e6},
+        {"q0": 1.0},
+        {"half_life_steps": math.inf},
+        {"eligible_steps": 1, "delta": 1e-9},
+        {"eligible_steps": 1_000_000, "admit_per_step": 1, "delta": 1e-9},
+        {"admit_per_step": 1},
+        {"admit_per_step": 500_000, "delta": 1e-9},
+        {"admit_per_step": 10, "eligible_steps": 1_000_000, "delta": 1e-9},  # R·K = 10^7, the bound itself
+        {"step_rate_hz": 1000.0},
+        {"unit": "sensor", "sensor_events": 1024},
+        {"sensor_events": 1},
+        {"expected_units": 1.0},
+        {"delta": 1e-5, "expected_units": 1000.0},  # δ × units = 0.01, allowed
+        {"target_epsilon": 1e-9},
+        {"expected_batch_size": 1e-9},
+        {"expected_batch_size": None},
+        {"norm_mean": [0.0], "norm_std": [1e-12]},
+    ],
+)
+def test_every_range_holds_its_edges(changes: dict) -> None:
+    from streamtrain.privacy.validators import check_ranges
+
+    check_ranges(DPConfig(**{**SAFE, **changes}))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"noise_multiplier": 0.299}, "STREAMTRAIN_DP_NOISE_MULTIPLIER=0.299: the noise multiplier σ must be in "
+         "[0.3, 1000]; below that a step leaks too much for any useful ε; set a σ in range"),
+        ({"noise_multiplier": 1000.5}, "STREAMTRAIN_DP_NOISE_MULTIPLIER=1000.5: the noise multiplier σ must be in "
+         "[0.3, 1000]; below that a step leaks too much for any useful ε; set a σ in range"),
+        ({"clip_norm": 2e6}, "STREAMTRAIN_DP_CLIP_NORM=2000000.0: the clip norm C must be finite and in "
+         "[1e-06, 1e+06]; set a positive clip norm (1.0 is a good start)"),
+        ({"clip_norm": 5e-7}, "STREAMTRAIN_DP_CLIP_NORM=5e-07: the clip norm C must be finite and in "
+         "[1e-06, 1e+06]; set a positive clip norm (1.0 is a good start)"),
+        ({"clip_norm": math.nan}, "STREAMTRAIN_DP_CLIP_NORM=nan: the clip norm C must be finite and in "
+         "[1e-06, 1e+06]; set a positive clip norm (1.0 is a good start)"),
+        ({"q0": math.inf}, "STREAMTRAIN_DP_Q0=inf: the sampling probability q0 must be in (0, 1]; set e.g. 0.05"),
+        ({"half_life_steps": -1.0}, "STREAMTRAIN_DP_HALF_LIFE_STEPS=-1.0: the half-life must be > 0 steps; "
+         "use inf for constant q"),
+        ({"eligible_steps": 1_000_001}, "STREAMTRAIN_DP_ELIGIBLE_STEPS=1000001: K must be in [1, 1000000]; "
+         "set the steps an event stays eligible"),
+        ({"admit_per_step": 1_000_001}, "STREAMTRAIN_DP_ADMIT_PER_STEP=1000001: R must be in [1, 1000000]; "
+         "set the admissions per step"),
+        ({"admit_per_step": 11, "eligible_steps": 1_000_000, "delta": 1e-9}, "STREAMTRAIN_DP_ADMIT_PER_STEP=11: "
+         "R·K = 11000000 events exceeds the DP window's bound of 10000000; lower STREAMTRAIN_DP_ADMIT_PER_STEP "
+         "or STREAMTRAIN_DP_ELIGIBLE_STEPS"),
+        ({"step_rate_hz": 1000.5}, "STREAMTRAIN_DP_STEP_RATE_HZ=1000.5: the step rate must be in (0, 1000] Hz; "
+         "set e.g. 2"),
+        ({"step_rate_hz": math.inf}, "STREAMTRAIN_DP_STEP_RATE_HZ=inf: the step rate must be in (0, 1000] Hz; "
+         "set e.g. 2"),
+        ({"unit": "fleet"}, "STREAMTRAIN_DP_UNIT='fleet': the privacy unit must be one of ('event', 'sensor'); "
+         "set event or sensor"),
+        ({"sensor_events": 0}, "STREAMTRAIN_DP_SENSOR_EVENTS=0: b must be in [1, 1024]; "
+         "set the most events of one sensor in the DP window"),
+        ({"sensor_events": 1025}, "STREAMTRAIN_DP_SENSOR_EVENTS=1025: b must be in [1, 1024]; "
+         "set the most events of one sensor in the DP window"),
+        ({"expected_units": 0.5}, "STREAMTRAIN_DP_EXPECTED_UNITS=0.5: the expected number of privacy units must be "
+         "finite and >= 1; set how many events (or sensors) the deployment will admit over its whole life, e.g. 1e10"),
+        ({"expected_units": math.inf}, "STREAMTRAIN_DP_EXPECTED_UNITS=inf: the expected number of privacy units "
+         "must be finite and >= 1; set how many events (or sensors) the deployment will admit over its whole life, "
+         "e.g. 1e10"),
+        ({"delta": 1 / 320}, "STREAMTRAIN_DP_DELTA=0.003125: δ must be in (0, 1/(R·K)) = (0, 0.00313); a δ near "
+         "1/(window size) allows releasing a record in the clear; use e.g. 1e-12"),
+        ({"delta": 2e-5, "expected_units": 1000.0}, "STREAMTRAIN_DP_DELTA=2e-05: δ is too large for the stream's "
+         "lifetime: δ × STREAMTRAIN_DP_EXPECTED_UNITS = 2e-05 × 1000 = 0.02 units could lose their guarantee (at "
+         "most 0.01 allowed); set δ <= 1e-05"),
+        ({"target_epsilon": math.inf}, "STREAMTRAIN_DP_TARGET_EPSILON=inf: the target ε must be finite and > 0; "
+         "set e.g. 8"),
+        ({"expected_batch_size": 0.0}, "STREAMTRAIN_DP_EXPECTED_BATCH_SIZE=0.0: the public divisor must be finite "
+         "and > 0; unset it to use sum_j R·q_j"),
+        ({"expected_batch_size": math.inf}, "STREAMTRAIN_DP_EXPECTED_BATCH_SIZE=inf: the public divisor must be "
+         "finite and > 0; unset it to use sum_j R·q_j"),
+        ({"norm_mean": [math.nan], "norm_std": [1.0]}, "STREAMTRAIN_DP_NORM_MEAN=(nan,): public normalization "
+         "constants must be finite; fix the values"),
+        ({"norm_mean": [0.0], "norm_std": [math.inf]}, "STREAMTRAIN_DP_NORM_STD=(inf,): public normalization "
+         "constants must be finite; fix the values"),
+        ({"norm_mean": [0.0], "norm_std": [0.0]}, "STREAMTRAIN_DP_NORM_STD=(0.0,): every public std must be > 0; "
+         "fix the values"),
+    ],
+)  # fmt: skip
+def test_every_range_refuses_just_past_its_edges_with_the_whole_message(changes: dict, message: str) -> None:
+    assert ranges_refusal(**changes) == message
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"half_life_steps": 0.5},
+        {"admit_per_step": 1_000_000, "eligible_steps": 1, "delta": 1e-9},
+        {"step_rate_hz": 0.5},
+    ],
+)
+def test_ranges_hold_their_lower_edges_too(changes: dict) -> None:
+    from streamtrain.privacy.validators import check_ranges
+
+    check_ranges(DPConfig(**{**SAFE, **changes}))
+
+
+def test_a_target_epsilon_of_zero_is_refused_by_its_range() -> None:
+    assert ranges_refusal(target_epsilon=0.0) == (
+        "STREAMTRAIN_DP_TARGET_EPSILON=0.0: the target ε must be finite and > 0; set e.g. 8"
+    )
+
+
+def test_the_start_up_refusals_in_full_and_the_accountant_they_return() -> None:
+    from streamtrain.privacy.accounting import MAX_DIMENSION
+
+    config = DPConfig(**SAFE)
+    with pytest.raises(DPConfigError) as raised:
+        check_dp_safety(config, "seeded")
+    assert str(raised.value) == (
+        "STREAMTRAIN_DP=on requires STREAMTRAIN_SHUFFLE=crypto, got SHUFFLE='seeded': a seeded shuffle is "
+        "predictable and voids the privacy guarantee; set SHUFFLE=crypto"
+    )
+    for norm in (RunningNorm(1), object()):  # running statistics, or anything that does not say it is frozen
+        with pytest.raises(DPConfigError) as raised:
+            check_dp_safety(config, "crypto", input_norm=norm)
+        assert str(raised.value) == (
+            "input normalization from running statistics of private events is refused under DP (the statistics "
+            "are released without noise); use public constants STREAMTRAIN_DP_NORM_MEAN / STREAMTRAIN_DP_NORM_STD"
+        )
+    with pytest.raises(DPConfigError) as raised:
+        check_dp_safety(DPConfig(**SAFE, norm_mean=[0.0, 0.0], norm_std=[1.0, 1.0]), "crypto", model())
+    assert str(raised.value) == (
+        "STREAMTRAIN_DP_NORM_MEAN=(0.0, 0.0): needs one value per channel (1); give CHANNELS values"
+    )
+    net = model()
+    trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    assert check_dp_safety(config, "crypto", net).dimension == trainable
+    assert check_dp_safety(config, "crypto").dimension == MAX_DIMENSION
+    exact = check_dp_safety(config, "crypto", net).epsilon_cap
+    assert check_dp_safety(DPConfig(**{**SAFE, "target_epsilon": exact}), "crypto", net).epsilon_cap == exact
+
+
+@pytest.mark.parametrize(("unit", "named"), [("event", "event"), ("sensor", "sensor group")])
+def test_an_unreachable_target_names_the_privacy_unit(unit: str, named: str) -> None:
+    config = DPConfig(**{**SAFE, "unit": unit, "target_epsilon": 0.01})
+    with pytest.raises(DPConfigError) as raised:
+        check_dp_safety(config, "crypto")
+    message = str(raised.value)
+    assert message.startswith(f"STREAMTRAIN_DP_TARGET_EPSILON=0.01 cannot be met: this schedule gives each {named} ε=")
+    assert message.endswith(
+        "at δ=1e-06 (σ=1, q0=0.05, half-life=inf steps, K=20); raise STREAMTRAIN_DP_NOISE_MULTIPLIER or lower "
+        "STREAMTRAIN_DP_Q0, STREAMTRAIN_DP_ELIGIBLE_STEPS or STREAMTRAIN_DP_HALF_LIFE_STEPS"
+    )
+
+
+def test_a_model_that_does_not_declare_its_input_shape_gets_the_static_checks_only() -> None:
+    class NoChannels(nn.Module):
+        max_len = 8
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(1, 1)
+
+    check_dp_safety(DPConfig(**SAFE), "crypto", NoChannels())
+    with pytest.raises(DPConfigError, match="batch statistics"):
+        check_dp_safety(DPConfig(**SAFE), "crypto", nn.Sequential(nn.BatchNorm1d(1)))
