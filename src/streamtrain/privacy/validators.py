@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from streamtrain.privacy.accounting import PerEventAccountant, SensorLifetimeAccountant, expected_exposures
+from streamtrain.privacy.accounting import PerEventAccountant, expected_exposures
 from streamtrain.privacy.config import DPConfig, DPConfigError, env_name
 from streamtrain.privacy.window import UNITS
 
@@ -205,6 +205,11 @@ def _same_row(a: torch.Tensor, b: torch.Tensor, row: int) -> bool:
     return torch.equal(a[row], b[row])
 
 
+def _shapes(seen: list[tuple[str, torch.Tensor]], outputs: list[torch.Tensor]) -> list[tuple[str, torch.Size]]:
+    """The path of one forward: each labelled tensor's shape, then the outputs' (their number too)."""
+    return [(label, t.shape) for label, t in seen] + [("the output", t.shape) for t in outputs]
+
+
 def _mixing_error(model: nn.Module, kept_row: int, changed_row: int, training: bool, what: str) -> DPConfigError:
     return DPConfigError(
         f"model {type(model).__name__}: example {kept_row}'s {what} changes when example {changed_row} changes "
@@ -224,8 +229,10 @@ def _check_no_mixing(model: nn.Module, x: torch.Tensor, changed: dict[int, torch
     reference_seen, reference_outputs = _trace(model, x, mask)
     for changed_row, kept_row in ((1, 0), (0, 1)):
         seen, outputs = _trace(model, changed[changed_row], mask)
-        if [(label, t.shape) for label, t in seen] != [(label, t.shape) for label, t in reference_seen]:
-            raise _mixing_error(model, kept_row, changed_row, training, "path through the modules (or their shapes)")
+        if _shapes(seen, outputs) != _shapes(reference_seen, reference_outputs):
+            raise _mixing_error(
+                model, kept_row, changed_row, training, "path through the modules (or the shapes of its tensors)"
+            )
         for (label, a), (_, b) in zip(reference_seen, seen, strict=True):
             if a.dim() >= 1 and a.shape[0] == batch * length != batch:  # token rows: per example
                 a, b = (t.reshape(batch, length, *t.shape[1:]) for t in (a, b))
@@ -331,10 +338,5 @@ def check_dp_safety(
             f"half-life={config.half_life_steps:g} steps, K={config.eligible_steps}); raise "
             "STREAMTRAIN_DP_NOISE_MULTIPLIER or lower STREAMTRAIN_DP_Q0, STREAMTRAIN_DP_ELIGIBLE_STEPS or "
             "STREAMTRAIN_DP_HALF_LIFE_STEPS"
-        )
-    if config.unit == "sensor" and SensorLifetimeAccountant(accountant, config.target_epsilon).max_groups < 1:
-        raise DPConfigError(  # unreachable while one group fits the target; kept as the explicit rule
-            "STREAMTRAIN_DP_UNIT=sensor: not one group of a sensor fits "
-            f"STREAMTRAIN_DP_TARGET_EPSILON={config.target_epsilon:g}"
         )
     return accountant

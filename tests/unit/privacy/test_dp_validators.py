@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -373,3 +374,323 @@ def test_a_model_that_does_not_declare_its_input_shape_gets_the_static_checks_on
     check_dp_safety(DPConfig(**SAFE), "crypto", NoChannels())
     with pytest.raises(DPConfigError, match="batch statistics"):
         check_dp_safety(DPConfig(**SAFE), "crypto", nn.Sequential(nn.BatchNorm1d(1)))
+
+
+# --- the probe's refusals in full, what it feeds the model, and what it compares (the second mutation run) ---
+
+
+def static_refusal(model: nn.Module) -> str:
+    from streamtrain.privacy.validators import check_model_static
+
+    with pytest.raises(DPConfigError) as raised:
+        check_model_static(model)
+    return str(raised.value)
+
+
+class LazyBuffer(nn.Module):
+    """Holds a buffer whose shape is not known yet (and no parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stats", nn.parameter.UninitializedBuffer())
+
+
+def tiny_with(extra: nn.Module) -> Tiny:
+    net = Tiny()
+    net.extra = nn.Sequential(extra)
+    return net
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: tiny_with(nn.BatchNorm1d(16)), "module 'extra.0' (BatchNorm1d) normalizes with batch statistics, "
+         "which mixes examples and has no per-sample gradient; replace it with LayerNorm or GroupNorm"),
+        (lambda: nn.BatchNorm1d(1), "module '<root>' (BatchNorm1d) normalizes with batch statistics, which mixes "
+         "examples and has no per-sample gradient; replace it with LayerNorm or GroupNorm"),
+        (lambda: tiny_with(nn.InstanceNorm1d(16, track_running_stats=True)), "module 'extra.0' (InstanceNorm1d) "
+         "keeps running statistics over examples; construct it with track_running_stats=False"),
+        (lambda: tiny_with(nn.LazyLinear(4)), "module 'extra.0' (LazyLinear) has uninitialized lazy parameters; "
+         "use the non-lazy layer"),
+        (lambda: tiny_with(LazyBuffer()), "module 'extra.0' (LazyBuffer) has uninitialized lazy parameters; "
+         "use the non-lazy layer"),
+    ],
+    ids=["batch norm inside", "batch norm as the model", "instance norm with running stats", "lazy parameter",
+         "lazy buffer"],
+)  # fmt: skip
+def test_the_static_refusals_name_the_module_that_holds_the_layer(build, message: str) -> None:
+    """The module named is the one that holds the layer (not its parents): the fix goes there."""
+    assert static_refusal(build()) == message
+
+
+def test_instance_norm_without_running_statistics_is_not_refused_statically() -> None:
+    from streamtrain.privacy.validators import check_model_static
+
+    check_model_static(tiny_with(nn.InstanceNorm1d(16)))
+
+
+def mixed(x: torch.Tensor) -> torch.Tensor:
+    """Each example plus the batch mean: every example's values depend on the others'."""
+    return x + x.mean(dim=0, keepdim=True)
+
+
+class Sink(nn.Module):
+    """Takes anything and returns nothing per example: only its input shows what reaches it."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return torch.zeros(())
+
+
+class Echo(nn.Module):
+    """Returns its argument as it is: the structure reaches both its input and its output."""
+
+    def forward(self, value: object) -> object:
+        return value
+
+
+class SideChannel(Tiny):
+    """Hands ``side(x_norm)`` to a submodule whose result is unused: the outputs never show it."""
+
+    def __init__(self, module: nn.Module, side, **call: object) -> None:
+        super().__init__()
+        self.sink = module
+        self.side = side
+        self.call = call
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        argument = self.side(x_norm)
+        self.sink(**{name: argument for name in self.call}) if self.call else self.sink(argument)
+        return super().forward(x_norm, mask)
+
+
+@dataclasses.dataclass
+class Carrier:
+    payload: torch.Tensor
+    name: str = "carrier"
+
+
+def mixing_message(what: str, model: str = "SideChannel", kept: int = 0, changed: int = 1, mode: str = "train") -> str:
+    return (
+        f"model {model}: example {kept}'s {what} changes when example {changed} changes ({mode} mode), so it mixes "
+        "examples (cross-example statistics); remove the layer or operation that does"
+    )
+
+
+SINK_INPUT = "hidden state (the input of module 'sink' (Sink))"
+
+
+def probe_refusal(net: nn.Module) -> str:
+    from streamtrain.privacy.validators import check_model_probe
+
+    torch.manual_seed(0)
+    with pytest.raises(DPConfigError) as raised:
+        check_model_probe(net, 1, 32)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        pytest.param(lambda t: [t], id="list"),
+        pytest.param(lambda t: (t.detach(), t), id="tuple"),
+        pytest.param(lambda t: {"h": t}, id="mapping"),
+        pytest.param(lambda t: Carrier(t), id="dataclass"),
+        pytest.param(lambda t: {"rows": [Carrier(t)]}, id="nested"),
+    ],
+)
+def test_mixing_inside_any_structure_a_submodule_takes_or_returns_is_refused(wrap) -> None:
+    net = SideChannel(Echo(), lambda x: wrap(mixed(x)))
+    assert probe_refusal(net) == mixing_message("hidden state (the input of module 'sink' (Echo))")
+
+
+def test_mixing_that_only_enters_a_submodule_as_a_keyword_is_refused() -> None:
+    assert probe_refusal(SideChannel(Sink(), mixed, value=True)) == mixing_message(SINK_INPUT)
+
+
+@pytest.mark.parametrize(
+    "side",
+    [
+        pytest.param(lambda x: mixed(x).reshape(-1), id="token rows, one value each"),
+        pytest.param(lambda x: mixed(x).sum(dim=(1, 2)), id="one value per example"),
+    ],
+)
+def test_mixing_in_one_dimensional_hidden_state_is_refused(side) -> None:
+    """``[B * L]`` (a value per position, examples one after another) and ``[B]`` are per example too."""
+    assert probe_refusal(SideChannel(Sink(), side)) == mixing_message(SINK_INPUT)
+
+
+def test_mixing_at_the_output_is_refused_with_the_whole_message() -> None:
+    torch.manual_seed(0)
+    assert probe_refusal(FirstRowLeaks()) == mixing_message("output", model="FirstRowLeaks", kept=1, changed=0)
+
+
+class MixesWhenEvaluating(Tiny):
+    """Subtracts the batch mean in eval mode only, as a layer with a batch-level eval path would."""
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        out = super().forward(x_norm, mask)
+        return out if self.training else ModelOutput(mixed(out.forecast), out.logits)
+
+
+def test_mixing_in_eval_mode_only_is_refused_naming_the_mode() -> None:
+    assert probe_refusal(MixesWhenEvaluating()) == mixing_message("output", model="MixesWhenEvaluating", mode="eval")
+
+
+LARGE = 3.0  # the probe's reference batch stays below it (max |x| ≈ 2.1); its replaced examples do not
+
+
+class BranchesOnTheBatch(Tiny):
+    """Takes a path (an extra submodule, or an extra output) that depends on the whole batch."""
+
+    def __init__(self, extra_output: bool) -> None:
+        super().__init__()
+        self.extra = nn.Linear(1, 1)
+        self.extra_output = extra_output
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        out = super().forward(x_norm, mask)
+        if x_norm.abs().max() <= LARGE:
+            return out
+        if self.extra_output:
+            return ModelOutput(out.forecast, torch.zeros(len(x_norm), 1))
+        return ModelOutput(self.extra(out.forecast), out.logits)
+
+
+@pytest.mark.parametrize("extra_output", [False, True], ids=["an extra submodule", "an extra output"])
+def test_a_path_that_depends_on_another_example_is_refused(extra_output: bool) -> None:
+    """Refused as mixing, with the whole message, however the path differs (an output that appears
+    or disappears included, which must not surface as a ValueError of a zip)."""
+    path = "path through the modules (or the shapes of its tensors)"
+    assert probe_refusal(BranchesOnTheBatch(extra_output)) == mixing_message(path, model="BranchesOnTheBatch")
+
+
+class RecordsTheProbe(Tiny):
+    """Records every batch of two it is run on (the traces; not the per-sample gradient's one-example calls)."""
+
+    def __init__(self, max_len: int = 32) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.seen: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        if x_norm.shape[0] == 2:
+            self.seen.append((x_norm.clone(), mask.clone(), self.training))
+        return super().forward(x_norm, mask)
+
+
+@pytest.mark.parametrize(("max_len", "length"), [(32, 8), (5, 5)])
+def test_the_probe_feeds_two_examples_one_padded_each_replaced_in_turn_in_both_modes(max_len: int, length: int) -> None:
+    from streamtrain.privacy.validators import check_model_probe
+
+    net = RecordsTheProbe(max_len)
+    check_model_probe(net, 1, max_len)
+    assert [training for _, _, training in net.seen] == [True] * 3 + [False] * 3
+    padded = torch.tensor([[True] * length, [True] * (length // 2) + [False] * (length - length // 2)])
+    for x, mask, _ in net.seen:
+        assert x.shape == (2, length, 1) and x.dtype == torch.float32
+        assert mask.dtype == torch.bool and torch.equal(mask, padded)
+    reference = net.seen[0][0]
+    for (x, _, _), kept, replaced in zip(net.seen[1:3], (0, 1), (1, 0), strict=True):
+        assert torch.equal(x[kept], reference[kept]) and not torch.equal(x[replaced], reference[replaced])
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(net.seen[:3], net.seen[3:], strict=True))
+
+
+def test_the_probe_is_the_same_whatever_the_global_seed() -> None:
+    """A fixed probe: a refusal must not come and go with the seed the service happens to run under."""
+    from streamtrain.privacy.validators import check_model_probe
+
+    runs = []
+    for seed in (0, 1):
+        net = RecordsTheProbe()
+        torch.manual_seed(seed)
+        check_model_probe(net, 1, 32)
+        runs.append(torch.stack([x for x, _, _ in net.seen]))
+    assert torch.equal(runs[0], runs[1])
+
+
+class OneAtATimeFails(Tiny):
+    """Works on the probe's batches of two, fails on the one-example calls per-sample gradients make."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        if x_norm.shape[0] == 1:
+            raise RuntimeError(self.message)
+        return super().forward(x_norm, mask)
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [("cannot run one example\nsecond line of detail", "cannot run one example"), ("", "")],
+    ids=["its first line", "no message"],
+)
+def test_a_model_without_per_sample_gradients_is_refused_with_the_errors_first_line(message: str, shown: str) -> None:
+    assert probe_refusal(OneAtATimeFails(message)) == (
+        f"model OneAtATimeFails has a layer without per-sample gradients under torch.func (RuntimeError: {shown}); "
+        "use layers built from Linear/LayerNorm/elementwise ops"
+    )
+
+
+class NonFiniteGradient(Tiny):
+    """Adds 0·sqrt(p) at p = 0: a finite forward whose gradient for p is 0·inf = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor) -> ModelOutput:
+        out = super().forward(x_norm, mask)
+        return ModelOutput(out.forecast + 0.0 * torch.sqrt(self.p), out.logits)
+
+
+def test_a_non_finite_per_sample_gradient_is_refused_naming_the_parameter() -> None:
+    assert probe_refusal(NonFiniteGradient()) == (
+        "parameter 'p' gets a non-finite per-sample gradient on a probe batch; fix the model"
+    )
+
+
+def test_the_probe_compares_floats_within_its_tolerance_and_the_rest_exactly() -> None:
+    from streamtrain.privacy.validators import PROBE_TOLERANCE, _same_row
+
+    zeros = torch.zeros(2, 3)
+    assert _same_row(zeros, zeros + PROBE_TOLERANCE / 2, 0)  # near zero: the absolute tolerance
+    assert not _same_row(zeros, zeros + PROBE_TOLERANCE * 2, 0)
+    big = torch.full((2, 3), 1e3)
+    assert _same_row(big, big * (1 + PROBE_TOLERANCE / 2), 0)  # far from zero: the relative one
+    assert not _same_row(big, big * (1 + PROBE_TOLERANCE * 3), 0)
+    nan = torch.tensor([[math.nan, 1.0], [0.0, 0.0]])
+    assert _same_row(nan, nan.clone(), 0)  # the same NaN in both runs is not a change
+    counts = torch.tensor([[3, 4], [5, 6]])
+    assert _same_row(counts, counts.clone(), 0) and not _same_row(counts, counts + torch.tensor([[0, 1], [0, 0]]), 0)
+    assert _same_row(counts, counts + torch.tensor([[0, 0], [1, 0]]), 0)  # only the kept row is compared
+    assert not _same_row(torch.tensor([[True], [True]]), torch.tensor([[False], [True]]), 0)
+
+
+def test_a_model_that_declares_channels_but_no_length_gets_the_static_checks_only() -> None:
+    class NoLength(nn.Module):
+        channels = 1
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+    assert check_dp_safety(DPConfig(**SAFE), "crypto", NoLength()).dimension == 1  # one scalar: d = 1
+
+
+def test_a_model_with_nothing_trainable_is_accounted_at_one_dimension() -> None:
+    net = model()
+    net.requires_grad_(False)
+    assert check_dp_safety(DPConfig(**SAFE), "crypto", net).dimension == 1
+
+
+@pytest.mark.parametrize("unit", ["event", "sensor"])
+def test_a_target_met_exactly_by_one_record_or_one_sensor_group_is_accepted(unit: str) -> None:
+    """At the sensor unit the same ε is one group's: a target equal to it allows exactly one group."""
+    from streamtrain.privacy.accounting import SensorLifetimeAccountant
+
+    cap = check_dp_safety(DPConfig(**{**SAFE, "unit": unit}), "crypto").epsilon_cap
+    accountant = check_dp_safety(DPConfig(**{**SAFE, "unit": unit, "target_epsilon": cap}), "crypto")
+    assert accountant.epsilon_cap == cap
+    assert SensorLifetimeAccountant(accountant, cap).max_groups == 1
