@@ -173,6 +173,8 @@ class DPEngine:
         self._reduced_step = False  # this step's sum has crossed the group: no second, noise-only reduce
         self.last_failure: str | None = None
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise DPConfigError(f"model {type(model).__name__} has no trainable parameter: DP-SGD has nothing to train")
         self._device = next(iter(self._params.values())).device
         self._clock_lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -262,7 +264,11 @@ class DPEngine:
         return self.noisy_step([], np.zeros(0, np.int64))
 
     def _micro_batches(self, values: Sequence[np.ndarray], groups: np.ndarray | None) -> list[np.ndarray]:
-        """Index groups of token-budget micro-batches; a sensor group never straddles two."""
+        """Index groups of token-budget micro-batches; a sensor group never straddles two.
+
+        Sensor unit: groups in order of their longest event, each added to the current batch
+        while the batch still fits the budget (a group too large for it is a batch alone).
+        """
         lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         if groups is None:
             return list(plan_batches(lengths, self.budget, self.randomness, pool_size=len(values)).batches)
@@ -271,10 +277,9 @@ class DPEngine:
         batches: list[np.ndarray] = []
         current: list[np.ndarray] = []
         longest = count = 0
-        limit = self.budget.max_sequences or 1 << 30
         for rows in records:
             new_longest, new_count = max(longest, int(lengths[rows].max())), count + rows.size
-            if current and (new_count * new_longest > self.budget.max_tokens or new_count > limit):
+            if current and not self.budget.fits(new_count, new_longest):
                 batches.append(np.concatenate(current))
                 current, new_longest, new_count = [], int(lengths[rows].max()), rows.size
             current.append(rows)
@@ -363,7 +368,7 @@ class DPEngine:
         all-reduced: every rank holds the union's sum plus one draw, exactly.
         """
         sizes = [t.numel() for t in sums.values()]
-        flat = torch.cat([t.reshape(-1).cpu() for t in sums.values()]) if sums else torch.zeros(0, dtype=torch.int64)
+        flat = torch.cat([t.reshape(-1).cpu() for t in sums.values()])  # the constructor refuses a model without any
         if self.group is None or self.group.draws_noise:
             flat += torch.from_numpy(self.noise.sample(self.noise_variance, sum(sizes)))  # exact: int64
         if self.group is not None:
