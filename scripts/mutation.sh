@@ -53,6 +53,7 @@ MODULES=(
   "drift|src/streamtrain/quality/drift.py|tests/unit/quality/test_quality_drift.py tests/unit/quality/test_quality_monitor.py"
   "dp_window|src/streamtrain/privacy/window.py|tests/unit/privacy/test_dp_window.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
   "dp_validators|src/streamtrain/privacy/validators.py|tests/unit/privacy/test_dp_validators.py"
+  "dp_engine|src/streamtrain/privacy/engine.py|tests/unit/privacy/test_dp_engine.py tests/unit/privacy/test_dp_engine_group.py tests/unit/privacy/test_dp_scale_out.py tests/unit/privacy/test_dp_operator_plane.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
