@@ -42,7 +42,7 @@ def _default(field: str) -> Any:
 
 def env_name(field: str) -> str:
     """``noise_multiplier`` -> ``STREAMTRAIN_DP_NOISE_MULTIPLIER`` (for error messages)."""
-    return "STREAMTRAIN_" + SETTING_NAMES.get(field, field).upper()
+    return "STREAMTRAIN_" + SETTING_NAMES[field].upper()
 
 
 class DPConfigError(ValueError):

@@ -88,7 +88,7 @@ class SensorLedger:
         for entry in lines:
             step = int(entry["s"])  # type: ignore[call-overload]
             own = entry.get("w") == self.writer
-            for sensor in entry.get("c", []):  # type: ignore[attr-defined]
+            for sensor in entry["c"]:  # type: ignore[attr-defined]
                 count, last = self.entries.get(str(sensor), (0, NEVER))
                 self.entries[str(sensor)] = (count + 1, max(last, step) if own else last)
 

@@ -1,4 +1,4 @@
-"""The DP engine as one rank of a group, in one process: the other rank is a double of its collectives.
+"""A rank of a DP group in one process (the engine, and DPGroup itself): the other rank is a double.
 
 The group's own tests (``tests/unit/distributed/test_dp_group.py``) run real ranks in
 processes of their own; these check, where a mutation run can see them, what a rank does
@@ -17,7 +17,8 @@ import torch
 from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model.network import SensorModel
 from streamtrain.privacy import AdmissionRecord, DPConfig, DPEngine
-from streamtrain.privacy.group import DPGroup
+from streamtrain.privacy.config import DPConfigError
+from streamtrain.privacy.group import DPGroup, GroupError
 
 CONFIG = dict(noise_multiplier=1.0, clip_norm=0.5, q0=0.2, eligible_steps=6, admit_per_step=9,
               step_rate_hz=10.0, delta=1e-6, target_epsilon=30.0, expected_units=1e3)  # fmt: skip
@@ -28,26 +29,31 @@ class OtherRank:
     """Collectives of ``rank`` in a group of two whose other rank is simulated.
 
     Rank 0's broadcasts (the due step and clock origin, its writer name) arrive as ``leader_*``;
-    the other rank's int64 vector in a sum is ``peer_sum`` everywhere; it is at the same clock
-    step, at ``peer_last_step`` on a resume, and ``peer_ok`` in an agreement.
+    the other rank's int64 vector in a sum is ``peer_sum`` everywhere; it is at ``peer_step``
+    (None: the same clock step), at ``peer_last_step`` on a resume, and ``peer_ok`` in an agreement.
     """
 
     def __init__(self, rank: int, *, leader_due: bool = True, leader_origin: float = 0.0, peer_sum: int = 0,
-                 peer_ok: bool = True, peer_last_step: int = 0) -> None:  # fmt: skip
+                 peer_ok: bool = True, peer_last_step: int = 0, peer_step: float | None = None) -> None:  # fmt: skip
         self.rank, self.world_size = rank, 2
+        self.peer_step = peer_step  # None: at this rank's step
         self.leader_due, self.leader_origin, self.peer_sum = leader_due, leader_origin, peer_sum
         self.peer_ok, self.peer_last_step = peer_ok, peer_last_step
         self.calls: list[str] = []
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        assert op in ("sum", "max"), op  # what the group asks of torch.distributed
         self.calls.append(f"all_reduce {op} {tensor.dtype}")
         if op == "sum":
             tensor += self.peer_sum
         elif tensor.dtype == torch.int64:  # the last step on a resume
             tensor.copy_(torch.maximum(tensor, torch.tensor([self.peer_last_step])))
-        return tensor  # the clock steps' agreement: the peer is at the same step
+        elif self.peer_step is not None:  # the clock steps' agreement: max of (step, -step)
+            tensor.copy_(torch.maximum(tensor, torch.tensor([self.peer_step, -self.peer_step], dtype=tensor.dtype)))
+        return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        assert src == 0, src  # every broadcast of the group is rank 0's
         self.calls.append(f"broadcast {tensor.dtype}")
         if self.rank == 0:
             return tensor
@@ -201,3 +207,52 @@ def test_every_rank_writes_the_record_under_rank_0s_name_taken_once(tmp_path: Pa
     assert fresh.record is not None
     fresh.resume(fresh.record.load())  # resume takes it if nobody did
     assert fresh.record.writer == LEADER
+
+
+# --- DPGroup itself (its mutation run) ---
+
+
+def test_r_equal_to_the_world_size_gives_each_rank_one_admission_and_less_is_refused_in_full() -> None:
+    assert [DPGroup(OtherRank(rank)).admit_share(2) for rank in (0, 1)] == [1, 1]
+    with pytest.raises(DPConfigError) as raised:
+        DPGroup(OtherRank(0)).admit_share(1)
+    assert str(raised.value) == (
+        "DP_ADMIT_PER_STEP=1 with WORLD_SIZE=2: the ranks share R, and each needs at least one admission per step; "
+        "raise DP_ADMIT_PER_STEP to at least WORLD_SIZE"
+    )
+
+
+def test_rank_0s_clock_origin_and_step_cross_the_group_exactly() -> None:
+    """An epoch origin (~1.7e9 s) or a step past 2^24 would not survive float32."""
+    origin = 1_765_000_000.123
+    assert DPGroup(OtherRank(1, leader_due=True, leader_origin=origin)).agree_due(False, 0.0, 2**24 + 1) == (
+        True,
+        origin,
+    )
+    assert DPGroup(OtherRank(0)).agree_due(True, origin, 2**24 + 1) == (True, origin)
+    with pytest.raises(GroupError) as raised:
+        DPGroup(OtherRank(0, peer_step=2.0**24)).agree_due(True, origin, 2**24 + 1)
+    assert str(raised.value) == (
+        "DP group rank 0: ranks are at different clock steps (16777216 to 16777217); every rank must run every step"
+    )
+
+
+def test_the_sum_over_ranks_takes_the_integer_grid_only() -> None:
+    group = DPGroup(OtherRank(0, peer_sum=2))
+    assert group.sum_exactly(torch.tensor([1, -3], dtype=torch.int64)).tolist() == [3, -1]
+    with pytest.raises(TypeError) as raised:
+        group.sum_exactly(torch.tensor([1.5]))
+    assert str(raised.value) == "DPGroup.sum_exactly needs int64 (the integer grid), got torch.float32"
+
+
+def test_the_last_step_is_the_largest_over_the_ranks() -> None:
+    assert DPGroup(OtherRank(0, peer_last_step=9)).last_step(4) == 9
+    assert DPGroup(OtherRank(0, peer_last_step=2)).last_step(4) == 4
+
+
+@pytest.mark.parametrize("name", ["a1b2c3d4e5f60718", "X" * 64, "node-7-X"])
+def test_a_writer_name_of_up_to_64_ascii_bytes_crosses_the_group_unchanged(name: str) -> None:
+    assert DPGroup(OtherRank(0)).writer(name) == name
+    with pytest.raises(ValueError) as raised:
+        DPGroup(OtherRank(0)).writer("y" * 65)
+    assert str(raised.value) == f"writer name {'y' * 65!r} is longer than 64 bytes"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from streamtrain.data.randomness import SeededRandomness
 from streamtrain.events import EventBatch, SensorEvent
@@ -109,3 +112,135 @@ def test_two_processes_never_both_take_a_sensors_last_group(tmp_path: Path) -> N
 def test_the_writer_id_is_kept_across_restarts(tmp_path: Path) -> None:
     name = writer_id(tmp_path / "ckpt")
     assert name == writer_id(tmp_path / "ckpt") and name != writer_id(tmp_path / "other")
+
+
+# --- the log itself (its mutation run) ---
+
+
+def everyone(sensor: str, step: int) -> bool:
+    return True
+
+
+def test_a_writer_id_is_16_hex_characters_private_to_its_process_in_a_new_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "not" / "yet"
+    name = writer_id(directory)
+    assert len(name) == 16 and int(name, 16) >= 0
+    assert (directory / "dp-writer-id").stat().st_mode & 0o777 == 0o600
+    assert writer_id(directory) == name
+
+
+def test_a_writer_id_created_by_another_process_meanwhile_is_the_one_kept(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "dp-writer-id").write_text("0123456789abcdef\n", encoding="ascii")
+    reads = []
+    original = Path.read_text
+
+    def not_there_at_first(self: Path, *args, **kwargs) -> str:  # the other process writes it after our first look
+        reads.append(self)
+        if len(reads) == 1:
+            raise FileNotFoundError(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", not_there_at_first)
+    assert writer_id(tmp_path) == "0123456789abcdef" and len(reads) == 2
+
+
+def test_the_ledger_lives_in_a_private_directory_and_file(tmp_path: Path) -> None:
+    path = tmp_path / "admissions" / "nested" / "sensor-ledger.jsonl"
+    SensorLedger(path, "w").claim(1, ["a"], everyone)
+    assert path.parent.stat().st_mode & 0o777 == 0o700 and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_another_ledger_reads_every_line_and_only_the_sensors_allowed_are_claimed(tmp_path: Path) -> None:
+    path = tmp_path / "sensor-ledger.jsonl"
+    first = SensorLedger(path, "first")
+    assert first.claim(4, ["a", "b", "c"], lambda sensor, step: sensor != "b" and step == 4) == {"a", "c"}
+    assert first.claim(9, ["a"], everyone) == {"a"}
+    assert first.entries == {"a": (2, 9), "c": (1, 4)}
+    second = SensorLedger(path, "second")
+    assert second.refresh() == {"a": (2, NEVER), "c": (1, NEVER)}  # counted; not its own steps
+    assert SensorLedger(path, "first").refresh() == {"a": (2, 9), "c": (1, 4)}  # the same writer after a restart
+
+
+def test_a_torn_last_line_is_cut_before_the_next_claim_and_only_then(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "sensor-ledger.jsonl"
+    SensorLedger(path, "w").claim(1, ["a"], everyone)
+    whole = path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="streamtrain.privacy.ledger"):
+        SensorLedger(path, "w").claim(2, ["b"], everyone)
+    assert [r for r in caplog.records if r.name == "streamtrain.privacy.ledger"] == []  # nothing torn: nothing cut
+    with path.open("ab") as log_file:
+        log_file.write(b'{"s":3,"w":"dead","c":["x"]')  # a writer died mid-append
+    reader = SensorLedger(path, "w")
+    assert reader.refresh() == {"a": (1, 1), "b": (1, 2)}  # the torn tail is not read
+    with caplog.at_level(logging.WARNING, logger="streamtrain.privacy.ledger"):
+        assert reader.claim(4, ["c"], everyone) == {"c"}
+    messages = [r.getMessage() for r in caplog.records if r.name == "streamtrain.privacy.ledger"]
+    assert messages == [f"sensor ledger {path}: cutting a torn last line (27 bytes)"]
+    assert path.read_bytes().startswith(whole) and path.read_bytes().endswith(b"\n")
+    assert SensorLedger(path, "v").refresh() == {"a": (1, NEVER), "b": (1, NEVER), "c": (1, NEVER)}
+
+
+def test_a_damaged_line_is_refused_naming_the_log(tmp_path: Path) -> None:
+    from streamtrain.privacy.jsonlines import AdmissionRecordError
+
+    path = tmp_path / "sensor-ledger.jsonl"
+    SensorLedger(path, "w").claim(1, ["a"], everyone)
+    path.write_bytes(path.read_bytes().replace(b'"a"', b'"z"'))
+    with pytest.raises(AdmissionRecordError, match=f"admission record {path} line 1 is damaged"):
+        SensorLedger(path, "w").refresh()
+
+
+def test_a_short_write_is_completed(tmp_path: Path, monkeypatch) -> None:
+    from streamtrain.privacy import ledger as ledger_module
+
+    original = os.pwrite
+    monkeypatch.setattr(ledger_module.os, "pwrite", lambda fd, data, offset: original(fd, data[:5], offset))
+    path = tmp_path / "sensor-ledger.jsonl"
+    SensorLedger(path, "w").claim(1, ["a", "b"], everyone)
+    monkeypatch.setattr(ledger_module.os, "pwrite", original)
+    assert SensorLedger(path, "v").refresh() == {"a": (1, NEVER), "b": (1, NEVER)}
+
+
+def test_a_lock_that_cannot_be_taken_raises_its_own_error(tmp_path: Path, monkeypatch) -> None:
+    from streamtrain.privacy import ledger as ledger_module
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError("no locks on this file system")
+
+    monkeypatch.setattr(ledger_module.fcntl, "lockf", no_locks)
+    with pytest.raises(OSError, match="no locks on this file system"):
+        SensorLedger(tmp_path / "sensor-ledger.jsonl", "w").refresh()
+
+
+def test_sync_makes_claims_durable_once(tmp_path: Path, monkeypatch) -> None:
+    from streamtrain.privacy import ledger as ledger_module
+
+    synced: list[int] = []
+    original = os.fsync
+    monkeypatch.setattr(ledger_module.os, "fsync", lambda fd: synced.append(fd) or original(fd))
+    ledger = SensorLedger(tmp_path / "sensor-ledger.jsonl", "w")
+    ledger.sync()
+    assert synced == []  # nothing claimed: nothing to make durable
+    ledger.claim(1, ["a"], everyone)
+    ledger.sync()
+    assert len(synced) == 2  # the log, then its directory
+    ledger.sync()
+    assert len(synced) == 2
+
+
+def test_a_checkpoints_ledger_is_merged_by_the_larger_count_and_step(tmp_path: Path) -> None:
+    ledger = SensorLedger(tmp_path / "sensor-ledger.jsonl", "w")
+    ledger.claim(5, ["a", "b"], everyone)
+    ledger.merge({"a": (3, 2), "b": (0, 7), "c": (2, NEVER)})
+    assert ledger.entries == {"a": (3, 5), "b": (1, 7), "c": (2, NEVER)}
+
+
+def test_a_log_in_the_documented_format_is_read_from_its_first_byte(tmp_path: Path) -> None:
+    """Lines ``{"s": step, "w": writer, "c": [sensors]}`` closed by their CRC-32, as any writer appends them."""
+    from streamtrain.privacy.jsonlines import encode_line
+
+    path = tmp_path / "sensor-ledger.jsonl"
+    path.write_bytes(
+        encode_line({"s": 3, "w": "other", "c": ["q", "r"]}) + encode_line({"s": 8, "w": "me", "c": ["q"]})
+    )
+    assert SensorLedger(path, "me").refresh() == {"q": (2, 8), "r": (1, NEVER)}

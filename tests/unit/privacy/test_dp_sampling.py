@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -56,3 +58,45 @@ def test_record_sampling_takes_a_group_whole() -> None:
         assert chosen.tolist() == np.flatnonzero(np.isin(records, list(groups))).tolist()
         seen |= {frozenset(groups)}
     assert len(seen) > 4
+
+
+def test_the_schedule_halves_every_half_life_and_is_flat_without_one() -> None:
+    decaying = DPConfig(q0=0.4, half_life_steps=2.0, eligible_steps=5).sampling_schedule()
+    np.testing.assert_allclose(decaying, [0.4, 0.4 / np.sqrt(2), 0.2, 0.2 / np.sqrt(2), 0.1], rtol=1e-15)
+    assert DPConfig(q0=0.4, half_life_steps=math.inf, eligible_steps=3).sampling_schedule().tolist() == [0.4] * 3
+
+
+def test_dp_settings_are_read_from_the_services_settings() -> None:
+    from streamtrain.config import Settings
+
+    settings = Settings(dp_noise_multiplier=2.5, dp_q0=0.1, dp_half_life_steps=math.inf, dp_unit="sensor",
+                        dp_norm_mean=(1.0,), dp_norm_std=(2.0,))  # fmt: skip
+    config = DPConfig.from_settings(settings)
+    assert (config.noise_multiplier, config.q0, config.half_life_steps, config.unit) == (2.5, 0.1, math.inf, "sensor")
+    assert config.norm_mean == (1.0,) and config.norm_std == (2.0,) and config.expected_batch_size is None
+    assert config.eligible_steps == Settings().dp_eligible_steps  # the rest: the service's defaults
+
+
+@pytest.mark.parametrize("schedule", [[], [0.5, 1.5], [-0.1, 0.5], [math.nan]])
+def test_a_schedule_outside_the_probabilities_is_refused(schedule: list[float]) -> None:
+    with pytest.raises(ValueError) as raised:
+        PoissonSampler(np.asarray(schedule, dtype=np.float64))
+    assert str(raised.value) == "PoissonSampler: the schedule needs K >= 1 probabilities in [0, 1]"
+
+
+def test_a_schedule_of_any_shape_is_read_as_its_k_probabilities() -> None:
+    assert PoissonSampler(np.array([[1.0, 0.0]])).sample(np.array([0, 1, 0])).tolist() == [0, 2]
+
+
+def test_the_sampler_draws_from_the_randomness_it_is_given() -> None:
+    draws = [
+        PoissonSampler(np.array([0.5]), SeededRandomness(seed)).sample(np.zeros(64, np.int64)) for seed in (3, 3, 4)
+    ]
+    assert draws[0].tolist() == draws[1].tolist() != draws[2].tolist()
+
+
+def test_record_sampling_of_one_record_and_of_none() -> None:
+    sampler = PoissonSampler(np.array([1.0]))
+    assert sampler.sample_records(np.zeros(1, np.int64), np.array([7])).tolist() == [0]
+    nothing = sampler.sample_records(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert nothing.dtype == np.int64 and nothing.size == 0  # it indexes the labels of an empty window
