@@ -54,6 +54,11 @@ MODULES=(
   "dp_window|src/streamtrain/privacy/window.py|tests/unit/privacy/test_dp_window.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
   "dp_validators|src/streamtrain/privacy/validators.py|tests/unit/privacy/test_dp_validators.py"
   "dp_engine|src/streamtrain/privacy/engine.py|tests/unit/privacy/test_dp_engine.py tests/unit/privacy/test_dp_engine_group.py tests/unit/privacy/test_dp_scale_out.py tests/unit/privacy/test_dp_operator_plane.py"
+  "dp_sampling|src/streamtrain/privacy/sampling.py|tests/unit/privacy/test_dp_sampling.py"
+  "dp_clock|src/streamtrain/privacy/clock.py|tests/unit/privacy/test_dp_clock.py tests/unit/privacy/test_dp_engine.py"
+  "dp_ledger|src/streamtrain/privacy/ledger.py|tests/unit/privacy/test_dp_ledger.py tests/unit/privacy/test_dp_admissions.py"
+  "dp_group|src/streamtrain/privacy/group.py|tests/unit/privacy/test_dp_engine_group.py tests/unit/distributed/test_dp_group.py"
+  "dp_config|src/streamtrain/privacy/config.py|tests/unit/privacy/test_dp_validators.py tests/unit/privacy/test_dp_sampling.py tests/unit/privacy/test_dp_engine.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
