@@ -49,11 +49,16 @@ def test_prequential_report_by_hand() -> None:
     assert quality.metrics.prequential_events._value.get() == 2
 
 
+def capped_monitor(now: list[float], **config: object) -> QualityMonitor:
+    """A monitor on the clock ``now[0]`` that scores the zero forecaster, at most 10 events a second."""
+    norm = RunningNorm.from_public([0.0], [1.0])
+    settings = QualityConfig(**{"max_events_per_s": 10.0, "drift_detector": "off", **config})
+    return QualityMonitor(settings, Metrics(), lambda: Frozen(ForecastsZero(), norm), clock=lambda: now[0])
+
+
 def test_the_per_second_cap_scores_a_random_sample() -> None:
     now = [0.0]
-    norm = RunningNorm.from_public([0.0], [1.0])
-    config = QualityConfig(max_events_per_s=10.0, drift_detector="off")
-    quality = QualityMonitor(config, Metrics(), lambda: Frozen(ForecastsZero(), norm), clock=lambda: now[0])
+    quality = capped_monitor(now)
     batch = events(*([[0.0, 1.0]] * 50))
     quality.observe(batch)
     assert quality.scored == 10  # one second of budget
@@ -180,9 +185,7 @@ def sliding_windows(count: int, length: int = 24) -> EventBatch:
 
 def test_the_scoring_budget_refills_at_its_rate_from_any_clock_reading() -> None:
     now = [100.0]
-    norm = RunningNorm.from_public([0.0], [1.0])
-    config = QualityConfig(max_events_per_s=10.0, drift_detector="off")
-    quality = QualityMonitor(config, Metrics(), lambda: Frozen(ForecastsZero(), norm), clock=lambda: now[0])
+    quality = capped_monitor(now)
     batch = events(*([[0.0, 1.0]] * 50))
     quality.observe(batch)
     quality.observe(batch)
@@ -190,18 +193,14 @@ def test_the_scoring_budget_refills_at_its_rate_from_any_clock_reading() -> None
     now[0] = 100.5
     quality.observe(batch)
     assert quality.scored == 15  # half a second: half the rate
-    one = QualityMonitor(
-        QualityConfig(max_events_per_s=1.0, drift_detector="off"), Metrics(), lambda: Frozen(ForecastsZero(), norm)
-    )
+    one = capped_monitor([now[0]], max_events_per_s=1.0)
     one.observe(batch)
     assert one.scored == 1  # a rate of one event a second scores one
 
 
 def test_each_poll_batch_draws_its_sample_from_its_own_stream_coordinate(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [0.0]
-    norm = RunningNorm.from_public([0.0], [1.0])
-    config = QualityConfig(max_events_per_s=10.0, drift_detector="off", seed=5)
-    quality = QualityMonitor(config, Metrics(), lambda: Frozen(ForecastsZero(), norm), clock=lambda: now[0])
+    quality = capped_monitor(now, seed=5)
     drawn: list[list[int]] = []
     monkeypatch.setattr(quality, "_queue", lambda batch, rows: drawn.append(rows.tolist()))
     batch = events(*([[0.0, 1.0]] * 50))
