@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import namedtuple
@@ -470,3 +471,43 @@ def test_a_checkpoint_is_neither_written_nor_committed_past_an_unacknowledged_de
     finally:
         box.close(1)
     assert [w["value"] for w in producer.written] == [message(9).value]
+
+
+def test_past_the_raw_bytes_cap_letters_go_as_stand_ins_and_the_cap_frees_as_they_are_acknowledged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outbox holds at most ``_MAX_RAW_PENDING_BYTES`` of unacknowledged originals: beyond, a stand-in."""
+    monkeypatch.setattr(dead_letters, "_MAX_RAW_PENDING_BYTES", 100)
+    box, producer, _, _ = outbox_with(lambda identity, attempt: None)
+    for offset, size in ((1, 40), (2, 60), (3, 1)):  # 100 bytes exactly fit; one more does not
+        box.submit(Message("events", 0, offset, None, b"v" * size), "schema")
+    with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.dead_letters"):
+        box.start()
+        try:
+            assert box.wait_acknowledged(None, 5)
+            box.submit(Message("events", 0, 4, None, b"w" * 100), "schema")  # acknowledged: the cap is free again
+            assert box.wait_acknowledged(None, 5)
+        finally:
+            box.close(1)
+    forms = {int(w["headers"]["source_offset"]): w["headers"].get("stand_in_cause", "raw") for w in producer.written}
+    assert forms == {1: "raw", 2: "raw", 3: "outbox_full", 4: "raw"}
+    assert [r.getMessage() for r in caplog.records if "stand-in" in r.getMessage()] == [
+        "dead letter of events[0]@3 (1 bytes, schema) written as a stand-in: outbox_full"
+    ]
+
+
+def test_a_dlq_that_refuses_this_principal_is_named_until_it_accepts_again(caplog: pytest.LogCaptureFixture) -> None:
+    box, _, _, _ = outbox_with(lambda identity, attempt: TopicAuthorizationFailedError() if attempt == 0 else None)
+    box.submit(message(5), "schema")
+    box._send(box._producer_factory(1 << 20), box._pending[1])
+    with box._cond:
+        box._settle_locked()
+    assert box.security_failure == "kafka_authorization_failed: WRITE on topic events.dlq"
+    assert box.last_error == box.security_failure and box.describe().endswith(box.security_failure)
+    box._send(box._producer_factory(1 << 20), box._pending[1])
+    with caplog.at_level(logging.INFO, logger="streamtrain.ingest.dead_letters"), box._cond:
+        box._settle_locked()
+    assert box.security_failure is None and box.pending == 0
+    assert "dead-letter topic accepts writes again (was: kafka_authorization_failed: WRITE on topic events.dlq)" in [
+        r.getMessage() for r in caplog.records
+    ]
