@@ -59,6 +59,8 @@ MODULES=(
   "dp_ledger|src/streamtrain/privacy/ledger.py|tests/unit/privacy/test_dp_ledger.py tests/unit/privacy/test_dp_admissions.py"
   "dp_group|src/streamtrain/privacy/group.py|tests/unit/privacy/test_dp_engine_group.py tests/unit/distributed/test_dp_group.py"
   "dp_config|src/streamtrain/privacy/config.py|tests/unit/privacy/test_dp_validators.py tests/unit/privacy/test_dp_sampling.py tests/unit/privacy/test_dp_engine.py"
+  "dp_jsonlines|src/streamtrain/privacy/jsonlines.py|tests/unit/privacy/test_dp_jsonlines.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
+  "dead_letters|src/streamtrain/ingest/dead_letters.py|tests/unit/ingest/test_ingest_dead_letters.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
