@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from streamtrain.data.bucketing import TokenBudget
 from streamtrain.data.collate import collate
 from streamtrain.data.randomness import SeededRandomness
 from streamtrain.events import EventBatch, SensorEvent
@@ -28,11 +29,22 @@ BASE = dict(noise_multiplier=1.0, clip_norm=0.5, q0=0.2, eligible_steps=6, admit
             step_rate_hz=10.0, delta=1e-6, target_epsilon=30.0, expected_units=1e3)  # fmt: skip
 
 
-def make_engine(report_every_steps: int = 4, **overrides: float) -> DPEngine:
+def dp_engine(
+    config: DPConfig | None = None,
+    budget: int | TokenBudget = 256,
+    *,
+    model: SensorModel | None = None,
+    optimizer: type[torch.optim.SGD] = torch.optim.SGD,
+    **kwargs: object,
+) -> DPEngine:
+    """An engine on ``model`` (default: a small model seeded 0) trained by ``optimizer`` at lr 1."""
     torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    return DPEngine(model, optimizer, DPConfig(**{**BASE, **overrides}), 256, report_every_steps=report_every_steps)
+    model = model if model is not None else SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
+    return DPEngine(model, optimizer(model.parameters(), lr=1.0), config or DPConfig(**BASE), budget, **kwargs)
+
+
+def make_engine(report_every_steps: int = 4, **overrides: float) -> DPEngine:
+    return dp_engine(DPConfig(**{**BASE, **overrides}), report_every_steps=report_every_steps)
 
 
 def arrivals(n: int, seed: int) -> list[SensorEvent]:
@@ -285,12 +297,8 @@ class ReplayedCrypto(SeededRandomness):
     mode = "crypto"
 
 
-def replayed_engine(seed: int, **overrides: float) -> DPEngine:
-    torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    config = DPConfig(**{**BASE, "q0": 0.5, **overrides})
-    return DPEngine(model, optimizer, config, 256, randomness=ReplayedCrypto(seed))
+def replayed_engine(seed: int) -> DPEngine:
+    return dp_engine(DPConfig(**{**BASE, "q0": 0.5}), randomness=ReplayedCrypto(seed))
 
 
 def run_steps(engine: DPEngine, steps: int) -> torch.Tensor:
@@ -310,13 +318,7 @@ def test_every_draw_of_a_step_comes_from_the_engines_randomness() -> None:
 
 
 def test_noise_bits_given_to_the_engine_feed_the_noise_alone() -> None:
-    def engine_with_noise_bits(seed: int) -> DPEngine:
-        torch.manual_seed(0)
-        model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-        return DPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), DPConfig(**BASE), 256,
-                        noise_bits=SeededRandomness(seed))  # fmt: skip
-
-    noise_only = [engine_with_noise_bits(seed) for seed in (5, 5, 6)]
+    noise_only = [dp_engine(noise_bits=SeededRandomness(seed)) for seed in (5, 5, 6)]
     moved = [run_steps(engine, 0) + 0 for engine in noise_only]
     for engine in noise_only:
         engine.step(tick(1))  # empty window: the update is the noise alone
@@ -348,7 +350,6 @@ def test_the_constructor_refuses_what_would_void_the_guarantee() -> None:
 
 
 def test_the_constructor_keeps_what_it_is_given_and_documents_its_defaults() -> None:
-    from streamtrain.data.bucketing import TokenBudget
     from streamtrain.model.normalization import RunningNorm
     from streamtrain.privacy.engine import public_norm
 
@@ -372,11 +373,8 @@ def test_the_constructor_keeps_what_it_is_given_and_documents_its_defaults() -> 
 
 
 def test_a_custom_per_sample_loss_is_the_one_trained() -> None:
-    torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
     zero_loss = lambda output, x, mask, labels: (output.forecast * 0.0).sum(dim=(1, 2))  # noqa: E731
-    engine = DPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), DPConfig(**{**BASE, "q0": 1.0,
-                      "target_epsilon": 1e6}), 256, loss_fn=zero_loss)  # fmt: skip
+    engine = dp_engine(DPConfig(**{**BASE, "q0": 1.0, "target_epsilon": 1e6}), loss_fn=zero_loss)
     captured = CapturedSums()
     engine._add_noise_and_step = captured  # type: ignore[method-assign]
     items = arrivals(4, 2)
@@ -427,9 +425,7 @@ def test_a_step_leaves_no_gradient_behind_and_releases_the_noisy_sum_in_double_p
             self.seen = [p.grad.clone() for group in self.param_groups for p in group["params"]]
             return super().step(closure)
 
-    torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    engine = DPEngine(model, SeenGradients(model.parameters(), lr=1.0), DPConfig(**BASE), 256)
+    engine = dp_engine(optimizer=SeenGradients)
     released: list[torch.Tensor] = []
     engine.on_update = lambda flat: released.append(flat.clone())
     engine.step(0.0)
@@ -438,17 +434,12 @@ def test_a_step_leaves_no_gradient_behind_and_releases_the_noisy_sum_in_double_p
     expected = (released[0].to(torch.float64) * scale).to(torch.float32)
     assert released[0].dtype == torch.int64 and int(released[0].abs().sum()) > 0
     assert torch.equal(torch.cat([g.reshape(-1) for g in engine.optimizer.seen]), expected)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in engine.model.parameters())
 
 
 def test_a_healthy_sample_is_one_micro_batch_when_it_fits_with_exact_totals(caplog) -> None:
     """Not record by record (the fallback for a micro-batch that raises): one padded batch, its totals exact."""
-    from streamtrain.data.bucketing import TokenBudget
-
-    torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    budget = TokenBudget(max_tokens=256, max_sequences=16, pad_to_multiple_of=8)
-    engine = DPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), DPConfig(**BASE), budget)
+    engine = dp_engine(budget=TokenBudget(max_tokens=256, max_sequences=16, pad_to_multiple_of=8))
     lengths = [2, 30, 3, 29]
     values = [np.ones((n, 1), np.float32) for n in lengths]
     with caplog.at_level(logging.WARNING, logger="streamtrain.privacy.engine"):
@@ -466,7 +457,7 @@ def test_a_classifier_trains_on_the_labels_of_its_records() -> None:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.3)
-    engine = DPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), DPConfig(**BASE), 256)
+    engine = dp_engine(model=model)
     captured = CapturedSums()
     engine._add_noise_and_step = captured  # type: ignore[method-assign]
     values = [np.ones((5, 1), np.float32) * k for k in (1, 2)]
@@ -522,12 +513,6 @@ def test_the_sensor_units_step_trains_groups_and_spends_one_group_every_k_steps(
         engine.step(tick(k))
     assert engine.epsilon_spent() == lifetime.epsilon_after(2) > lifetime.epsilon_after(1)
     assert engine.operator_info()["epsilon_spent_by_data"] == lifetime.epsilon_after(1)  # a and b: one group each
-
-
-def dp_engine(config: DPConfig, **kwargs: object) -> DPEngine:
-    torch.manual_seed(0)
-    model = SensorModel(1, d_model=16, n_heads=2, n_layers=1, max_len=32)
-    return DPEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), config, 256, **kwargs)
 
 
 SENSOR = {**BASE, "unit": "sensor", "sensor_events": 2, "noise_multiplier": 3.0, "target_epsilon": 3.0}
@@ -644,8 +629,6 @@ def planning_engine() -> DPEngine:
 def test_sensor_micro_batches_keep_each_group_whole_and_fill_the_budget_greedily(
     groups: list[int], data: st.DataObject, max_tokens: int, max_sequences: int | None, pad_to_multiple_of: int
 ) -> None:
-    from streamtrain.data.bucketing import TokenBudget
-
     lengths = data.draw(st.lists(st.integers(1, 30), min_size=len(groups), max_size=len(groups)))
     engine = planning_engine()
     budget = TokenBudget(max_tokens=max_tokens, max_sequences=max_sequences, pad_to_multiple_of=pad_to_multiple_of)
