@@ -89,7 +89,7 @@ class DeadLetter:
     value: bytes | None  # the original value while it may still go unchanged
     reason: str
     size: int  # bytes of the original value
-    digest: str | None = None  # hex SHA-256 of the original value, once a stand-in is made
+    digest: str = ""  # hex SHA-256 of the original value, once a stand-in is made
     cause: str | None = None  # why a stand-in goes instead (None: the message goes unchanged)
     attempts: int = 0
     due: float = 0.0  # monotonic time of the next attempt
@@ -107,7 +107,7 @@ class DeadLetter:
         if self.cause is not None:
             headers += [
                 ("original_size", str(self.size).encode()),
-                ("original_sha256", (self.digest or "").encode()),
+                ("original_sha256", self.digest.encode()),
                 ("stand_in_cause", self.cause.encode()),
             ]
         return headers
@@ -133,6 +133,11 @@ def stand_in_cause(error: BaseException) -> str | None:
         if isinstance(error, kind):
             return cause
     return None
+
+
+def retry_delay_s(attempts: int) -> float:
+    """Seconds before the next try of a letter that failed ``attempts`` times (the last step repeats)."""
+    return _BACKOFF_S[min(attempts, len(_BACKOFF_S)) - 1]
 
 
 ProducerFactory = Callable[[int], Any]  # max_request_size -> a KafkaProducer (or a test double)
@@ -273,15 +278,9 @@ class DeadLetterOutbox:
         with self._cond:
             self._settle_locked()
             now = self._clock()
-            due = (
-                []
-                if now < self._blocked_until
-                else [letter for letter in self._pending.values() if not letter.in_flight and letter.due <= now]
-            )
+            due = self._due_locked(now)
             if not due:
-                waits = [letter.due for letter in self._pending.values() if not letter.in_flight]
-                wake = max(min(waits, default=now + 1.0), self._blocked_until)
-                self._cond.wait(timeout=min(1.0, max(0.01, wake - now)))
+                self._cond.wait(timeout=self._idle_s_locked(now))
                 return
         if self._topic_missing:
             self._repair()
@@ -290,9 +289,22 @@ class DeadLetterOutbox:
         if producer is None:
             return
         for letter in due:
-            if self._stop.is_set() or self._topic_missing:
+            if self._stop.is_set():
                 break
             self._send(producer, letter)
+
+    def _due_locked(self, now: float) -> list[DeadLetter]:
+        """The letters to send now: due and not in flight; none while sends are held back."""
+        if now < self._blocked_until:
+            return []
+        return [letter for letter in self._pending.values() if not letter.in_flight and letter.due <= now]
+
+    def _idle_s_locked(self, now: float) -> float:
+        """How long the thread may sleep when nothing is due: until the next letter or the end of
+        a hold-back, at most a second (submissions and completions wake it sooner)."""
+        waits = [letter.due for letter in self._pending.values() if not letter.in_flight]
+        wake = max(min(waits, default=now + 1.0), self._blocked_until)
+        return min(1.0, max(0.01, wake - now))
 
     def _ensure_producer(self) -> Any:
         if (
@@ -396,7 +408,7 @@ class DeadLetterOutbox:
                 letter.make_stand_in(cause, self.settings.dlq_stand_in_bytes)
                 letter.due = now
                 return
-        letter.due = now + _BACKOFF_S[min(letter.attempts, len(_BACKOFF_S)) - 1]
+        letter.due = now + retry_delay_s(letter.attempts)
 
     def _note_failure(self, text: str) -> None:
         if text != self.last_error:

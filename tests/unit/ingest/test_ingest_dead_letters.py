@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from kafka.errors import (
     ClusterAuthorizationFailedError,
     IllegalStateError,
+    InvalidReplicationFactorError,
+    KafkaConnectionError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     NotEnoughReplicasError,
@@ -30,7 +32,9 @@ from streamtrain.ingest.dead_letters import CONTRACT_HEADERS, STAND_IN_HEADERS, 
 from streamtrain.metrics import Metrics
 
 Message = namedtuple("Message", "topic partition offset key value")
+REAL_BACKOFF_S = dead_letters._BACKOFF_S  # before the fixture below shortens it
 SETTINGS = load_settings(topic="events", dlq_send_attempts=3, dlq_stand_in_bytes=16)
+PATIENT = load_settings(topic="events", dlq_send_attempts=1000)  # transient failures never make a stand-in
 
 
 class Done:
@@ -126,7 +130,7 @@ def test_a_failed_send_is_kept_and_the_checkpoint_keeps_waiting_until_it_is_ackn
     release = threading.Event()
     box, producer, _, metrics = outbox_with(
         lambda identity, attempt: None if release.is_set() else NotEnoughReplicasError(),
-        settings=load_settings(topic="events", dlq_send_attempts=1000),
+        settings=PATIENT,
     )
     box.start()
     try:
@@ -211,7 +215,7 @@ def outbox_replacing(first: ScriptedProducer) -> tuple[DeadLetterOutbox, list[Sc
         made.append(first if not made else ScriptedProducer(lambda identity, attempt: None))
         return made[-1]
 
-    box = DeadLetterOutbox(load_settings(topic="events", dlq_send_attempts=1000), Metrics(), producer_factory=factory)
+    box = DeadLetterOutbox(PATIENT, Metrics(), producer_factory=factory)
     box.start()
     return box, made
 
@@ -340,7 +344,7 @@ def test_letters_after_the_mark_do_not_hold_up_a_checkpoint() -> None:
     blocked = {(1, 107)}
     box, producer, _, _ = outbox_with(
         lambda identity, attempt: NotEnoughReplicasError() if identity in blocked else None,
-        settings=load_settings(topic="events", dlq_send_attempts=1000),
+        settings=PATIENT,
     )
     box.start()
     try:
@@ -446,7 +450,7 @@ def test_a_checkpoint_is_neither_written_nor_committed_past_an_unacknowledged_de
     deliver = threading.Event()
     clock = [0.0]
     box, producer, _, _ = outbox_with(lambda identity, attempt: None if deliver.is_set() else NotEnoughReplicasError(),
-                                      settings=load_settings(topic="events", dlq_send_attempts=1000))  # fmt: skip
+                                      settings=PATIENT)  # fmt: skip
     box._clock = lambda: clock[0]
     service.ingest.dead_letters = box
     flush = service.ingest.flush_dead_letters
@@ -511,3 +515,423 @@ def test_a_dlq_that_refuses_this_principal_is_named_until_it_accepts_again(caplo
     assert "dead-letter topic accepts writes again (was: kafka_authorization_failed: WRITE on topic events.dlq)" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+def test_a_fresh_outbox_marks_nothing_and_numbers_letters_from_one() -> None:
+    box, _, _, _ = outbox_with(lambda identity, attempt: None)
+    assert box.mark() == 0 and box.wait_acknowledged(0, 0) and box.wait_acknowledged(None, 0)
+    assert box.security_failure is None and box.last_error is None
+    box.submit(message(1), "schema")
+    box.submit(message(2), "schema")
+    assert box.mark() == 2 and list(box._pending) == [1, 2]
+
+
+def test_the_kafka_producer_is_built_with_these_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[dict[str, Any]] = []
+
+    class Built(Exception):
+        pass
+
+    def record(**kw: Any) -> None:
+        built.append(kw)
+        raise Built
+
+    monkeypatch.setattr(dead_letters, "KafkaProducer", record)
+    settings = load_settings(topic="events", kafka_bootstrap="broker-a:9092,broker-b:9092")
+    with pytest.raises(Built):
+        DeadLetterOutbox(settings, Metrics())._kafka_producer(3 << 20)
+    assert built == [
+        {
+            "bootstrap_servers": "broker-a:9092,broker-b:9092",
+            "client_id": "streamtrain-dlq",
+            "acks": "all",
+            "enable_idempotence": True,
+            "max_in_flight_requests_per_connection": 1,
+            "linger_ms": 20,
+            "max_request_size": 3 << 20,
+            "max_block_ms": 5000,
+            "delivery_timeout_ms": 30000,
+            "request_timeout_ms": 15000,
+            "reconnect_backoff_max_ms": 2000,
+            "security_protocol": "PLAINTEXT",
+        }
+    ]
+
+
+def test_the_outbox_thread_is_one_daemon_named_dead_letters_and_close_stops_it() -> None:
+    box, producer, _, _ = outbox_with(lambda identity, attempt: None)
+    closed: list[float | None] = []
+    producer.close = lambda timeout=None: closed.append(timeout)  # type: ignore[method-assign]
+    box.start()
+    box.start()
+    threads = [t for t in threading.enumerate() if t.name == "dead-letters" and t.is_alive()]
+    assert threads == [box._thread] and box._thread is not None and box._thread.daemon
+    box.submit(message(1), "schema")
+    assert box.wait_acknowledged(None, 5)
+    box.close(1)
+    assert not box._thread.is_alive() and closed == [2.0]  # the producer gets two seconds to finish
+
+
+def test_close_gives_up_on_an_unacknowledged_letter_after_its_timeout() -> None:
+    box, _, _, _ = outbox_with(
+        lambda identity, attempt: NotEnoughReplicasError(),
+        settings=PATIENT,
+    )
+    box.start()
+    box.submit(message(1), "schema")
+    started = time.monotonic()
+    box.close(0.3)
+    assert time.monotonic() - started < 3 and box.pending == 1  # left uncommitted: read again after a restart
+
+
+def test_waiting_for_all_so_far_ignores_letters_submitted_during_the_wait() -> None:
+    first = threading.Event()
+    box, _, _, _ = outbox_with(
+        lambda identity, attempt: None if identity == (1, 101) and first.is_set() else NotEnoughReplicasError(),
+        settings=PATIENT,
+    )
+    box.submit(message(1), "schema")
+    outcome: list[bool] = []
+    waiter = threading.Thread(target=lambda: outcome.append(box.wait_acknowledged(None, 5)))
+    waiter.start()
+    time.sleep(0.1)
+    box.submit(message(2), "schema")  # never acknowledged, as the next one
+    box.submit(message(3), "schema")
+    box.start()
+    try:
+        first.set()
+        waiter.join(10)
+        assert outcome == [True] and box.pending == 2
+    finally:
+        box.close(0.1)
+
+
+def test_the_outbox_thread_survives_an_error_of_its_own_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    producer = ScriptedProducer(lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None)
+    repairs: list[int] = []
+
+    def repair(limit: int) -> bool:
+        repairs.append(limit)
+        if len(repairs) == 1:
+            raise RuntimeError("boom")  # not a Kafka error: the thread's own guard catches it
+        return True
+
+    box = DeadLetterOutbox(SETTINGS, Metrics(), producer_factory=lambda size: producer, repair_topic=repair)
+    with caplog.at_level(logging.ERROR, logger="streamtrain.ingest.dead_letters"):
+        box.start()
+        try:
+            box.submit(message(1), "schema")
+            assert box.wait_acknowledged(None, 10)
+        finally:
+            box.close(1)
+    assert box.last_error == "RuntimeError: boom" and len(repairs) == 2
+    [record] = caplog.records
+    assert record.getMessage() == "dead-letter outbox error; going on" and record.exc_info is not None
+
+
+class Sleeper(threading.Condition):
+    """The outbox's condition for a test that runs the thread's steps itself: a sleep is recorded, not slept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.sleeps.append(timeout)
+        return False
+
+
+class Stepped:
+    """An outbox that is not started, on a clock the test moves; ``step`` runs one turn of its thread."""
+
+    def __init__(
+        self,
+        script: Callable[[tuple[int, int], int], BaseException | None] = lambda identity, attempt: None,
+        *,
+        settings: Any = SETTINGS,
+        factory_fails: int = 0,
+        repair: Callable[[int], bool] | None = None,
+    ) -> None:
+        self.now = 1000.0
+        self.sizes: list[int] = []
+        self.producers: list[ScriptedProducer] = []
+        self.closed: list[tuple[int, float | None]] = []
+        self.repairs: list[int] = []
+        self.sent: dict[tuple[int, int], int] = {}  # attempts per record, over every producer
+        self.script = script
+        self.factory_fails = factory_fails
+        self.repair = repair or (lambda limit: True)
+        self.metrics = Metrics()
+        self.box = DeadLetterOutbox(
+            settings, self.metrics, producer_factory=self._factory, repair_topic=self._repair, clock=lambda: self.now
+        )
+        self.cond = Sleeper()
+        self.box._cond = self.cond
+
+    def _factory(self, size: int) -> ScriptedProducer:
+        self.sizes.append(size)
+        if self.factory_fails:
+            self.factory_fails -= 1
+            raise ConnectionRefusedError("no broker at 127.0.0.1:9")
+        producer = ScriptedProducer(self.script)
+        producer.attempts = self.sent
+        index = len(self.producers)
+        producer.close = lambda timeout=None: self.closed.append((index, timeout))  # type: ignore[method-assign]
+        self.producers.append(producer)
+        return producer
+
+    def _repair(self, limit: int) -> bool:
+        self.repairs.append(limit)
+        return self.repair(limit)
+
+    def step(self, at: float | None = None) -> None:
+        if at is not None:
+            self.now = at
+        self.box._step()
+
+    def attempts(self, offset: int, partition: int | None = None) -> int:
+        identity = ((offset - 100) % 3 if partition is None else partition, offset)
+        return self.sent.get(identity, 0)
+
+
+def test_a_due_letter_goes_at_once_and_a_failed_one_waits_out_its_backoff() -> None:
+    run = Stepped(lambda identity, attempt: NotEnoughReplicasError() if attempt < 2 else None,
+                  settings=PATIENT)  # fmt: skip
+    run.box.submit(message(1), "schema")
+    run.step()
+    assert run.attempts(101) == 1
+    run.step()  # the failure settles: the next try is due after the first backoff step
+    failed_at = run.now
+    assert run.cond.sleeps == [pytest.approx(0.01)]  # 1 ms to wait: the floor of a sleep
+    run.step(at=failed_at + 0.0005)
+    assert run.attempts(101) == 1
+    run.step(at=failed_at + dead_letters.retry_delay_s(1))  # due exactly now: it goes
+    assert run.attempts(101) == 2
+    run.step()
+    run.step(at=run.now + dead_letters.retry_delay_s(2) - 0.0005)
+    assert run.attempts(101) == 2
+    run.step(at=run.now + 0.0005)
+    assert run.attempts(101) == 3
+    run.step()
+    assert run.box.pending == 0 and run.cond.sleeps[-1] == 1.0  # nothing pending: a second at most
+
+
+def test_the_retry_delay_grows_by_the_backoff_steps_and_stays_at_the_last() -> None:
+    assert [dead_letters.retry_delay_s(n) for n in range(1, 7)] == [0.001, 0.002, 0.005, 0.005, 0.005, 0.005]
+
+
+def test_the_real_backoff_steps_from_a_fifth_of_a_second_to_half_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dead_letters, "_BACKOFF_S", REAL_BACKOFF_S)
+    assert [dead_letters.retry_delay_s(n) for n in (1, 2, 7, 8)] == [0.2, 0.5, 30.0, 30.0]
+
+
+def test_a_letter_in_flight_is_not_sent_again_and_the_thread_sleeps_until_the_next_due_one() -> None:
+    run = Stepped(settings=PATIENT)
+    in_flight: list[InFlight] = []
+
+    def send_and_hang(*args: Any, **kw: Any) -> InFlight:
+        in_flight.append(InFlight())
+        return in_flight[-1]
+
+    run.box.submit(message(1), "schema")
+    run.step()
+    run.producers[0].send = send_and_hang  # type: ignore[method-assign]
+    run.box.submit(message(2), "schema")
+    run.step()
+    assert len(in_flight) == 1
+    run.step()
+    run.step()
+    assert len(in_flight) == 1 and run.cond.sleeps == [1.0, 1.0]  # in flight: no wake-up for it
+    in_flight[0].errbacks[0](NotEnoughReplicasError())
+    run.step()  # settled: due again after 1 ms, a sleep of the 10 ms floor
+    assert run.cond.sleeps[-1] == pytest.approx(0.01)
+    run.step(at=run.now + 0.25)
+    assert len(in_flight) == 2
+
+
+def test_the_idle_sleep_runs_to_the_next_due_letter_or_the_end_of_a_hold_back() -> None:
+    run = Stepped(settings=PATIENT)
+    box = run.box
+    assert box._idle_s_locked(run.now) == 1.0
+    box.submit(message(1), "schema")
+    letter = box._pending[1]
+    letter.due = run.now + 0.25
+    assert box._idle_s_locked(run.now) == pytest.approx(0.25)
+    box._blocked_until = run.now + 0.5
+    assert box._idle_s_locked(run.now) == pytest.approx(0.5)
+    box._blocked_until = run.now + 5.0
+    assert box._idle_s_locked(run.now) == 1.0
+    letter.due = run.now
+    assert box._due_locked(run.now) == []  # held back: not even a due letter goes
+    box._blocked_until = run.now
+    assert box._due_locked(run.now) == [letter]
+
+
+def test_no_broker_for_the_producer_holds_sends_back_two_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    run = Stepped(factory_fails=1)
+    run.box.submit(message(1), "schema")
+    with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.dead_letters"):
+        run.step()
+    failed_at = run.now
+    text = "dead-letter producer: ConnectionRefusedError: no broker at 127.0.0.1:9"
+    assert run.box.last_error == text and run.box.describe().endswith(f"s: {text}")
+    assert [r.getMessage() for r in caplog.records] == [f"dead-letter send failed (kept, retried): {text}"]
+    run.step(at=failed_at + 1.99)
+    assert len(run.sizes) == 1 and run.cond.sleeps[-1] == pytest.approx(0.01)
+    run.step(at=failed_at + 2.0)
+    assert len(run.sizes) == 2 and run.attempts(101) == 1
+
+
+def test_a_larger_request_size_replaces_the_producer_and_closes_the_old_one() -> None:
+    run = Stepped()
+    run.box.submit(message(1), "schema")
+    run.step()
+    run.box.configure(4 << 20, 1 << 20)
+    run.box.submit(message(2), "schema")
+    run.step()
+    assert run.sizes == [(1 << 20) + 65536, (4 << 20) + 65536]
+    assert run.closed == [(0, 5.0)]  # in-flight sends get five seconds to finish or fail
+    assert run.attempts(101) == 1 and run.attempts(102) == 1
+    assert [w["headers"]["source_offset"] for w in run.producers[1].written] == ["102"]
+
+
+@pytest.mark.parametrize(
+    ("max_message_bytes", "source", "fetch", "expected"),
+    [
+        (1 << 20, None, None, 1 << 20),  # before configure: the floor of 1 MiB
+        (3 << 20, None, None, 3 << 20),  # before configure: this service's own limit
+        (1 << 20, 1000, 2000, 1 << 20),  # small topic and fetch limits: the floor
+        (2 << 20, 1000, 2000, 2 << 20),
+        (1 << 20, 1000, 5 << 20, 5 << 20),  # the fetch limit
+        (1 << 20, 6 << 20, 5 << 20, 6 << 20),  # the event topic's limit
+    ],
+)
+def test_the_first_producer_is_sized_for_anything_the_consumer_can_fetch(
+    max_message_bytes: int, source: int | None, fetch: int | None, expected: int
+) -> None:
+    run = Stepped(settings=load_settings(topic="events", max_message_bytes=max_message_bytes))
+    if source is not None and fetch is not None:
+        run.box.configure(source, fetch)
+    run.box.submit(message(1), "schema")
+    run.step()
+    assert run.sizes == [expected + 65536]
+
+
+def test_the_same_failure_is_logged_once_and_each_new_one_again(caplog: pytest.LogCaptureFixture) -> None:
+    errors = [NotEnoughReplicasError("isr 1 of 2"), NotEnoughReplicasError("isr 1 of 2"), MessageSizeTooLargeError()]
+    run = Stepped(lambda identity, attempt: errors[attempt] if attempt < len(errors) else None,
+                  settings=PATIENT)  # fmt: skip
+    run.box.submit(message(1), "schema")
+    with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.dead_letters"):
+        for _ in range(4):
+            run.step()
+            run.step(at=run.now + 1.0)
+    first = f"NotEnoughReplicasError: {errors[0]}"
+    assert [r.getMessage() for r in caplog.records][:2] == [
+        f"dead-letter send failed (kept, retried): {first}",
+        f"dead-letter send failed (kept, retried): MessageSizeTooLargeError: {errors[2]}",
+    ]
+
+
+def test_describe_names_the_oldest_letter_its_age_and_its_own_error() -> None:
+    run = Stepped(
+        lambda identity, attempt: NotEnoughReplicasError() if identity == (1, 101) else InvalidReplicationFactorError(),
+        settings=PATIENT,
+    )
+    box = run.box
+    assert box.describe() == "no dead letter pending" and box.oldest_pending_age_s() is None
+    box.submit(message(1), "schema")
+    run.now += 7.4
+    assert box.oldest_pending_age_s() == pytest.approx(7.4)
+    assert box.describe() == (
+        "1 dead letters not acknowledged by Kafka, the oldest (partition 1 offset 101, raw) for 7 s: no answer yet"
+    )
+    box.submit(message(2), "schema")
+    run.step()
+    run.step()  # both failed; the later one's error is the outbox's last
+    assert box.last_error == f"InvalidReplicationFactorError: {InvalidReplicationFactorError()}"
+    assert box.describe().endswith(f"for 7 s: NotEnoughReplicasError: {NotEnoughReplicasError()}")
+    assert box._pending[1].last_error == f"NotEnoughReplicasError: {NotEnoughReplicasError()}"
+
+
+def test_a_tombstone_the_dlq_refuses_goes_as_an_empty_stand_in() -> None:
+    run = Stepped(lambda identity, attempt: MessageSizeTooLargeError() if attempt == 0 else None)
+    run.box.submit(Message("events", 1, 9, None, None), "decode")
+    for _ in range(3):
+        run.step()
+    [written] = run.producers[0].written
+    assert written["key"] is None and written["value"] is None
+    assert written["headers"]["original_size"] == "0"
+    assert written["headers"]["original_sha256"] == hashlib.sha256(b"").hexdigest()
+    assert written["headers"]["stand_in_cause"] == "too_large_for_dlq" and run.box.pending == 0
+
+
+def test_a_letter_turned_stand_in_frees_its_raw_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dead_letters, "_MAX_RAW_PENDING_BYTES", 100)
+    run = Stepped(lambda identity, attempt: MessageSizeTooLargeError() if identity == (0, 1) and attempt == 0 else None)
+    run.box.submit(Message("events", 0, 1, None, b"a" * 100), "schema")
+    run.step()
+    run.step()  # refused: it goes on as a stand-in, and its 100 raw bytes are free
+    run.box.submit(Message("events", 0, 2, None, b"b" * 100), "schema")
+    for _ in range(3):
+        run.step()
+    forms = {
+        int(w["headers"]["source_offset"]): w["headers"].get("stand_in_cause", "raw") for w in run.producers[0].written
+    }
+    assert forms == {1: "too_large_for_dlq", 2: "raw"}
+
+
+def test_a_stand_in_starts_its_own_backoff_from_the_first_step() -> None:
+    run = Stepped(lambda identity, attempt: NotEnoughReplicasError() if attempt < 3 else None,
+                  settings=load_settings(topic="events", dlq_send_attempts=2))  # fmt: skip
+    run.box.submit(message(1), "schema")
+    run.step()
+    run.step()
+    run.step(at=run.now + dead_letters.retry_delay_s(1))
+    run.step()  # the second raw attempt failed: the stand-in goes at once (its first attempt)
+    assert run.attempts(101) == 3
+    run.step()  # that failed too: the stand-in's first backoff step, not its second
+    run.step(at=run.now + dead_letters.retry_delay_s(1))
+    assert run.attempts(101) == 4
+    assert run.producers[0].written[0]["headers"]["stand_in_cause"] == "send_attempts_exhausted"
+
+
+def test_a_repaired_dlq_gets_a_fresh_producer_and_a_found_one_keeps_it(caplog: pytest.LogCaptureFixture) -> None:
+    for created in (True, False):
+        run = Stepped(lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None,
+                      repair=lambda limit, created=created: created)  # fmt: skip
+        run.box.submit(message(1), "schema")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.dead_letters"):
+            run.step()
+            run.step()  # the failure settles: the topic is missing
+            run.step(at=run.now + 1.0)  # due again: repaired first (before configure: with this service's limit)
+        assert run.repairs == [SETTINGS.max_message_bytes] and run.box._topic_missing is False
+        run.step()
+        run.step()
+        assert run.repairs == [SETTINGS.max_message_bytes] and run.box.pending == 0
+        assert len(run.producers) == (2 if created else 1)
+        messages = [r.getMessage() for r in caplog.records]
+        assert ("dead-letter topic events.dlq was missing: created it again" in messages) is created
+
+
+def test_a_failed_repair_is_noted_and_holds_sends_back_two_seconds() -> None:
+    attempts = {"n": 0}
+
+    def repair(limit: int) -> bool:
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise KafkaConnectionError("broker gone")
+        return True
+
+    run = Stepped(lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None, repair=repair)
+    run.box.submit(message(1), "schema")
+    run.step()
+    run.step()
+    run.step(at=run.now + 1.0)
+    failed_at = run.now
+    assert run.box.last_error == f"recreating events.dlq: KafkaConnectionError: {KafkaConnectionError('broker gone')}"
+    run.step(at=failed_at + 1.99)
+    assert attempts["n"] == 1
+    run.step(at=failed_at + 2.0)
+    assert attempts["n"] == 2
