@@ -483,7 +483,7 @@ def test_past_the_raw_bytes_cap_letters_go_as_stand_ins_and_the_cap_frees_as_the
     """The outbox holds at most ``_MAX_RAW_PENDING_BYTES`` of unacknowledged originals: beyond, a stand-in."""
     monkeypatch.setattr(dead_letters, "_MAX_RAW_PENDING_BYTES", 100)
     box, producer, _, _ = outbox_with(lambda identity, attempt: None)
-    for offset, size in ((1, 40), (2, 60), (3, 1)):  # 100 bytes exactly fit; one more does not
+    for offset, size in ((1, 40), (2, 60), (3, 1), (5, 40)):  # 100 bytes exactly fit; one more does not
         box.submit(Message("events", 0, offset, None, b"v" * size), "schema")
     with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.dead_letters"):
         box.start()
@@ -494,9 +494,11 @@ def test_past_the_raw_bytes_cap_letters_go_as_stand_ins_and_the_cap_frees_as_the
         finally:
             box.close(1)
     forms = {int(w["headers"]["source_offset"]): w["headers"].get("stand_in_cause", "raw") for w in producer.written}
-    assert forms == {1: "raw", 2: "raw", 3: "outbox_full", 4: "raw"}
+    assert forms == {1: "raw", 2: "raw", 3: "outbox_full", 4: "raw", 5: "outbox_full"}
+    assert [w["value"] for w in producer.written if w["headers"]["source_offset"] == "5"] == [b"v" * 16]
     assert [r.getMessage() for r in caplog.records if "stand-in" in r.getMessage()] == [
-        "dead letter of events[0]@3 (1 bytes, schema) written as a stand-in: outbox_full"
+        "dead letter of events[0]@3 (1 bytes, schema) written as a stand-in: outbox_full",
+        "dead letter of events[0]@5 (40 bytes, schema) written as a stand-in: outbox_full",
     ]
 
 
@@ -606,6 +608,18 @@ def test_waiting_for_all_so_far_ignores_letters_submitted_during_the_wait() -> N
         box.close(0.1)
 
 
+class Pauses(threading.Event):
+    """The outbox's stop event, recording how long the thread pauses on it (and pausing a tenth of that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pauses: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.pauses.append(timeout)
+        return super().wait(None if timeout is None else timeout / 10)
+
+
 def test_the_outbox_thread_survives_an_error_of_its_own_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     producer = ScriptedProducer(lambda identity, attempt: UnknownTopicOrPartitionError() if attempt == 0 else None)
     repairs: list[int] = []
@@ -617,6 +631,7 @@ def test_the_outbox_thread_survives_an_error_of_its_own_and_goes_on(caplog: pyte
         return True
 
     box = DeadLetterOutbox(SETTINGS, Metrics(), producer_factory=lambda size: producer, repair_topic=repair)
+    box._stop = Pauses()
     with caplog.at_level(logging.ERROR, logger="streamtrain.ingest.dead_letters"):
         box.start()
         try:
@@ -625,6 +640,7 @@ def test_the_outbox_thread_survives_an_error_of_its_own_and_goes_on(caplog: pyte
         finally:
             box.close(1)
     assert box.last_error == "RuntimeError: boom" and len(repairs) == 2
+    assert box._stop.pauses == [1.0]  # a second's pause after the error, then on
     [record] = caplog.records
     assert record.getMessage() == "dead-letter outbox error; going on" and record.exc_info is not None
 
@@ -799,6 +815,8 @@ def test_a_larger_request_size_replaces_the_producer_and_closes_the_old_one() ->
     ("max_message_bytes", "source", "fetch", "expected"),
     [
         (1 << 20, None, None, 1 << 20),  # before configure: the floor of 1 MiB
+        (4096, None, None, 1 << 20),
+        (4096, 1000, 2000, 1 << 20),
         (3 << 20, None, None, 3 << 20),  # before configure: this service's own limit
         (1 << 20, 1000, 2000, 1 << 20),  # small topic and fetch limits: the floor
         (2 << 20, 1000, 2000, 2 << 20),
@@ -935,3 +953,23 @@ def test_a_failed_repair_is_noted_and_holds_sends_back_two_seconds() -> None:
     assert attempts["n"] == 1
     run.step(at=failed_at + 2.0)
     assert attempts["n"] == 2
+
+
+def test_close_waits_its_timeout_for_acknowledgements_and_for_the_thread() -> None:
+    box, _, _, _ = outbox_with(lambda identity, attempt: None)
+    waits: list[tuple[int | None, float]] = []
+    joins: list[float | None] = []
+    box.wait_acknowledged = lambda upto, timeout_s: waits.append((upto, timeout_s)) or True  # type: ignore[method-assign]
+    box._thread = SimpleNamespace(join=joins.append)  # type: ignore[assignment]
+    box.close()
+    box.close(0.5)
+    assert waits == [(None, 10.0), (None, 0.5)] and joins == [10.0, 0.5]
+
+
+def test_without_a_repair_given_a_missing_dlq_is_recreated_with_this_service_s_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[Any, int]] = []
+    monkeypatch.setattr(dead_letters, "ensure_dead_letter_topic", lambda s, limit: calls.append((s, limit)) or True)
+    box = DeadLetterOutbox(SETTINGS, Metrics(), producer_factory=lambda size: ScriptedProducer(lambda i, a: None))
+    assert box._repair_topic(12345) is True and calls == [(SETTINGS, 12345)]
