@@ -61,6 +61,8 @@ MODULES=(
   "dp_config|src/streamtrain/privacy/config.py|tests/unit/privacy/test_dp_validators.py tests/unit/privacy/test_dp_sampling.py tests/unit/privacy/test_dp_engine.py"
   "dp_jsonlines|src/streamtrain/privacy/jsonlines.py|tests/unit/privacy/test_dp_jsonlines.py tests/unit/privacy/test_dp_admissions.py tests/unit/privacy/test_dp_ledger.py"
   "dead_letters|src/streamtrain/ingest/dead_letters.py|tests/unit/ingest/test_ingest_dead_letters.py"
+  "watchdog|src/streamtrain/ingest/watchdog.py|tests/unit/ingest/test_ingest_watchdog.py"
+  "consumers|src/streamtrain/ingest/consumers.py|tests/unit/ingest/test_ingest_consumers.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

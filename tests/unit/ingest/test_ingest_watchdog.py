@@ -189,3 +189,96 @@ def test_time_the_ingest_thread_was_away_does_not_count() -> None:
     assert stall is not None and stall.reason == "no_fetch_progress" and not dog.overdue(stall)
     stall = run(dog, clock, probe(), 9)  # but 9 s of probing with nothing read is
     assert dog.overdue(stall)
+
+
+def test_the_heartbeat_limit_defaults_to_three_intervals_of_three_seconds() -> None:
+    assert IngestWatchdog(2).heartbeat_timeout_s == 9.0 and IngestWatchdog(20).heartbeat_timeout_s == 20.0
+    with pytest.raises(ValueError, match=r"^timeout_s must be > 0, got -1$"):
+        IngestWatchdog(-1)
+
+
+def test_each_stall_names_its_cause_in_full() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(10, clock=clock)
+    stuck = probe(group_state="rebalancing", assigned=frozenset(), fetchable=frozenset(), heartbeat_age_s=None)
+    assert run(dog, clock, stuck, 2).detail == "no partition assigned (group membership: rebalancing)"
+    dog = IngestWatchdog(10, clock=clock)
+    stall = dog.observe(probe(heartbeat_age_s=6.4))
+    assert stall is not None and stall.detail == "no group heartbeat got through for 6 s"
+    assert stall.since == clock.now - 6.4
+    dog = IngestWatchdog(10, clock=clock)
+    dog.observe(probe(log_ends={0: 10, 1: 50}))
+    stall = run(dog, clock, probe(), 7)
+    assert stall is not None and stall.detail == (
+        "partition 1 has 40 records waiting (next offset 10, log end 50) but none was read for 7 s"
+    )
+
+
+def test_a_heartbeat_exactly_half_the_limit_old_is_no_stall_yet() -> None:
+    dog = IngestWatchdog(2, heartbeat_interval_s=3.0, clock=Clock())  # limit 9 s
+    assert dog.observe(probe(heartbeat_age_s=4.5)) is None
+    assert dog.observe(probe(heartbeat_age_s=4.51)) is not None
+
+
+def test_a_partition_without_a_position_yet_does_not_hide_the_others() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(10, clock=clock)
+    waiting = probe(positions={1: 10}, log_ends={1: 50})  # partition 0 has no position yet
+    stall = run(dog, clock, waiting, 10)
+    assert stall is not None and stall.reason == "no_fetch_progress" and dog.overdue(stall)
+
+
+def test_a_log_end_that_falls_back_to_the_position_ends_the_wait() -> None:
+    """A topic deleted and created again: its log end can fall back to where the consumer is."""
+    clock = Clock()
+    dog = IngestWatchdog(10, clock=clock)
+    dog.observe(probe(log_ends={0: 10, 1: 50}))
+    assert run(dog, clock, probe(), 6) is not None
+    assert dog.observe(probe(log_ends={0: 10, 1: 10})) is None
+
+
+def test_of_two_waiting_partitions_the_one_waiting_longer_is_named() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(10, clock=clock)
+    dog.observe(probe(log_ends={0: 10, 1: 50}))  # partition 1 waits from now
+    run(dog, clock, probe(), 3)
+    stall = dog.observe(probe(log_ends={0: 30, 1: 50}))  # partition 0 from 3 s later
+    assert stall is not None and stall.detail.startswith("partition 1 has 40 records waiting")
+    assert stall.age(clock.now) == 3.0
+
+
+def test_of_two_stalls_the_longer_standing_is_the_verdict() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(2, heartbeat_interval_s=3.0, clock=clock)  # heartbeat limit 9 s
+    dog.observe(probe(log_ends={0: 10, 1: 50}))  # records wait from now on
+    clock.now += 0.5
+    older = dog.observe(probe(heartbeat_age_s=8.0))  # heartbeats stopped 7.5 s before that
+    assert older is not None and older.reason == "no_heartbeat" and dog.current == older
+    run(dog, clock, probe(), 6)  # heartbeats again; the records still wait
+    newer = dog.observe(probe(heartbeat_age_s=5.0))  # heartbeats stopped 1.5 s after the records began to wait
+    assert newer is not None and newer.reason == "no_fetch_progress" and dog.current == newer
+
+
+def test_probes_exactly_a_third_of_the_timeout_apart_all_count() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(9, clock=clock)
+    stuck = probe(group_state="rebalancing", assigned=frozenset(), fetchable=frozenset())
+    stall = run(dog, clock, stuck, 9, step=3.0)
+    assert stall is not None and dog.overdue(stall)
+
+
+def test_time_away_does_not_count_for_an_unassigned_member_either() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(9, clock=clock)
+    stuck = probe(group_state="rebalancing", assigned=frozenset(), fetchable=frozenset())
+    run(dog, clock, stuck, 2)
+    clock.now += 20  # the thread did not probe for 20 s
+    stall = dog.observe(stuck)
+    assert stall is not None and stall.age(clock.now) == 2.0 and not dog.overdue(stall)
+
+
+def test_a_stall_is_reportable_from_exactly_half_the_timeout() -> None:
+    clock = Clock()
+    dog = IngestWatchdog(10, clock=clock)
+    stall = run(dog, clock, probe(fetchable=frozenset()), 5)
+    assert stall is not None and stall.age(clock.now) == 5.0 and dog.reportable(stall)
