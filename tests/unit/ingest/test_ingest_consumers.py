@@ -221,3 +221,8 @@ def test_scale_out_refuses_a_topic_missing_from_the_metadata_and_closes_its_cons
     [consumer] = opened["consumers"]
     assert consumer.closed == [{"autocommit": False, "timeout_ms": 2000}]
     assert opened["clock"].now == 15.0
+
+
+def test_scale_out_asks_the_broker_nothing_more_when_the_topic_is_known(opened: dict[str, Any]) -> None:
+    consumer = consumers.assigned_consumer(load_settings(topic="events"), Recorder(), lambda count: [0])
+    assert consumer.calls == ["assign"] and opened["clock"].sleeps == []
