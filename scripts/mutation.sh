@@ -63,6 +63,9 @@ MODULES=(
   "dead_letters|src/streamtrain/ingest/dead_letters.py|tests/unit/ingest/test_ingest_dead_letters.py"
   "watchdog|src/streamtrain/ingest/watchdog.py|tests/unit/ingest/test_ingest_watchdog.py"
   "consumers|src/streamtrain/ingest/consumers.py|tests/unit/ingest/test_ingest_consumers.py"
+  "topics|src/streamtrain/ingest/topics.py|tests/unit/ingest/test_ingest_topics.py"
+  "kafka_compat|src/streamtrain/ingest/kafka_compat.py|tests/unit/ingest/test_ingest_kafka_compat.py tests/unit/ingest/test_ingest_dead_letters.py"
+  "security|src/streamtrain/ingest/security.py|tests/unit/ingest/test_ingest_security.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

@@ -194,3 +194,89 @@ def test_a_producer_closes_within_its_timeout_and_one_stuck_on_a_gone_broker_has
 def test_a_producer_without_the_sender_close_producer_stops_is_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match=r"re-check streamtrain\.ingest\.kafka_compat\.close_producer"):
         close_producer(ClosingProducer(in_flight=True, sender=False), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("patch", "client"),
+    [
+        (forbid_topic_auto_creation, SimpleNamespace(_metadata=SimpleNamespace(config={}))),  # the option moved
+        (forbid_topic_auto_creation, SimpleNamespace(_metadata=SimpleNamespace())),  # no config at all
+        (keep_rejoin_pending, SimpleNamespace(_coordinator=SimpleNamespace(need_rejoin=lambda: False))),
+        (
+            rejoin_on_partition_changes,
+            SimpleNamespace(_coordinator=SimpleNamespace(_metadata_snapshot={}, need_rejoin=lambda: False)),
+        ),
+        (
+            rejoin_on_partition_changes,
+            SimpleNamespace(_coordinator=SimpleNamespace(_metadata_snapshot=None, group_protocols=lambda: [])),
+        ),
+    ],
+)
+def test_a_client_missing_one_part_a_patch_needs_is_refused_too(patch: Callable[[Any], Any], client: Any) -> None:
+    with pytest.raises(
+        RuntimeError,
+        match=rf"^kafka-python's [\w ]+ changed: re-check streamtrain\.ingest\.kafka_compat\.{patch.__name__}$",
+    ):
+        patch(client)
+
+
+def test_a_rejoin_kafka_python_asks_for_itself_is_kept_before_any_join() -> None:
+    coordinator = Coordinator({"events": {0}}, needed=True)
+    rejoin_on_partition_changes(consumer_with(coordinator))
+    assert coordinator.need_rejoin() is True
+
+
+def test_the_join_carries_every_topic_s_partition_count_and_the_protocol_version() -> None:
+    coordinator = Coordinator({"events": {0, 1}, "alerts": {0}})
+    coordinator.group_protocols = lambda: [("range", Metadata(3, ["alerts", "events"], b""))]  # type: ignore[method-assign]
+    rejoin_on_partition_changes(consumer_with(coordinator))
+    [(_, metadata)] = coordinator.group_protocols()
+    assert metadata == Metadata(3, ["alerts", "events"], PARTITION_COUNTS_USER_DATA + b"alerts=1,events=2")
+
+
+def test_a_transaction_manager_without_its_error_classes_is_refused() -> None:
+    needed = ("classify_batch_error", "is_transactional", "_supports_epoch_bump", "has_fatal_error", "_FATAL_ERRORS")
+    manager = SimpleNamespace(**{name: None for name in needed})
+    with pytest.raises(RuntimeError, match="kafka_compat.producer_failed"):
+        producer_failed(SimpleNamespace(_transaction_manager=manager))
+
+
+def test_the_patched_classifier_passes_the_batch_and_log_start_offset_on() -> None:
+    import kafka.errors as errors
+    from kafka.producer.transaction_manager import TransactionManager
+
+    producer = idempotent_producer()
+    manager = producer._transaction_manager
+    seen: list[tuple[Any, Any, int]] = []
+    original = manager.classify_batch_error
+
+    def recording(error: Any, batch: Any, log_start_offset: int = -1) -> str:
+        seen.append((error, batch, log_start_offset))
+        return str(original(error, batch, log_start_offset=log_start_offset))
+
+    manager.classify_batch_error = recording
+    survive_refused_records(producer)
+    error, batch = errors.NotEnoughReplicasError(), object()
+    assert manager.classify_batch_error(error, batch, log_start_offset=7) == TransactionManager.ERROR_CLASS_RETRIABLE
+    assert manager.classify_batch_error(error, batch) == TransactionManager.ERROR_CLASS_RETRIABLE
+    assert seen == [(error, batch, 7), (error, batch, -1)]
+    # a fatal error named by its class stays fatal as its instance does
+    fatal = manager.classify_batch_error(errors.ClusterAuthorizationFailedError, None)
+    assert fatal == TransactionManager.ERROR_CLASS_FATAL
+
+
+def test_close_passes_its_timeout_and_a_spent_one_as_zero() -> None:
+    for timeout, passed in ((0.5, 0.5), (-1.0, 0.0)):
+        producer = ClosingProducer(in_flight=False)
+        close_producer(producer, timeout)
+        assert producer.timeouts == [passed]
+
+
+def test_a_sender_without_force_close_is_refused_with_the_whole_message() -> None:
+    stuck = ClosingProducer(in_flight=True, sender=False)
+    stuck._sender = SimpleNamespace()
+    with pytest.raises(
+        RuntimeError,
+        match=r"^kafka-python's producer changed: re-check streamtrain\.ingest\.kafka_compat\.close_producer$",
+    ):
+        close_producer(stuck, 1.0)
