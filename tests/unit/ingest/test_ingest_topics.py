@@ -1,17 +1,25 @@
-"""What a three-broker cluster with brokers down looks like to readiness (``kafka_degraded``)."""
+"""The service's topics on a stand-in admin client (what is created, with which settings, what is
+refused), and what a three-broker cluster with brokers down looks like to readiness (``kafka_degraded``).
+
+Against a real broker: tests/integration (fresh topics, a deleted dead-letter topic, ACLs)."""
 
 from __future__ import annotations
 
 import logging
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from kafka import TopicPartition
+from kafka.admin import ConfigResourceType
+from kafka.errors import TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 import streamtrain.ingest.ingestor as ingestor_module
+import streamtrain.ingest.topics as topics
 from streamtrain.config import load_settings
 from streamtrain.ingest.ingestor import Ingestor
+from streamtrain.ingest.security import KafkaAccessError
 from streamtrain.ingest.topics import PartitionReplicas, degraded_report
 from streamtrain.metrics import Metrics
 from streamtrain.window.reservoir import RecencyWindow
@@ -103,3 +111,188 @@ def test_a_leader_is_called_unreachable_only_after_a_while_and_only_where_ingest
     clock[0] += 6
     ingest._note_degraded(consumer_seeing(leader_gone, {2}))
     assert ingest.kafka_degraded is None  # connected again in between: the clock starts over
+
+
+class Admin:
+    """The calls the topic functions make on kafka-python's ``KafkaAdminClient``, on topics kept in a dict."""
+
+    BROKER_LIMIT = 1048588  # the broker's message.max.bytes, for a topic without its own
+
+    def __init__(self, limits: dict[str, int | None] | None = None) -> None:
+        self.limits = dict(limits or {})  # topic -> its own max.message.bytes (None: the broker's)
+        self.created: list[tuple[dict[str, Any], int, bool]] = []
+        self.described: list[tuple[Any, str]] = []
+        self.refuse: dict[str, BaseException] = {}
+        self.closed = 0
+
+    def list_topics(self) -> list[str]:
+        return sorted(self.limits)
+
+    def create_topics(self, new_topics: dict[str, Any], timeout_ms: int, wait_for_metadata: bool) -> None:
+        self.created.append((new_topics, timeout_ms, wait_for_metadata))
+        if "create" in self.refuse:
+            raise self.refuse["create"]
+        for name, spec in new_topics.items():
+            own = spec["configs"].get("max.message.bytes")
+            self.limits[name] = None if own is None else int(own)
+
+    def describe_configs(self, resources: list[Any], config_filter: str) -> dict[str, Any]:
+        [resource] = resources
+        self.described.append((resource, config_filter))
+        if "describe" in self.refuse:
+            raise self.refuse["describe"]
+        assert resource.resource_type == ConfigResourceType.TOPIC and resource.configs == {"max.message.bytes": None}
+        limit = self.limits[resource.name]
+        value = str(self.BROKER_LIMIT if limit is None else limit)
+        return {"topic": {resource.name: {"max.message.bytes": {"value": value}}}}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.fixture
+def admin(monkeypatch: pytest.MonkeyPatch) -> Admin:
+    """The admin client every topic function opens (its options in ``admin.options``)."""
+    made = Admin()
+    made.options: list[dict[str, Any]] = []  # type: ignore[misc]
+
+    def build(**kw: Any) -> Admin:
+        made.options.append(kw)  # type: ignore[attr-defined]
+        return made
+
+    monkeypatch.setattr(topics, "KafkaAdminClient", build)
+    return made
+
+
+def test_the_admin_client_waits_the_call_s_timeout_and_reconnects_within_a_second(admin: Admin) -> None:
+    topics.ensure_topics("a:9092", {}, 2.5)
+    settings = load_settings(kafka_bootstrap="b:9092", topic="events")
+    topics.ensure_dead_letter_topic(settings, 1000, timeout_s=4.0)
+    base = {"request_timeout_ms": 2500, "reconnect_backoff_max_ms": 1000, "bootstrap_timeout_ms": 2500}
+    assert admin.options == [  # type: ignore[attr-defined]
+        {"bootstrap_servers": "a:9092", **base},
+        {
+            "bootstrap_servers": "b:9092", "request_timeout_ms": 4000, "reconnect_backoff_max_ms": 1000,
+            "bootstrap_timeout_ms": 4000, "security_protocol": "PLAINTEXT",
+        },
+    ]  # fmt: skip
+
+
+def test_only_missing_topics_are_created_with_their_settings_and_logged(
+    admin: Admin, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin.limits = {"a": None}
+    with caplog.at_level(logging.INFO, logger="streamtrain.ingest.topics"):
+        topics.ensure_topics("a:9092", {"a": 3, "b": 2, "c": 1}, 4.0, configs={"b": {"cleanup.policy": "compact"}})
+        topics.ensure_topics("a:9092", {"d": 1}, 1.0, replication_factor=3)
+        topics.ensure_topics("a:9092", {"a": 3}, 1.0)  # nothing missing: nothing asked
+    assert admin.created == [
+        (
+            {
+                "b": {"num_partitions": 2, "replication_factor": -1, "configs": {"cleanup.policy": "compact"}},
+                "c": {"num_partitions": 1, "replication_factor": -1, "configs": {}},
+            },
+            4000,
+            True,
+        ),
+        ({"d": {"num_partitions": 1, "replication_factor": 3, "configs": {}}}, 1000, True),
+    ]
+    assert admin.closed == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        "created topic b (2 partitions, replication broker default, {'cleanup.policy': 'compact'})",
+        "created topic c (1 partitions, replication broker default, broker default configs)",
+        "created topic d (1 partitions, replication 3, broker default configs)",
+    ]
+
+
+def test_a_topic_another_replica_created_first_is_no_error(admin: Admin, caplog: pytest.LogCaptureFixture) -> None:
+    admin.refuse["create"] = TopicAlreadyExistsError()
+    with caplog.at_level(logging.INFO, logger="streamtrain.ingest.topics"):
+        topics.ensure_topics("a:9092", {"b": 1, "a": 1}, 1.0)
+    assert [r.getMessage() for r in caplog.records] == ["topics ['a', 'b']: created meanwhile by someone else"]
+
+
+def test_a_principal_that_may_not_create_topics_is_told_what_to_create(admin: Admin) -> None:
+    admin.refuse["create"] = TopicAuthorizationFailedError()
+    with pytest.raises(KafkaAccessError) as refused:
+        topics.ensure_topics("a:9092", {"b": 2, "c": 1}, 1.0, configs={"b": {"cleanup.policy": "compact"}})
+    assert str(refused.value) == (
+        "kafka_authorization_failed: CREATE on topic b, c (or DESCRIBE if it exists; else an operator creates it: "
+        "b: 2 partitions, replication default, cleanup.policy=compact; c: 1 partitions, replication default)"
+    )
+    with pytest.raises(KafkaAccessError, match=r"b: 2 partitions, replication 3\)$"):
+        topics.ensure_topics("a:9092", {"b": 2}, 1.0, replication_factor=3)
+    assert admin.closed == 2  # closed on the way out
+
+
+def test_a_topic_s_size_limit_is_its_own_or_the_broker_s(admin: Admin) -> None:
+    admin.limits = {"own": 5 << 20, "plain": None}
+    assert topics.max_message_bytes(admin, "own") == 5 << 20  # type: ignore[arg-type]
+    assert topics.max_message_bytes(admin, "plain") == Admin.BROKER_LIMIT  # type: ignore[arg-type]
+    assert [(r.name, f) for r, f in admin.described] == [("own", "all"), ("plain", "all")]
+    admin.refuse["describe"] = TopicAuthorizationFailedError()
+    with pytest.raises(KafkaAccessError, match=r"^kafka_authorization_failed: DESCRIBE_CONFIGS on topic own$"):
+        topics.max_message_bytes(admin, "own")  # type: ignore[arg-type]
+
+
+def test_a_fresh_cluster_gets_the_event_topic_and_a_dead_letter_topic_that_takes_anything_it_holds(
+    admin: Admin,
+) -> None:
+    settings = load_settings(topic="events", topic_partitions=4, topic_replication_factor=2)
+    limits = topics.prepare_topics(settings, timeout_s=3.0)
+    assert admin.created == [
+        ({"events": {"num_partitions": 4, "replication_factor": 2, "configs": {}}}, 3000, True),
+        (
+            {
+                "events.dlq": {
+                    "num_partitions": 4,
+                    "replication_factor": 2,
+                    "configs": {"max.message.bytes": str(Admin.BROKER_LIMIT + 65536)},
+                }
+            },
+            3000,
+            True,
+        ),
+    ]
+    assert limits == topics.TopicLimits(Admin.BROKER_LIMIT, Admin.BROKER_LIMIT + 65536) and admin.closed == 1
+    assert topics.dlq_configs(1000) == {"max.message.bytes": "66536"}
+
+
+def test_an_existing_topic_s_own_limit_sizes_a_new_dead_letter_topic(admin: Admin) -> None:
+    admin.limits = {"events": 8 << 20}
+    limits = topics.prepare_topics(load_settings(topic="events"))
+    [(created, _, _)] = admin.created
+    assert created["events.dlq"]["configs"] == {"max.message.bytes": str((8 << 20) + 65536)}
+    assert created["events.dlq"]["replication_factor"] == -1 and created["events.dlq"]["num_partitions"] == 3
+    assert limits == topics.TopicLimits(8 << 20, (8 << 20) + 65536)
+
+
+def test_a_dead_letter_topic_smaller_than_its_event_topic_is_reported_not_altered(
+    admin: Admin, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin.limits = {"events": 8 << 20, "events.dlq": 1 << 20}
+    with caplog.at_level(logging.WARNING, logger="streamtrain.ingest.topics"):
+        limits = topics.prepare_topics(load_settings(topic="events"))
+        admin.limits["events.dlq"] = 8 << 20  # as large: nothing to say
+        topics.prepare_topics(load_settings(topic="events"))
+    assert limits == topics.TopicLimits(8 << 20, 1 << 20) and admin.created == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "dead-letter topic events.dlq takes messages up to 1048576 bytes, its event topic events up to 8388608: "
+        "larger dead letters are forwarded as stand-ins (raise its max.message.bytes to keep them whole)"
+    ]
+
+
+def test_a_deleted_dead_letter_topic_is_created_again_and_an_existing_one_left_alone(admin: Admin) -> None:
+    settings = load_settings(topic="events", topic_partitions=2)
+    admin.limits = {"events": None, "events.dlq": None}
+    assert topics.ensure_dead_letter_topic(settings, 5000) is False and admin.created == []
+    del admin.limits["events.dlq"]
+    assert topics.ensure_dead_letter_topic(settings, 5000, timeout_s=2.0) is True
+    assert admin.created == [
+        (
+            {"events.dlq": {"num_partitions": 2, "replication_factor": -1, "configs": {"max.message.bytes": "70536"}}},
+            2000,
+            True,
+        )
+    ]
+    assert admin.closed == 2
