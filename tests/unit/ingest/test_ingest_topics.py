@@ -165,17 +165,26 @@ def admin(monkeypatch: pytest.MonkeyPatch) -> Admin:
 
 
 def test_the_admin_client_waits_the_call_s_timeout_and_reconnects_within_a_second(admin: Admin) -> None:
-    topics.ensure_topics("a:9092", {}, 2.5)
     settings = load_settings(kafka_bootstrap="b:9092", topic="events")
+    admin.limits = {"events": None, "events.dlq": None}
+    topics.ensure_topics("a:9092", {}, 2.5)
     topics.ensure_dead_letter_topic(settings, 1000, timeout_s=4.0)
-    base = {"request_timeout_ms": 2500, "reconnect_backoff_max_ms": 1000, "bootstrap_timeout_ms": 2500}
+    topics.ensure_topics("a:9092", {})  # each call's timeout defaults to 10 s
+    topics.ensure_dead_letter_topic(settings, 1000)
+    topics.prepare_topics(settings)
+
+    def options(bootstrap: str, timeout_ms: int, secured: bool) -> dict[str, Any]:
+        made = {"bootstrap_servers": bootstrap, "request_timeout_ms": timeout_ms, "reconnect_backoff_max_ms": 1000}
+        made["bootstrap_timeout_ms"] = timeout_ms
+        return made | ({"security_protocol": "PLAINTEXT"} if secured else {})
+
     assert admin.options == [  # type: ignore[attr-defined]
-        {"bootstrap_servers": "a:9092", **base},
-        {
-            "bootstrap_servers": "b:9092", "request_timeout_ms": 4000, "reconnect_backoff_max_ms": 1000,
-            "bootstrap_timeout_ms": 4000, "security_protocol": "PLAINTEXT",
-        },
-    ]  # fmt: skip
+        options("a:9092", 2500, False),
+        options("b:9092", 4000, True),
+        options("a:9092", 10000, False),
+        options("b:9092", 10000, True),
+        options("b:9092", 10000, True),
+    ]
 
 
 def test_only_missing_topics_are_created_with_their_settings_and_logged(
@@ -220,9 +229,11 @@ def test_a_principal_that_may_not_create_topics_is_told_what_to_create(admin: Ad
         "kafka_authorization_failed: CREATE on topic b, c (or DESCRIBE if it exists; else an operator creates it: "
         "b: 2 partitions, replication default, cleanup.policy=compact; c: 1 partitions, replication default)"
     )
+    with pytest.raises(KafkaAccessError, match=r"b: 1 partitions, replication default, a=1, b=2\)$"):
+        topics.ensure_topics("a:9092", {"b": 1}, 1.0, configs={"b": {"a": "1", "b": "2"}})
     with pytest.raises(KafkaAccessError, match=r"b: 2 partitions, replication 3\)$"):
         topics.ensure_topics("a:9092", {"b": 2}, 1.0, replication_factor=3)
-    assert admin.closed == 2  # closed on the way out
+    assert admin.closed == 3  # closed on the way out
 
 
 def test_a_topic_s_size_limit_is_its_own_or_the_broker_s(admin: Admin) -> None:
@@ -296,3 +307,7 @@ def test_a_deleted_dead_letter_topic_is_created_again_and_an_existing_one_left_a
         )
     ]
     assert admin.closed == 2
+
+
+def test_a_leader_on_broker_0_is_a_leader() -> None:
+    assert degraded_report("events", {0: PartitionReplicas(0, (0, 1), (0, 1))}, lambda broker: True) is None
