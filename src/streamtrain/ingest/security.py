@@ -78,28 +78,31 @@ def check(s: Any) -> None:
     if mechanism is not None and not sasl:
         raise ValueError(
             f"kafka_sasl_mechanism={mechanism} needs a SASL protocol, but kafka_security_protocol={protocol}: "
-            f"set {_env('kafka_security_protocol')}=SASL_SSL (or SASL_PLAINTEXT), "
-            f"or unset {_env('kafka_sasl_mechanism')}"
+            f"set STREAMTRAIN_KAFKA_SECURITY_PROTOCOL=SASL_SSL (or SASL_PLAINTEXT), "
+            f"or unset STREAMTRAIN_KAFKA_SASL_MECHANISM"
         )
     if sasl and mechanism is None:
         raise ValueError(
-            f"kafka_security_protocol={protocol} needs {_env('kafka_sasl_mechanism')} (one of {', '.join(MECHANISMS)})"
+            f"kafka_security_protocol={protocol} needs STREAMTRAIN_KAFKA_SASL_MECHANISM "
+            f"(one of {', '.join(MECHANISMS)})"
         )
     if s.kafka_sasl_password is not None and s.kafka_sasl_password_file is not None:
-        raise ValueError(f"set one of {_env('kafka_sasl_password')} and {_env('kafka_sasl_password_file')}, not both")
+        raise ValueError(
+            "set one of STREAMTRAIN_KAFKA_SASL_PASSWORD and STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE, not both"
+        )
     if s.kafka_sasl_password_file is not None:
         _read_secret_file(s.kafka_sasl_password_file, "kafka_sasl_password_file")
     if mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
         if not s.kafka_sasl_username:
-            raise ValueError(f"kafka_sasl_mechanism={mechanism} needs {_env('kafka_sasl_username')}")
+            raise ValueError(f"kafka_sasl_mechanism={mechanism} needs STREAMTRAIN_KAFKA_SASL_USERNAME")
         if s.kafka_sasl_password is None and s.kafka_sasl_password_file is None:
             raise ValueError(
-                f"kafka_sasl_mechanism={mechanism} needs {_env('kafka_sasl_password')} "
-                f"or {_env('kafka_sasl_password_file')}"
+                f"kafka_sasl_mechanism={mechanism} needs STREAMTRAIN_KAFKA_SASL_PASSWORD "
+                f"or STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE"
             )
     if mechanism == "OAUTHBEARER" and s.kafka_sasl_password_file is None:
         raise ValueError(
-            f"kafka_sasl_mechanism=OAUTHBEARER reads its token from {_env('kafka_sasl_password_file')} "
+            "kafka_sasl_mechanism=OAUTHBEARER reads its token from STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE "
             "(re-read whenever the file changes): set it to the token file your identity provider's agent renews"
         )
     tls = protocol in ("SSL", "SASL_SSL")
@@ -119,7 +122,7 @@ def check(s: Any) -> None:
             raise ValueError(f"{name}={str(path)!r} is not a readable file")
     if (s.kafka_ssl_certfile is None) != (s.kafka_ssl_keyfile is None):
         raise ValueError(
-            f"mutual TLS needs both {_env('kafka_ssl_certfile')} and {_env('kafka_ssl_keyfile')}, or neither"
+            "mutual TLS needs both STREAMTRAIN_KAFKA_SSL_CERTFILE and STREAMTRAIN_KAFKA_SSL_KEYFILE, or neither"
         )
 
 
@@ -354,10 +357,10 @@ class AuthWatch(logging.Filter):
         errors = [a for a in args if isinstance(a, BaseException)]
         if record.exc_info and record.exc_info[1] is not None:
             errors.append(record.exc_info[1])
-        text = record.getMessage() if not errors else ""
-        reason = next((r for r in map(lambda e: _auth_reason(e, self.settings), errors) if r), None)
-        if reason is None and text:
-            reason = _auth_reason(Exception(text), self.settings)
+        if errors:  # the exceptions say what failed; the message around them is only context
+            reason = next((r for r in (_auth_reason(e, self.settings) for e in errors) if r), None)
+        else:
+            reason = _auth_reason(Exception(record.getMessage()), self.settings)
         if reason is not None:
             with self._lock:
                 self._reason, self._at = reason, time.monotonic()

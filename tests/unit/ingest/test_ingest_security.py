@@ -6,14 +6,18 @@ import logging
 import os
 import ssl
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from kafka.errors import (
+    ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
     KafkaConnectionError,
     SaslAuthenticationFailedError,
     TopicAuthorizationFailedError,
+    TransactionalIdAuthorizationFailedError,
 )
+from pydantic import SecretStr
 
 from streamtrain.config import SettingsError, load_settings
 from streamtrain.ingest import security as kafka_security
@@ -243,3 +247,329 @@ def test_an_expired_broker_certificate_is_named() -> None:
     other = AuthWatch(load_settings(kafka_security_protocol="SSL"))
     assert not other.filter(_record("kafka.net.connection", logging.ERROR, "Connection failed: %s", unknown))
     assert (other.current() or "").startswith("kafka_auth_failed: TLS handshake failed")
+
+
+def _security(**kw: object) -> KafkaSecurity:
+    if isinstance(kw.get("kafka_sasl_password"), str):
+        kw["kafka_sasl_password"] = SecretStr(str(kw["kafka_sasl_password"]))
+    return KafkaSecurity(**kw)  # type: ignore[arg-type]
+
+
+SASL = {"kafka_security_protocol": "SASL_SSL"}
+
+
+@pytest.mark.parametrize(
+    ("given", "refusal"),
+    [
+        (
+            {"kafka_security_protocol": "TLS"},
+            "kafka_security_protocol='TLS' is not one of PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL",
+        ),
+        (
+            {**SASL, "kafka_sasl_mechanism": "GSSAPI"},
+            "kafka_sasl_mechanism='GSSAPI' is not one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER",
+        ),
+        (
+            {"kafka_sasl_mechanism": "PLAIN"},
+            "kafka_sasl_mechanism=PLAIN needs a SASL protocol, but kafka_security_protocol=PLAINTEXT: set "
+            "STREAMTRAIN_KAFKA_SECURITY_PROTOCOL=SASL_SSL (or SASL_PLAINTEXT), "
+            "or unset STREAMTRAIN_KAFKA_SASL_MECHANISM",
+        ),
+        (
+            {"kafka_security_protocol": "SASL_PLAINTEXT"},
+            "kafka_security_protocol=SASL_PLAINTEXT needs STREAMTRAIN_KAFKA_SASL_MECHANISM "
+            "(one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER)",
+        ),
+        (
+            {
+                **SASL,
+                "kafka_sasl_mechanism": "PLAIN",
+                "kafka_sasl_username": "u",
+                "kafka_sasl_password": "p",
+                "kafka_sasl_password_file": Path("/nonexistent/p"),
+            },  # fmt: skip
+            "set one of STREAMTRAIN_KAFKA_SASL_PASSWORD and STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE, not both",
+        ),
+        (
+            {
+                **SASL,
+                "kafka_sasl_mechanism": "PLAIN",
+                "kafka_sasl_username": "u",
+                "kafka_sasl_password_file": Path("/nonexistent/p"),
+            },  # fmt: skip
+            "kafka_sasl_password_file='/nonexistent/p' cannot be read (FileNotFoundError: No such file or directory)",
+        ),
+        (
+            {**SASL, "kafka_sasl_mechanism": "SCRAM-SHA-256", "kafka_sasl_password": "p"},
+            "kafka_sasl_mechanism=SCRAM-SHA-256 needs STREAMTRAIN_KAFKA_SASL_USERNAME",
+        ),
+        (
+            {**SASL, "kafka_sasl_mechanism": "SCRAM-SHA-256", "kafka_sasl_username": "u"},
+            "kafka_sasl_mechanism=SCRAM-SHA-256 needs STREAMTRAIN_KAFKA_SASL_PASSWORD or "
+            "STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE",
+        ),
+        (
+            {**SASL, "kafka_sasl_mechanism": "OAUTHBEARER"},
+            "kafka_sasl_mechanism=OAUTHBEARER reads its token from STREAMTRAIN_KAFKA_SASL_PASSWORD_FILE (re-read "
+            "whenever the file changes): set it to the token file your identity provider's agent renews",
+        ),
+        (
+            {"kafka_ssl_keyfile": Path("/nonexistent/k")},
+            "kafka_ssl_keyfile is set but kafka_security_protocol=PLAINTEXT does not use TLS: set SSL or SASL_SSL",
+        ),
+        (
+            {"kafka_security_protocol": "SSL", "kafka_ssl_certfile": Path("/nonexistent/c")},
+            "kafka_ssl_certfile='/nonexistent/c' is not a readable file",
+        ),
+        (
+            {"kafka_security_protocol": "SSL", "kafka_ssl_certfile": Path("/"), "kafka_ssl_keyfile": Path("/")},
+            "kafka_ssl_certfile='/' is not a readable file",  # a directory is readable, but no file
+        ),
+    ],
+)
+def test_each_refusal_in_full(given: dict[str, object], refusal: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        kafka_security.check(_security(**given))
+    assert str(refused.value) == refusal
+
+
+@pytest.mark.parametrize("missing", ["kafka_ssl_certfile", "kafka_ssl_keyfile"])
+def test_mutual_tls_with_one_of_its_two_files_is_refused_in_full(tmp_path: Path, missing: str) -> None:
+    present = tmp_path / "present.pem"
+    present.write_text("x")
+    other = "kafka_ssl_keyfile" if missing == "kafka_ssl_certfile" else "kafka_ssl_certfile"
+    with pytest.raises(ValueError) as refused:
+        kafka_security.check(_security(kafka_security_protocol="SSL", **{other: present}))
+    assert str(refused.value) == (
+        "mutual TLS needs both STREAMTRAIN_KAFKA_SSL_CERTFILE and STREAMTRAIN_KAFKA_SSL_KEYFILE, or neither"
+    )
+
+
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+def test_each_password_mechanism_needs_a_username(mechanism: str) -> None:
+    with pytest.raises(ValueError, match=rf"^kafka_sasl_mechanism={mechanism} needs STREAMTRAIN_KAFKA_SASL_USERNAME$"):
+        kafka_security.check(_security(**SASL, kafka_sasl_mechanism=mechanism, kafka_sasl_password="p"))
+
+
+def test_an_empty_secret_file_is_refused_naming_it(tmp_path: Path) -> None:
+    empty = tmp_path / "password"
+    empty.write_text(" \n")
+    with pytest.raises(ValueError, match=rf"^kafka_sasl_password_file='{empty}' is empty$"):
+        kafka_security.check(_security(**SASL, kafka_sasl_mechanism="PLAIN", kafka_sasl_username="u",
+                                       kafka_sasl_password_file=empty))  # fmt: skip
+
+
+def test_a_password_file_removed_after_start_up_is_named_when_a_client_is_made(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("first")
+    settings = load_settings(**{**scram(tmp_path), "kafka_sasl_password": None, "kafka_sasl_password_file": secret})
+    secret.unlink()
+    with pytest.raises(ValueError, match=rf"^kafka_sasl_password_file='{secret}' cannot be read \(FileNotFoundError"):
+        client_options(settings)
+    assert kafka_security.sasl_password(load_settings()) is None
+
+
+def test_a_token_file_is_reread_only_when_it_changes(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("token-1")
+    provider = FileTokenProvider(token)
+    assert provider.token() == "token-1"
+    stamp = token.stat()
+    token.write_text("token-2")  # the same size; its time set back: no change seen
+    os.utime(token, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert provider.token() == "token-1"
+    token.write_text("")
+    os.utime(token, (1, 2_000_000_000))
+    with pytest.raises(ValueError, match=rf"^kafka_sasl_password_file='{token}' is empty$"):
+        provider.token()
+
+
+def test_the_security_line_of_the_start_up_log(tmp_path: Path, pem: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "c.key"
+    cert.write_text("x")
+    key.write_text("x")
+    token = tmp_path / "token"
+    token.write_text("t")
+    assert kafka_security.describe(load_settings()) == "PLAINTEXT"
+    assert kafka_security.describe(load_settings(**scram(tmp_path))) == "SASL_SSL, SCRAM-SHA-512 as svc"
+    oauth = load_settings(kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="OAUTHBEARER",
+                          kafka_sasl_password_file=token)  # fmt: skip
+    assert kafka_security.describe(oauth) == "SASL_SSL, OAUTHBEARER"
+    mutual = load_settings(kafka_security_protocol="SSL", kafka_ssl_certfile=cert, kafka_ssl_keyfile=key)
+    assert kafka_security.describe(mutual) == f"SSL, client certificate {cert}"
+
+
+def test_security_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch, pem: Path) -> None:
+    environ = {
+        "STREAMTRAIN_KAFKA_SECURITY_PROTOCOL": " sasl_ssl ", "STREAMTRAIN_KAFKA_SASL_MECHANISM": "plain",
+        "STREAMTRAIN_KAFKA_SASL_USERNAME": "svc", "STREAMTRAIN_KAFKA_SASL_PASSWORD": SECRET,
+        "STREAMTRAIN_KAFKA_SSL_CAFILE": str(pem), "STREAMTRAIN_KAFKA_SSL_CHECK_HOSTNAME": "false",
+        "STREAMTRAIN_KAFKA_SSL_CERTFILE": "",  # empty: unset
+    }  # fmt: skip
+    monkeypatch.delenv("STREAMTRAIN_KAFKA_SECURITY_PROTOCOL", raising=False)
+    security = KafkaSecurity.from_environment(environ)
+    assert security == KafkaSecurity(
+        kafka_security_protocol="SASL_SSL", kafka_sasl_mechanism="PLAIN", kafka_sasl_username="svc",
+        kafka_sasl_password=security.kafka_sasl_password, kafka_ssl_cafile=pem, kafka_ssl_check_hostname=False,
+    )  # fmt: skip
+    assert security.kafka_sasl_password is not None and security.kafka_sasl_password.get_secret_value() == SECRET
+    assert isinstance(security.kafka_ssl_cafile, Path)
+    assert KafkaSecurity.from_environment({}) == KafkaSecurity()
+    monkeypatch.setenv("STREAMTRAIN_KAFKA_SECURITY_PROTOCOL", "SSL")
+    assert KafkaSecurity.from_environment().kafka_security_protocol == "SSL"  # None: this process's environment
+    with pytest.raises(ValueError) as refused:
+        KafkaSecurity.from_environment({"STREAMTRAIN_KAFKA_SSL_CHECK_HOSTNAME": "maybe"})
+    assert str(refused.value) == "STREAMTRAIN_KAFKA_SSL_CHECK_HOSTNAME='maybe' is not a boolean (true or false)"
+
+
+def test_authorization_failures_in_full() -> None:
+    assert str(kafka_security.authorization_failed("READ", "group", "g")) == (
+        "kafka_authorization_failed: READ on group g"
+    )
+    assert str(kafka_security.authorization_failed("CREATE", "topic", "t", "ask an operator")) == (
+        "kafka_authorization_failed: CREATE on topic t (ask an operator)"
+    )
+    access = kafka_security.KafkaAccessError("kafka_authorization_failed: DESCRIBE on topic t")
+    assert authorization_reason(access, "READ") == "kafka_authorization_failed: DESCRIBE on topic t"
+    # kafka-python's errors carry the resource's name, a sentence, or nothing
+    assert authorization_reason(TopicAuthorizationFailedError(), "WRITE", topic="t.dlq") == (
+        "kafka_authorization_failed: WRITE on topic t.dlq"
+    )
+    sentence = TopicAuthorizationFailedError("Topic authorization failed for this principal")
+    assert authorization_reason(sentence, "READ", topic="t") == "kafka_authorization_failed: READ on topic t"
+    assert authorization_reason(TopicAuthorizationFailedError(7), "READ", topic="t") == (
+        "kafka_authorization_failed: READ on topic t"
+    )
+    assert authorization_reason(GroupAuthorizationFailedError(), "READ", group="g") == (
+        "kafka_authorization_failed: READ on group g"
+    )
+    assert authorization_reason(ClusterAuthorizationFailedError(), "IDEMPOTENT_WRITE") == (
+        "kafka_authorization_failed: IDEMPOTENT_WRITE on cluster"
+    )
+    assert authorization_reason(TransactionalIdAuthorizationFailedError(), "WRITE") == (
+        "kafka_authorization_failed: WRITE (TransactionalIdAuthorizationFailedError)"
+    )
+
+
+OAUTH = {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "OAUTHBEARER"}
+
+
+@pytest.mark.parametrize(
+    ("error", "given", "reason"),
+    [
+        (
+            KafkaConnectionError("SaslAuthenticationFailedError: bad token"),
+            OAUTH,
+            "kafka_auth_failed: OAUTHBEARER authentication failed (the broker refused the credentials)",
+        ),
+        (
+            KafkaConnectionError("Handshake failed: outer (Handshake failed: inner)"),
+            {"kafka_security_protocol": "SSL"},
+            "kafka_auth_failed: TLS handshake failed (outer (Handshake failed: inner)): "
+            "check KAFKA_SSL_CAFILE, KAFKA_SSL_CHECK_HOSTNAME and the client certificate",
+        ),
+        (
+            Exception("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate"),
+            {"kafka_security_protocol": "SSL"},
+            "kafka_auth_failed: TLS handshake failed ([SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
+            "self-signed certificate): check KAFKA_SSL_CAFILE, KAFKA_SSL_CHECK_HOSTNAME and the client certificate",
+        ),
+        (
+            KafkaConnectionError("Handshake failed: wrong version number"),
+            {"kafka_security_protocol": "SSL"},
+            "kafka_auth_failed: TLS handshake failed (wrong version number): is the listener PLAINTEXT? "
+            "check KAFKA_SECURITY_PROTOCOL",
+        ),
+        (
+            KafkaConnectionError("Handshake failed: [SSL: WRONG_VERSION_NUMBER] (_ssl.c:1006)"),
+            {"kafka_security_protocol": "SSL"},
+            "kafka_auth_failed: TLS handshake failed ([SSL: WRONG_VERSION_NUMBER] (_ssl.c:1006)): is the listener "
+            "PLAINTEXT? check KAFKA_SECURITY_PROTOCOL",
+        ),
+        (
+            ssl.SSLCertVerificationError(1, "certificate verify failed: certificate has expired"),
+            {"kafka_security_protocol": "SSL"},
+            "kafka_auth_failed: the broker's certificate has expired (certificate verify failed: certificate "
+            "has expired): renew it on the broker; the service connects again by itself once it is renewed",
+        ),
+        (
+            Exception("Invalid frame length 352518912"),
+            {"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "PLAIN"},
+            "kafka_auth_failed: protocol mismatch (Invalid frame length 352518912): the listener speaks another "
+            "protocol than KAFKA_SECURITY_PROTOCOL=SASL_PLAINTEXT",
+        ),
+        (
+            Exception("Unsupported SASL mechanism SCRAM-SHA-512"),
+            {"kafka_security_protocol": "SASL_SSL", "kafka_sasl_mechanism": "SCRAM-SHA-512"},
+            "kafka_auth_failed: protocol mismatch (Unsupported SASL mechanism SCRAM-SHA-512): the listener speaks "
+            "another protocol than KAFKA_SECURITY_PROTOCOL=SASL_SSL",
+        ),
+        (KafkaConnectionError("Connection refused"), {"kafka_security_protocol": "SSL"}, None),
+    ],
+)
+def test_each_authentication_failure_reason_in_full(error: BaseException, given: dict[str, str], reason: str) -> None:
+    unset = {"kafka_sasl_username": None, "kafka_sasl_mechanism": None, "kafka_ssl_certfile": None}
+    assert kafka_security._auth_reason(error, SimpleNamespace(**(unset | given))) == reason
+
+
+def test_a_client_certificate_alert_names_the_certificate_only_when_one_is_sent() -> None:
+    alert = ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert certificate required")
+    mutual = SimpleNamespace(kafka_sasl_username=None, kafka_ssl_certfile=Path("svc.pem"))
+    assert kafka_security._auth_reason(alert, mutual) == (
+        "kafka_auth_failed: the broker refused the client certificate ([SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] "
+        "tlsv13 alert certificate required): it has expired, or is not signed by a CA the broker trusts; "
+        "check KAFKA_SSL_CERTFILE"
+    )
+    other = ssl.SSLError(1, "[SSL: DECRYPTION_FAILED] decryption failed")
+    assert (kafka_security._auth_reason(other, mutual) or "").startswith("kafka_auth_failed: TLS handshake failed")
+
+
+def test_the_watch_judges_a_record_s_exceptions_and_not_the_words_around_them(tmp_path: Path) -> None:
+    watch = AuthWatch(load_settings(**scram(tmp_path)))
+    timeout = KafkaConnectionError("request timed out")
+    assert watch.filter(_record("kafka.net.connection", logging.ERROR, "after Handshake failed: retrying: %s", timeout))
+    assert watch.current() is None  # the exception is a timeout, whatever the message says
+    refused = SaslAuthenticationFailedError("invalid credentials")
+    logged = _record("kafka.net.connection", logging.ERROR, "authentication error")
+    logged.exc_info = (type(refused), refused, None)  # log.exception
+    assert not watch.filter(logged)
+    assert (watch.current() or "").startswith("kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc")
+
+
+def test_a_secured_listener_s_retry_noise_is_dropped_and_the_rest_kept(tmp_path: Path) -> None:
+    watch = AuthWatch(load_settings(**scram(tmp_path)))
+    for noise in ("socket disconnected", "Node 1 not ready; waiting", "Bootstrap connection to b-0 failed",
+                  "Bootstrap failed", "Connection failed to b-0"):  # fmt: skip
+        assert not watch.filter(_record("kafka.net.manager", logging.WARNING, noise)), noise
+    assert watch.filter(_record("kafka.net.manager", logging.WARNING, "Closing idle connection 3"))
+    assert not watch.filter(_record("kafka.cluster", logging.WARNING, "Topic t is not authorized for this client"))
+    assert watch.filter(_record("kafka.cluster", logging.WARNING, "Topic t has 3 partitions"))
+
+
+def test_a_learned_failure_is_current_for_two_minutes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    now = [5000.0]
+    monkeypatch.setattr(kafka_security, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    watch = AuthWatch(load_settings(**scram(tmp_path)))
+    assert watch.current() is None
+    watch.filter(_record("kafka.net.manager", logging.WARNING, "%s", SaslAuthenticationFailedError("no")))
+    now[0] += 120.0
+    assert watch.current() is not None and watch.current(max_age_s=119.0) is None
+    now[0] += 0.5
+    assert watch.current() is None
+
+
+def test_the_process_has_one_watch_on_every_kafka_logger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(kafka_security, "_WATCH", None)
+    assert kafka_security.current_failure() is None
+    first, second = load_settings(), load_settings(**scram(tmp_path))
+    installed = kafka_security.watch(first)
+    try:
+        assert kafka_security.watch(second) is installed and installed.settings is second
+        for name in kafka_security.NETWORK_LOGGERS + kafka_security.REFUSAL_LOGGERS:
+            assert installed in logging.getLogger(name).filters, name
+        assert kafka_security.current_failure() is None
+        installed.filter(_record("kafka.net.manager", logging.WARNING, "%s", SaslAuthenticationFailedError("no")))
+        assert (kafka_security.current_failure() or "").startswith("kafka_auth_failed: SCRAM-SHA-512")
+    finally:
+        for name in kafka_security.NETWORK_LOGGERS + kafka_security.REFUSAL_LOGGERS:
+            logging.getLogger(name).removeFilter(installed)
