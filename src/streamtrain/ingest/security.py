@@ -402,7 +402,8 @@ def watch(settings: Any) -> AuthWatch:
             _WATCH = AuthWatch(settings)
             for name in NETWORK_LOGGERS + REFUSAL_LOGGERS:
                 logging.getLogger(name).addFilter(_WATCH)
-        _WATCH.settings = settings
+        else:
+            _WATCH.settings = settings
         return _WATCH
 
 

@@ -547,10 +547,11 @@ def test_a_secured_listener_s_retry_noise_is_dropped_and_the_rest_kept(tmp_path:
 
 
 def test_a_learned_failure_is_current_for_two_minutes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    now = [5000.0]
+    now = [60.0]  # a machine booted a minute ago: nothing learned is nothing current
     monkeypatch.setattr(kafka_security, "time", SimpleNamespace(monotonic=lambda: now[0]))
     watch = AuthWatch(load_settings(**scram(tmp_path)))
     assert watch.current() is None
+    now[0] = 5000.0
     watch.filter(_record("kafka.net.manager", logging.WARNING, "%s", SaslAuthenticationFailedError("no")))
     now[0] += 120.0
     assert watch.current() is not None and watch.current(max_age_s=119.0) is None
@@ -564,6 +565,7 @@ def test_the_process_has_one_watch_on_every_kafka_logger(monkeypatch: pytest.Mon
     first, second = load_settings(), load_settings(**scram(tmp_path))
     installed = kafka_security.watch(first)
     try:
+        assert installed.settings is first
         assert kafka_security.watch(second) is installed and installed.settings is second
         for name in kafka_security.NETWORK_LOGGERS + kafka_security.REFUSAL_LOGGERS:
             assert installed in logging.getLogger(name).filters, name
@@ -573,3 +575,12 @@ def test_the_process_has_one_watch_on_every_kafka_logger(monkeypatch: pytest.Mon
     finally:
         for name in kafka_security.NETWORK_LOGGERS + kafka_security.REFUSAL_LOGGERS:
             logging.getLogger(name).removeFilter(installed)
+
+
+def test_a_failure_only_a_log_message_names_is_learned_from_the_message(tmp_path: Path) -> None:
+    watch = AuthWatch(load_settings(**scram(tmp_path)))
+    text = "Bootstrap connection to b-0 failed: SaslAuthenticationFailedError: invalid credentials"
+    assert not watch.filter(_record("kafka.net.manager", logging.WARNING, text))
+    assert watch.current() == (
+        "kafka_auth_failed: SCRAM-SHA-512 authentication failed for user svc (the broker refused the credentials)"
+    )
