@@ -66,6 +66,11 @@ MODULES=(
   "topics|src/streamtrain/ingest/topics.py|tests/unit/ingest/test_ingest_topics.py"
   "kafka_compat|src/streamtrain/ingest/kafka_compat.py|tests/unit/ingest/test_ingest_kafka_compat.py tests/unit/ingest/test_ingest_dead_letters.py"
   "security|src/streamtrain/ingest/security.py|tests/unit/ingest/test_ingest_security.py"
+  "losses|src/streamtrain/model/losses.py|tests/unit/model/test_model_losses.py tests/unit/model/test_model_network.py"
+  "normalization|src/streamtrain/model/normalization.py|tests/unit/model/test_model_normalization.py tests/unit/model/test_model_network.py"
+  "ownership|src/streamtrain/distributed/ownership.py|tests/unit/distributed/test_distributed_ownership.py"
+  "randomness|src/streamtrain/data/randomness.py|tests/unit/data/test_randomness.py"
+  "batcher|src/streamtrain/serve/batcher.py|tests/unit/serve/test_serve_batcher.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
