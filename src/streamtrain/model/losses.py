@@ -34,8 +34,7 @@ def _one_step_errors(
     target = torch.cat([x_norm[:, 1:], torch.zeros_like(x_norm[:, :1])], dim=1)
     valid = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
     error = (forecast - target).square().mean(dim=-1)
-    error = torch.where(valid, error, torch.zeros((), dtype=error.dtype, device=error.device))
-    return error, valid
+    return error.masked_fill(~valid, 0.0), valid
 
 
 def _reduce(error: torch.Tensor, valid: torch.Tensor, reduction: ForecastReduction) -> torch.Tensor:
@@ -77,9 +76,7 @@ def classification_loss(
     """
     labelled = labels != NO_LABEL
     per_example = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
-    per_example = torch.where(
-        labelled, per_example, torch.zeros((), dtype=per_example.dtype, device=per_example.device)
-    )
+    per_example = per_example.masked_fill(~labelled, 0.0)
     if reduction == "per_sample":
         return per_example
     if reduction == "tokens":
