@@ -36,3 +36,20 @@ def test_ownership_is_versioned() -> None:
         Ownership.from_dict({**record, "version": OWNERSHIP_VERSION + 1})
     with pytest.raises(ValueError, match="negative"):
         owner(-1, 2)
+
+
+def test_each_refusal_in_full() -> None:
+    with pytest.raises(ValueError, match=r"^world_size 0 must be >= 1$"):
+        owner(3, 0)
+    with pytest.raises(ValueError, match=r"^Ownership needs world_size >= 1 and partition_count >= 0, got 2, -1$"):
+        Ownership(world_size=2, partition_count=-1)
+    with pytest.raises(ValueError, match=r"^Ownership needs world_size >= 1 and partition_count >= 0, got 0, 4$"):
+        Ownership(world_size=0, partition_count=4)
+    with pytest.raises(ValueError, match=r"^rank 2 is outside \[0, 2\)$"):
+        Ownership(world_size=2, partition_count=4).partitions_of(2)
+
+
+def test_a_record_of_another_rule_is_refused_by_name() -> None:
+    record = Ownership(world_size=2, partition_count=4).as_dict() | {"rule": "hash"}
+    with pytest.raises(ValueError, match=r"^ownership rule 'hash' version 1 is unknown"):
+        Ownership.from_dict(record)
