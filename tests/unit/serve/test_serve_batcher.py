@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from types import SimpleNamespace
@@ -56,9 +57,10 @@ ONE = [np.ones((2, 1), np.float32)]  # a request of one short instance
 
 
 def run_then_close(batcher: PredictBatcher, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """Run ``main`` on a fresh event loop, then stop the batcher's workers."""
+    """Run ``main`` on a fresh event loop (20 s at most: a worker that died fails the test, not
+    hangs it), then stop the batcher's workers."""
     try:
-        return asyncio.run(main())
+        return asyncio.run(asyncio.wait_for(main(), 20))
     finally:
         batcher.close()
 
@@ -192,8 +194,81 @@ def test_a_cancelled_request_does_not_break_the_others() -> None:
 
 
 def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="admit >= workers"):
+    with pytest.raises(ValueError) as refused:
         PredictBatcher(predict, 4096, workers=4, admit=2, max_instances=10)
+    assert str(refused.value) == (
+        "PredictBatcher: need workers >= 1, admit >= workers, max_instances >= 1; got 4, 2, 10"
+    )
+    with pytest.raises(ValueError, match="got 1, 1, 0$"):
+        PredictBatcher(predict, 4096, workers=1, admit=1, max_instances=0)
+    with pytest.raises(ValueError, match="got 0, 1, 1$"):
+        PredictBatcher(predict, 4096, workers=0, admit=1, max_instances=1)
+
+
+def test_the_smallest_batcher_is_allowed_and_its_workers_are_named_daemons() -> None:
+    batcher = PredictBatcher(predict, 4096, workers=2, admit=2, max_instances=1)
+    try:
+        assert [(t.name, t.daemon, t.is_alive()) for t in batcher._threads] == [
+            ("predict-0", True, True),
+            ("predict-1", True, True),
+        ]
+    finally:
+        batcher.close()
+    assert not any(t.is_alive() for t in batcher._threads)
+
+
+def test_close_waits_ten_seconds_for_each_worker_by_default() -> None:
+    batcher = PredictBatcher(predict, 4096, workers=2, admit=2, max_instances=1)
+    threads, joined = batcher._threads, []
+    batcher._threads = [SimpleNamespace(join=joined.append), SimpleNamespace(join=joined.append)]  # type: ignore[list-item]
+    batcher.close()
+    batcher.close(0.5)
+    assert joined == [10.0, 10.0, 0.5, 0.5]
+    for thread in threads:
+        thread.join(5)
+
+
+def test_a_merge_takes_requests_up_to_exactly_max_instances_and_counts_merged_forwards() -> None:
+    published = _published()
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=64, max_instances=4)
+    requests = [[np.ones((3, 1), np.float32)] * 2 for _ in range(5)]  # 2 instances each
+
+    run_then_close(
+        batcher,
+        lambda: submit_while_busy(batcher, gated, (published, requests[0]), [(published, r) for r in requests[1:]]),
+    )
+    assert gated.calls == [2, 4, 4] and batcher.merged_forwards == 2
+
+
+def test_a_full_queue_and_a_failed_forward_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    published = _published()
+    gated = _Gated()
+    batcher = PredictBatcher(gated, 4096, workers=1, admit=1, max_instances=100)
+
+    async def main() -> None:
+        task = asyncio.create_task(batcher.submit(published, ONE))
+        await asyncio.to_thread(gated.started.wait, 10)
+        with pytest.raises(Overloaded) as refused:
+            await batcher.submit(published, ONE)
+        assert str(refused.value) == "too many predictions in flight (1)"
+        gated.release.set()
+        await task
+
+    run_then_close(batcher, main)
+
+    def broken(model, norm, arrays, token_budget):  # noqa: ANN001
+        raise RuntimeError("boom")
+
+    failing = PredictBatcher(broken, 4096, workers=1, admit=4, max_instances=100)
+
+    async def fail() -> None:
+        with pytest.raises(RuntimeError, match="^boom$"):
+            await failing.submit(published, ONE)
+
+    with caplog.at_level(logging.ERROR, logger="streamtrain.serve.batcher"):
+        run_then_close(failing, fail)
+    assert [r.getMessage() for r in caplog.records] == ["predict forward failed for 1 requests"]
 
 
 def test_after_close_requests_are_refused_as_overloaded() -> None:
@@ -201,7 +276,7 @@ def test_after_close_requests_are_refused_as_overloaded() -> None:
     batcher.close()
 
     async def main() -> None:
-        with pytest.raises(Overloaded, match="stopping"):
+        with pytest.raises(Overloaded, match="^the predict workers are stopping$"):
             await batcher.submit(_published(), ONE)
 
     asyncio.run(main())
