@@ -141,7 +141,7 @@ class RunningNorm:
             return 0, zeros, zeros.clone(), 0
         clipped = 0
         if self.clip_std is not None:
-            real, clipped = self._clamp_outliers(real)
+            real, clipped = self._clamp_outliers(real, self.clip_std)
         batch_mean = real.mean(dim=0)
         return n, batch_mean, (real - batch_mean).square().sum(dim=0), clipped
 
@@ -155,17 +155,15 @@ class RunningNorm:
         )
         self.clipped += int(clipped)
 
-    def _clamp_outliers(self, real: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def _clamp_outliers(self, real: torch.Tensor, clip_std: float) -> tuple[torch.Tensor, int]:
         """``real [N, C]`` clamped to ``clip_std`` deviations around the centre, and how many were."""
-        if self.clip_std is None:
-            return real, 0
         if self.count >= self.warmup_count:
             center, scale = self._mean, self.std
         else:
             center = real.median(dim=0).values
             scale = 1.4826 * (real - center).abs().median(dim=0).values  # MAD → std for normal data
             scale = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
-        band = self.clip_std * scale
+        band = clip_std * scale
         clamped = torch.minimum(torch.maximum(real, center - band), center + band)
         return clamped, int((clamped != real).sum())
 
@@ -175,8 +173,6 @@ class RunningNorm:
         On a GPU both go over in one non-blocking copy from pinned memory: a plain ``.to``
         from pageable memory would make the trainer wait for every queued kernel each step.
         """
-        if x.device.type == "cpu":
-            return self._mean.to(x.dtype), self.std.to(x.dtype)
         both = to_device_async(torch.stack([self._mean, self.std]).to(x.dtype), x.device)
         return both[0], both[1]
 

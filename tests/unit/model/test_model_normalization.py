@@ -131,3 +131,133 @@ def test_merging_the_moments_of_a_batch_is_updating_with_it() -> None:
     assert merged.clipped == 3 and merged.count == updated.count
     with pytest.raises(RuntimeError, match="frozen"):
         RunningNorm.from_public([0.0], [1.0]).merge(1, torch.zeros(1), torch.zeros(1))
+
+
+def _batch(*values: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence of ``values`` (one channel), every position real."""
+    return torch.tensor(values, dtype=torch.float32).reshape(1, -1, 1), torch.ones(1, len(values), dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    ("kw", "refusal"),
+    [
+        ({"channels": 0}, "RunningNorm: channels must be >= 1, got 0"),
+        ({"channels": 1, "var_floor": 0.0}, "RunningNorm: var_floor must be > 0, got 0.0"),
+        ({"channels": 1, "clip_std": 0.0}, "RunningNorm: clip_std must be > 0 or None, got 0.0"),
+    ],
+)
+def test_each_construction_refusal_in_full(kw: dict[str, float], refusal: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        RunningNorm(**kw)  # type: ignore[arg-type]
+    assert str(refused.value) == refusal
+
+
+def test_a_band_under_one_standard_deviation_is_allowed() -> None:
+    assert RunningNorm(1, clip_std=0.5).clip_std == 0.5
+
+
+def test_a_sample_of_one_merges_as_any_other() -> None:
+    count, mean, m2 = merge_moments(
+        1, torch.tensor([2.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+        1, torch.tensor([4.0], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+    )  # fmt: skip
+    assert count == 2 and mean.tolist() == [3.0] and m2.tolist() == [2.0]
+
+
+def test_the_statistics_are_float64_from_the_start_and_after_any_merge() -> None:
+    norm = RunningNorm(2)
+    assert norm.mean.dtype == torch.float64 and norm.state_dict()["m2"].dtype == torch.float64
+    norm.merge(3, torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25]))  # float32 moments
+    assert norm.mean.dtype == torch.float64 and norm.state_dict()["m2"].dtype == torch.float64
+
+
+def test_public_constants_are_taken_in_float64_and_checked_in_full() -> None:
+    norm = RunningNorm.from_public([100_000_001.0], [2.0])  # not a float32
+    assert norm.mean.tolist() == [100_000_001.0] and norm.std.tolist() == [2.0]
+    assert norm.var_floor == pytest.approx(4e-6)  # a millionth of the smallest variance
+    for mean, std in (([0.0, 1.0], [1.0]), ([0.0], [0.0])):
+        with pytest.raises(ValueError) as refused:
+            RunningNorm.from_public(mean, std)
+        assert str(refused.value) == "RunningNorm.from_public: mean and std need one entry per channel, std > 0"
+    frozen = RunningNorm.from_public([0.0], [1.0])
+    values, mask = _batch(1.0, 2.0)
+    with pytest.raises(RuntimeError) as refused:
+        frozen.update(values, mask)
+    assert str(refused.value) == "RunningNorm.update: this norm is frozen (public constants); do not update it"
+    with pytest.raises(RuntimeError) as refused:
+        frozen.merge(1, torch.zeros(1), torch.zeros(1))
+    assert str(refused.value) == "RunningNorm.merge: this norm is frozen (public constants); do not update it"
+
+
+@pytest.mark.parametrize(
+    ("values", "mask"),
+    [
+        (torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)),  # no channel axis
+        (torch.zeros(2, 3, 2), torch.ones(2, 3, dtype=torch.bool)),  # two channels for a one-channel norm
+        (torch.zeros(2, 3, 1), torch.ones(2, 4, dtype=torch.bool)),  # a mask of another length
+    ],
+)
+def test_a_batch_of_the_wrong_shape_is_refused_in_full(values: torch.Tensor, mask: torch.Tensor) -> None:
+    with pytest.raises(ValueError) as refused:
+        RunningNorm(1).batch_moments(values, mask)
+    got = f"got {tuple(values.shape)} and {tuple(mask.shape)}"
+    assert str(refused.value) == f"RunningNorm.update: expected values [B, L, 1] and mask [B, L], {got}"
+
+
+def test_the_moments_of_no_token_and_of_one_token() -> None:
+    norm = RunningNorm(2, clip_std=None)
+    values = torch.tensor([[[3.0, 4.0], [9.0, 9.0]]])
+    count, mean, m2, clipped = norm.batch_moments(values, torch.tensor([[False, False]]))
+    assert (count, clipped) == (0, 0) and mean.tolist() == [0.0, 0.0] and m2.tolist() == [0.0, 0.0]
+    assert mean.dtype == torch.float64 and m2.dtype == torch.float64
+    count, mean, m2, clipped = norm.batch_moments(values, torch.tensor([[True, False]]))
+    assert (count, clipped) == (1, 0) and mean.tolist() == [3.0, 4.0] and m2.tolist() == [0.0, 0.0]
+
+
+def test_the_band_comes_from_the_running_statistics_from_exactly_the_warm_up_count() -> None:
+    norm = RunningNorm(1, clip_std=2.0, warmup_count=4)
+    norm.update(*_batch(0.0, 1.0, 2.0, 3.0))
+    assert norm.count == 4 and norm.clipped == 0
+    # the batch's own median and MAD would clamp nothing here (its MAD is 0); the running band clamps all four
+    count, mean, _, clipped = norm.batch_moments(*_batch(100.0, 100.0, 100.0, 101.0))
+    assert clipped == 4 and mean.item() == pytest.approx(1.5 + 2.0 * float(np.std([0.0, 1.0, 2.0, 3.0])))
+
+
+def test_during_warm_up_a_spread_under_one_clamps_its_outlier() -> None:
+    norm = RunningNorm(1, clip_std=8.0)
+    _, _, _, clipped = norm.batch_moments(*_batch(0.0, 0.1, 0.2, 0.3, 0.4, 100.0))
+    assert clipped == 1  # MAD-based scale 0.22: the band is 1.8 wide, 100 is far outside
+
+
+def test_numpy_arrays_normalize_as_tensors_do_and_back() -> None:
+    norm = RunningNorm(2, clip_std=None)
+    norm.update(*pad_batch([torch.tensor([[1.0, 10.0], [3.0, 30.0], [8.0, 20.0]])]))
+    x = np.array([[2.0, 5.0], [-1.0, 40.0]])
+    normalized = norm.normalize(x)
+    np.testing.assert_allclose(normalized, norm.normalize(torch.tensor(x)).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(normalized, (x - norm.mean.numpy()) / norm.std.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(norm.denormalize(normalized), x, rtol=1e-12)
+    np.testing.assert_allclose(
+        norm.denormalize(torch.tensor(normalized)).numpy(), norm.denormalize(normalized), rtol=1e-12
+    )
+
+
+def test_every_field_survives_a_round_trip_and_an_old_state_gets_the_defaults() -> None:
+    norm = RunningNorm.from_public([1.0, -2.0], [0.5, 3.0])
+    norm.clipped, norm.warmup_count, norm.clip_std = 7, 99, None
+    restored = RunningNorm(2, clip_std=3.0, warmup_count=5)
+    restored.load_state_dict(norm.state_dict())
+    assert restored.state_dict().keys() == norm.state_dict().keys()
+    for key, value in norm.state_dict().items():
+        got = restored.state_dict()[key]
+        assert (got.tolist() if isinstance(got, torch.Tensor) else got) == (
+            value.tolist() if isinstance(value, torch.Tensor) else value
+        ), key
+    assert restored.frozen is True and restored.clip_std is None
+    old = {"channels": 1, "var_floor": 1e-6, "count": 2, "mean": [100_000_001.0], "m2": [2.0]}
+    fresh = RunningNorm(1, clip_std=4.0, warmup_count=5)
+    fresh.clipped = 3
+    fresh.load_state_dict(old)
+    assert (fresh.frozen, fresh.clipped, fresh.warmup_count, fresh.clip_std) == (False, 0, 5, None)
+    assert fresh.mean.tolist() == [100_000_001.0] and fresh.mean.dtype == torch.float64
+    assert fresh.state_dict()["m2"].dtype == torch.float64
