@@ -172,9 +172,10 @@ def test_the_statistics_are_float64_from_the_start_and_after_any_merge() -> None
 
 
 def test_public_constants_are_taken_in_float64_and_checked_in_full() -> None:
-    norm = RunningNorm.from_public([100_000_001.0], [2.0])  # not a float32
-    assert norm.mean.tolist() == [100_000_001.0] and norm.std.tolist() == [2.0]
-    assert norm.var_floor == pytest.approx(4e-6)  # a millionth of the smallest variance
+    norm = RunningNorm.from_public([100_000_001.0, 0.0], [3.0, 0.1])  # neither is a float32
+    assert norm.mean.tolist() == [100_000_001.0, 0.0] and norm.std.tolist() == pytest.approx([3.0, 0.1], rel=1e-12)
+    assert norm.var_floor == pytest.approx(1e-8)  # a millionth of the smallest variance
+    assert RunningNorm.from_public([0.0], [3.0]).var_floor == pytest.approx(9e-6)
     for mean, std in (([0.0, 1.0], [1.0]), ([0.0], [0.0])):
         with pytest.raises(ValueError) as refused:
             RunningNorm.from_public(mean, std)
