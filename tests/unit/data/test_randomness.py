@@ -198,3 +198,107 @@ def test_bernoulli_rejects_probabilities_outside_unit_interval() -> None:
     for bad in ([1.5], [-0.1], [math.nan]):
         with pytest.raises(ValueError, match=r"\[0, 1\]"):
             SeededRandomness(0).bernoulli(bad)
+
+
+class ScriptedCounting(ScriptedRandomness):
+    """Scripted words, counting how many were drawn."""
+
+    def __init__(self, words: list[int]) -> None:
+        super().__init__(words)
+        self.drawn = 0
+
+    def raw_uint64(self, n: int) -> np.ndarray:
+        self.drawn += n
+        return super().raw_uint64(n)
+
+
+@pytest.mark.parametrize(
+    ("call", "refusal"),
+    [
+        (lambda: SeededRandomness(0).random(-1), "n must be an integer >= 0, got -1"),
+        (lambda: SeededRandomness(0).integers(5, -1), "n must be an integer >= 0, got -1"),
+        (lambda: SeededRandomness(0).integers(0, 1), "high must be an integer >= 1, got 0"),
+        (lambda: ScriptedRandomness([]).permutation(-2), "n must be an integer >= 0, got -2"),
+        (lambda: SeededRandomness(0).permutation(-2), "n must be an integer >= 0, got -2"),
+        (lambda: SeededRandomness(0).sample(-1, 0), "n must be an integer >= 0, got -1"),
+        (lambda: SeededRandomness(0).sample(4, -1), "k must be an integer >= 0, got -1"),
+        (lambda: SeededRandomness(0).raw_uint64(-3), "n must be an integer >= 0, got -3"),
+        (lambda: CryptoRandomness().raw_uint64(-3), "n must be an integer >= 0, got -3"),
+        (lambda: derive_seed_sequence(-1), "seed must be an integer >= 0, got -1"),
+        (lambda: derive_seed_sequence(1, -1), "pass_index must be an integer >= 0, got -1"),
+        (lambda: derive_seed_sequence(1, 0, rank=-1), "rank must be an integer >= 0, got -1"),
+        (lambda: derive_seed_sequence(1, 0, worker=-1), "worker must be an integer >= 0, got -1"),
+        (lambda: SeededRandomness(0).integers(2**63, 1), f"high must be below 2**63 (an int64 result), got {2**63}"),
+        (
+            lambda: SeededRandomness(0).bernoulli([0.5, 2.0]),
+            "bernoulli probabilities must be finite and within [0, 1]",
+        ),
+    ],
+)
+def test_each_refusal_names_its_argument_in_full(call: object, refusal: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        call()  # type: ignore[operator]
+    assert str(refused.value) == refusal
+
+
+def test_every_draw_of_indices_is_int64() -> None:
+    assert SeededRandomness(0).permutation(5).dtype == np.int64
+    assert ScriptedRandomness([3, 1, 2]).permutation(3).dtype == np.int64
+    assert SeededRandomness(0).sample(5, 0).dtype == np.int64
+    assert SeededRandomness(0).integers(1, 4).tolist() == [0, 0, 0, 0]  # one value: always it
+    assert SeededRandomness(0).integers(2**63 - 1, 3).dtype == np.int64
+
+
+def test_rejection_redraws_only_the_biased_tail() -> None:
+    rng = CountingRandomness(3)
+    rng.integers(3, 1000)  # 2**64 % 3 == 1: one word in 2**64 is redrawn
+    assert rng.drawn == 1000
+
+
+def test_two_tied_keys_are_drawn_again() -> None:
+    assert ScriptedRandomness([5, 5, 9, 1]).permutation(2).tolist() == [1, 0]
+
+
+def test_a_tie_past_the_first_word_compares_what_is_left() -> None:
+    p = (1 + 2.0**-3) * 2.0**-63  # 2.25 words: the word 2 ties, then a quarter of the next word decides
+    assert ScriptedRandomness([2, 2**62 - 1]).bernoulli([p]).tolist() == [True]
+    assert ScriptedRandomness([2, 2**62]).bernoulli([p]).tolist() == [False]
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "words"),
+    [
+        (8, 2, 18),  # 4k == n: k + k*k//n + 16 draws, not a permutation of n
+        (9, 2, 18),  # 4k < n < 5k
+        (10, 3, 10),  # 4k > n: a permutation's n keys
+        (16, 4, 21),  # k*k//n == 1 more draw
+    ],
+)
+def test_a_sample_draws_a_permutation_only_past_a_quarter_of_the_items(n: int, k: int, words: int) -> None:
+    script = list(range(words))  # distinct words, distinct residues where the path draws integers
+    rng = ScriptedCounting(script)
+    assert len(set(rng.sample(n, k).tolist())) == k and rng.drawn == words
+
+
+def test_a_sample_that_found_exactly_k_distinct_values_draws_no_more() -> None:
+    rng = ScriptedCounting([0, 5, 10] + [15] * 14)  # n=5, k=1: 17 draws, one distinct value (0)
+    assert rng.sample(5, 1).tolist() == [0] and rng.drawn == 17
+
+
+def test_the_default_coordinates_are_pass_0_shared_and_the_plan() -> None:
+    assert derive_seed_sequence(7).spawn_key == (1, 0, 0, 0)
+    assert derive_seed_sequence(7, 2, rank=0, worker=0, purpose="select").spawn_key == (2, 2, 1, 1)
+    assert derive_seed_sequence(7, 2, rank=3, worker=5, purpose="select").spawn_key == (2, 2, 4, 6)
+    assert SeededRandomness(7).raw_uint64(4).tolist() == SeededRandomness(7, 0).raw_uint64(4).tolist()
+    assert SeededRandomness(7, purpose="select").purpose == "select"
+    seeded = make_randomness("seeded")
+    assert seeded.raw_uint64(4).tolist() == SeededRandomness(0, 0).raw_uint64(4).tolist()
+    coordinates = make_randomness("seeded", 1, 2, 3, 4, purpose="linear")
+    assert coordinates.raw_uint64(4).tolist() == SeededRandomness(1, 2, 3, 4, purpose="linear").raw_uint64(4).tolist()
+    assert derive_seed(7) == derive_seed(7, 0)
+
+
+def test_a_derived_seed_is_the_stream_s_first_word_shifted_to_63_bits() -> None:
+    word = np.random.SeedSequence(11, spawn_key=(3, 4, 2, 0)).generate_state(1, dtype=np.uint64)[0]
+    assert derive_seed(11, 4, rank=1) == int(word) >> 1
+    assert 2**62 <= max(derive_seed(11, p) for p in range(8)) < 2**63  # the top bit is used
