@@ -302,3 +302,10 @@ def test_a_derived_seed_is_the_stream_s_first_word_shifted_to_63_bits() -> None:
     word = np.random.SeedSequence(11, spawn_key=(3, 4, 2, 0)).generate_state(1, dtype=np.uint64)[0]
     assert derive_seed(11, 4, rank=1) == int(word) >> 1
     assert 2**62 <= max(derive_seed(11, p) for p in range(8)) < 2**63  # the top bit is used
+
+
+def test_large_integers_and_half_precision_probabilities_stay_exact() -> None:
+    assert ScriptedRandomness([2**62 + 1]).integers(2**63 - 1, 1).tolist() == [2**62 + 1]  # no float on the way
+    half = np.array([0.25], dtype=np.float16)  # scaled by 2**64 it would overflow a float16
+    assert ScriptedRandomness([2**62 - 1]).bernoulli(half).tolist() == [True]
+    assert ScriptedRandomness([2**62]).bernoulli(half).tolist() == [False]
