@@ -75,8 +75,7 @@ class InferenceModel(nn.Module):
         batch, length = values.shape[0], values.shape[1]
         positions = torch.arange(length, device=values.device)
         mask = positions[None, :] < lengths[:, None]
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        x_norm = torch.where(mask[..., None], (values - self.mean) / self.std, zero)
+        x_norm = ((values - self.mean) / self.std).masked_fill(~mask[..., None], 0.0)
         output = self.model(x_norm, mask)
         scores = forecast_loss(output, x_norm, mask, reduction="per_sample")
         last = (lengths - 1).clamp_min(0)
@@ -192,10 +191,10 @@ def predict_arrays(
     its company or on the order of the request. ``forward`` runs each micro-batch (the
     service passes its :class:`CompiledInference`).
     """
-    arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    if (lengths < 1).any():
+    lengths = np.array([len(v) for v in values], dtype=np.int64)
+    if (lengths < 1).any():  # before the reshape below, which cannot size an empty instance
         raise ValueError("predict: every instance needs at least one reading")
+    arrays = [np.asarray(v, dtype=np.float32).reshape(len(v), -1) for v in values]
     count, channels = len(arrays), model.channels
     out_next = np.empty((count, channels), dtype=np.float32)
     out_score = np.empty(count, dtype=np.float32)
@@ -254,9 +253,7 @@ def forward_on_model_device(model: nn.Module, x_norm: torch.Tensor, mask: torch.
     on the model's device (on this thread's inference stream there), the rest stays as it was.
     """
     device = model_device(model)
-    if device.type == "cpu":
-        return model(x_norm, mask)
-    with inference_stream(device):
+    with inference_stream(device):  # on the host: no stream, no copy (``.cpu()`` of a host tensor is itself)
         output = model(to_device_async(x_norm, device), to_device_async(mask, device))
         return ModelOutput(
             forecast=output.forecast.cpu(), logits=None if output.logits is None else output.logits.cpu()

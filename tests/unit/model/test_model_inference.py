@@ -17,7 +17,17 @@ from broken_models import head_dropped, mixes_batch, pools_over_padding
 from model_fixtures import pad_batch, ragged, small_model
 
 from device_params import CUDA, DEVICES
-from streamtrain.model.inference import PREDICT_MIN_LENGTH_SHARE, Prediction, plan_predict_batches, predict
+from streamtrain.model.inference import (
+    PREDICT_MIN_LENGTH_SHARE,
+    InferenceModel,
+    Prediction,
+    PredictionArrays,
+    forward_on_model_device,
+    model_device,
+    plan_predict_batches,
+    predict,
+    predict_arrays,
+)
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
 
@@ -166,3 +176,69 @@ def test_the_device_comparison_is_tighter_than_what_the_head_adds() -> None:
     assert_same_predictions(predict(model, norm, items, 512), predict(small_model(), norm, items, 512))
     with pytest.raises(AssertionError):
         assert_same_predictions(predict(model, norm, items, 512), predict(head_dropped(model), norm, items, 512))
+
+
+def test_output_names_follow_the_head() -> None:
+    norm = RunningNorm(2)
+    assert InferenceModel(small_model(n_classes=3), norm).output_names == ("next", "anomaly_score", "probs")
+    assert InferenceModel(small_model(n_classes=0), norm).output_names == ("next", "anomaly_score")
+
+
+def test_predictions_are_float32_in_request_order_even_for_one_class_and_for_none() -> None:
+    rng = np.random.default_rng(3)
+    values = ragged(rng, 5, 2) + [rng.normal(size=(3, 2))]  # a float64 instance too
+    one_class = small_model(n_classes=1)
+    arrays = predict_arrays(one_class, RunningNorm(2), values, 64)
+    assert arrays.next.dtype == arrays.anomaly_score.dtype == np.float32
+    assert arrays.probs is not None and arrays.probs.dtype == np.float32 and arrays.probs.tolist() == [[1.0]] * 6
+    empty = predict_arrays(small_model(n_classes=3), RunningNorm(2), [], 64)
+    assert empty.next.shape == (0, 2) and empty.anomaly_score.shape == (0,)
+    assert empty.probs is not None and empty.probs.shape == (0, 3) and len(empty) == 0
+    assert predict_arrays(small_model(n_classes=0), RunningNorm(2), [], 64).probs is None
+    with pytest.raises(ValueError) as refused:
+        predict_arrays(one_class, RunningNorm(2), [np.zeros((0, 2), np.float32)], 64)
+    assert str(refused.value) == "predict: every instance needs at least one reading"
+
+
+def test_prediction_arrays_slice_in_order_and_flag_rows_that_are_not_finite() -> None:
+    arrays = PredictionArrays(
+        next=np.array([[1.0, 2.0], [np.inf, 0.0], [3.0, 4.0], [5.0, 6.0]], np.float32),
+        anomaly_score=np.array([0.1, 0.2, np.nan, 0.4], np.float32),
+        probs=np.array([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [np.nan, 1.0]], np.float32),
+    )
+    assert len(arrays) == 4 and arrays.finite_rows().tolist() == [True, False, False, False]
+    middle = arrays[1:3]
+    assert len(middle) == 2 and middle.next.tolist() == [[np.inf, 0.0], [3.0, 4.0]]
+    assert middle.probs is not None and middle.probs.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    without = PredictionArrays(arrays.next, arrays.anomaly_score, None)
+    assert without.finite_rows().tolist() == [True, False, False, True] and without[2:].probs is None
+    assert [p.next for p in without[2:].to_predictions()] == [[3.0, 4.0], [5.0, 6.0]]
+    with pytest.raises(TypeError, match="^PredictionArrays: index with a slice$"):
+        arrays[0]  # type: ignore[index]
+
+
+def test_the_planner_keeps_equal_lengths_in_request_order_and_cuts_at_the_budget_and_share() -> None:
+    groups = plan_predict_batches(np.full(100, 3), 30)
+    assert [len(g) for g in groups] == [10] * 10 and np.concatenate(groups).tolist() == list(range(100))
+    assert [g.tolist() for g in plan_predict_batches(np.ones(6, dtype=np.int64), 4)] == [[0, 1, 2, 3], [4, 5]]
+    # an item exactly at the share of the longest (6 of 8 at 0.75) joins its group
+    assert [g.tolist() for g in plan_predict_batches(np.array([8, 6, 5]), 100)] == [[0, 1], [2]]
+
+
+def test_the_model_device_is_its_parameters_then_its_buffers_then_the_host() -> None:
+    buffers_only = torch.nn.Module()
+    buffers_only.register_buffer("b", torch.zeros(1, device="meta"))
+    assert model_device(buffers_only) == torch.device("meta")
+    both = torch.nn.Linear(1, 1, device="meta")
+    both.register_buffer("b", torch.zeros(1))
+    assert model_device(both) == torch.device("meta")
+    assert model_device(torch.nn.Module()) == torch.device("cpu")
+
+
+def test_a_forward_for_host_tensors_is_the_model_s_own_forward() -> None:
+    model = small_model(n_classes=3)
+    x, mask = pad_batch([torch.randn(4, 2), torch.randn(2, 2)])
+    got, want = forward_on_model_device(model, x, mask), model(x, mask)
+    torch.testing.assert_close(got.forecast, want.forecast)
+    assert got.logits is not None and want.logits is not None
+    torch.testing.assert_close(got.logits, want.logits)
