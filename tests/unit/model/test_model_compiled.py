@@ -31,7 +31,8 @@ from streamtrain.model.compiled import (
     pad_rows_and_positions,
     training_row_multiple,
 )
-from streamtrain.model.inference import CompiledInference, PredictionArrays, predict_arrays
+from streamtrain.model.forecasters import NETWORK, ServedModel
+from streamtrain.model.inference import CompiledInference, InferenceModel, PredictionArrays, predict_arrays
 from streamtrain.model.network import SensorModel
 from streamtrain.model.normalization import RunningNorm
 from streamtrain.training.trainer import Trainer
@@ -111,6 +112,31 @@ def test_every_batch_shape_runs_on_the_graph_the_warm_up_made(
     # one row, one or two readings, any size: no graph beyond the warm-up's (counted from
     # there, so shapes an earlier test of this module ran are not missed)
     assert compiled_graphs() == GRAPHS_AFTER_WARM_UP["predict"]
+
+
+def test_a_forecaster_beside_the_network_is_answered_eagerly_on_no_new_graph(
+    model: SensorModel, norm: RunningNorm, compiled_predict: CompiledInference
+) -> None:
+    served = ServedModel(model, NETWORK)  # a blend weight would be compiled in as a constant
+    before = compiled_graphs()
+    for values in requests(seed=3):
+        eager = predict_arrays(served, norm, values, token_budget=256)
+        answered = predict_arrays(served, norm, values, token_budget=256, forward=compiled_predict)
+        np.testing.assert_array_equal(answered.next, eager.next)  # the same eager computation, bit for bit
+    assert compiled_graphs() == before
+
+
+def test_compiling_off_answers_eagerly_and_leaves_the_template_alone() -> None:
+    template = computing_model(channels=2, n_classes=3, max_len=64).train()
+    assert template.training and all(p.requires_grad for p in template.parameters())
+    inference = CompiledInference(template, enabled=False)
+    assert inference.compiled.name == "predict forward" and inference.compiled.state == "off"
+    assert template.training and all(p.requires_grad for p in template.parameters())  # the copy is frozen, not it
+    network = InferenceModel(template.eval(), RunningNorm(2))
+    values, lengths = torch.randn(3, 5, 2), torch.tensor([5, 2, 1])
+    with torch.no_grad():
+        for got, want in zip(inference(network, values, lengths), network(values, lengths), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_small_inputs_are_padded_to_three_rows_and_positions_of_padding() -> None:
