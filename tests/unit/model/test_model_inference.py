@@ -242,3 +242,4 @@ def test_a_forward_for_host_tensors_is_the_model_s_own_forward() -> None:
     torch.testing.assert_close(got.forecast, want.forecast)
     assert got.logits is not None and want.logits is not None
     torch.testing.assert_close(got.logits, want.logits)
+    assert forward_on_model_device(small_model(n_classes=0), x, mask).logits is None
