@@ -72,7 +72,7 @@ MODULES=(
   "randomness|src/streamtrain/data/randomness.py|tests/unit/data/test_randomness.py"
   "batcher|src/streamtrain/serve/batcher.py|tests/unit/serve/test_serve_batcher.py"
   "inference|src/streamtrain/model/inference.py|tests/unit/model/test_model_inference.py tests/unit/model/test_model_compiled.py tests/unit/serve/test_serve_batcher.py"
-  "averages|src/streamtrain/quality/averages.py|tests/unit/quality/test_quality_monitor.py"
+  "averages|src/streamtrain/quality/averages.py|tests/unit/quality/test_quality_averages.py tests/unit/quality/test_quality_monitor.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
