@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from streamtrain.window.partitions import empty_partition, join_partitions, split_by_partition
-from streamtrain.window.storage import ITEM_COLUMNS
+from streamtrain.window.storage import ITEM_COLUMNS, SensorCodes
 
 DTYPES = dict(ITEM_COLUMNS)
 
@@ -89,3 +89,21 @@ def test_an_empty_part_and_an_empty_join_have_every_column_typed() -> None:
     }
     assert joined["values"].shape == (0, 3) and joined["values"].dtype == np.float32 and joined["next_offsets"] == {}
     assert join_partitions([empty], channels=2)["next_offsets"] == {"3": 77}
+
+
+def test_columns_of_any_shape_are_read_flat_and_sensor_codes_stay_codes() -> None:
+    state = state_of(40, seed=5)
+    flat = split_by_partition(state)
+    for name in ("keys", "partitions", "seq", "offsets"):
+        state[name] = np.asarray(state[name]).reshape(-1, 1)  # a column vector, as some writers keep one
+    ids = sorted(set(state["sensor_ids"]))
+    state["sensor_ids"] = SensorCodes(
+        np.array([ids.index(s) for s in state["sensor_ids"]], dtype=np.int32), np.array(ids, dtype=object)
+    )
+    for got, want in zip(split_by_partition(state), flat, strict=True):
+        codes = got.columns["sensor_ids"]
+        assert isinstance(codes, SensorCodes)  # never materialized as Python strings
+        assert codes.tolist() == want.columns["sensor_ids"].tolist()
+        for name in ("keys", "seq", "offsets"):
+            assert got.columns[name].tolist() == want.columns[name].tolist(), name
+        assert got.values.tolist() == want.values.tolist()
