@@ -73,6 +73,10 @@ MODULES=(
   "batcher|src/streamtrain/serve/batcher.py|tests/unit/serve/test_serve_batcher.py"
   "inference|src/streamtrain/model/inference.py|tests/unit/model/test_model_inference.py tests/unit/model/test_model_compiled.py tests/unit/serve/test_serve_batcher.py"
   "averages|src/streamtrain/quality/averages.py|tests/unit/quality/test_quality_averages.py tests/unit/quality/test_quality_monitor.py"
+  "registry|src/streamtrain/training/registry.py|tests/unit/training/test_training_registry.py"
+  "cpus|src/streamtrain/runtime/cpus.py|tests/unit/runtime/test_runtime_cpus.py"
+  "files|src/streamtrain/checkpoint/files.py|tests/unit/checkpoint/test_checkpoint_files.py"
+  "snapshot|src/streamtrain/window/snapshot.py|tests/unit/data/test_policies.py tests/unit/data/test_dataset.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
