@@ -199,8 +199,9 @@ def test_removing_a_missing_file_is_quiet_and_a_failure_is_logged_in_full(
         (tmp_path / "dir").mkdir()
         files.remove_quietly(tmp_path / "dir")  # a directory: unlink fails
     [record] = caplog.records
+    directory = tmp_path / "dir"
     assert record.getMessage() == (
-        f"could not remove temporary checkpoint file {tmp_path / 'dir'}: [Errno 21] Is a directory: '{tmp_path / 'dir'}'"
+        f"could not remove temporary checkpoint file {directory}: [Errno 21] Is a directory: '{directory}'"
     )
 
 
