@@ -7,16 +7,19 @@ child process of their own and report what the kernel says each thread may use.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import streamtrain.runtime.cpus as cpus_module
 from streamtrain.config import SettingsError, load_settings
 from streamtrain.runtime.cpus import TrainingCpus, parse_cpu_list, plan_training_cpus
 
@@ -127,3 +130,120 @@ def test_off_leaves_every_thread_where_the_scheduler_puts_it() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     cpus, _ = probe("off")
     assert {name: cpu for name, cpu in cpus.items() if cpu != allowed} == {}, cpus
+
+
+class Kernel:
+    """``os``'s affinity calls for this process, recorded instead of made (this test process stays as it is)."""
+
+    def __init__(self, allowed: set[int], threads: list[int], gone: set[int] | None = None) -> None:
+        self.allowed, self.threads, self.gone = frozenset(allowed), threads, gone or set()
+        self.set: list[tuple[int, frozenset[int]]] = []
+        self.refuse = False
+
+    def sched_getaffinity(self, tid: int) -> frozenset[int]:
+        return self.allowed
+
+    def sched_setaffinity(self, tid: int, cpus: frozenset[int]) -> None:
+        if self.refuse:
+            raise PermissionError(1, "Operation not permitted")
+        if tid in self.gone:
+            raise ProcessLookupError(tid)
+        self.set.append((tid, frozenset(cpus)))
+
+    def listdir(self, path: str) -> list[str]:
+        assert path == "/proc/self/task"
+        return [str(t) for t in self.threads]
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Kernel:
+    fake = Kernel({0, 1, 2, 3}, threads=[100, 101, 102, 103], gone={103})
+    for name in ("sched_getaffinity", "sched_setaffinity", "listdir"):
+        monkeypatch.setattr(cpus_module.os, name, getattr(fake, name))
+    monkeypatch.setattr(cpus_module.threading, "get_native_id", lambda: 101)
+    monkeypatch.setattr(cpus_module, "_pinned", None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    return fake
+
+
+def test_pinning_puts_the_caller_on_its_cpus_every_other_thread_off_them_and_says_so(
+    kernel: Kernel, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="streamtrain.runtime.cpus"):
+        plan = cpus_module.pin_training_thread("auto", torch_threads=2)
+    assert plan == TrainingCpus(frozenset({2, 3}), frozenset({0, 1}))
+    # the caller (0: the calling thread) first, then every thread but the caller; 103 ended meanwhile
+    assert kernel.set == [(0, frozenset({2, 3})), (100, frozenset({0, 1})), (102, frozenset({0, 1}))]
+    assert [r.getMessage() for r in caplog.records] == [
+        "training thread on CPU(s) 2,3; the service's other threads on 0,1 (TRAIN_CPUS=auto)"
+    ]
+    kernel.set.clear()
+    cpus_module.leave_training_cpus()  # a helper the trainer started
+    assert kernel.set == [(0, frozenset({0, 1}))]
+    kernel.set.clear()
+    cpus_module.release_training_cpus()
+    assert kernel.set == [(t, frozenset({0, 1, 2, 3})) for t in (100, 101, 102)]
+    kernel.set.clear()
+    cpus_module.leave_training_cpus()  # nothing pinned any more: nothing to leave
+    cpus_module.release_training_cpus()
+    assert kernel.set == []
+
+
+@pytest.mark.parametrize("setting", ["", "off"])
+def test_off_or_unset_pins_nothing(kernel: Kernel, setting: str) -> None:
+    assert cpus_module.pin_training_thread(setting, torch_threads=1) is None and kernel.set == []
+
+
+def test_a_plan_that_cannot_work_pins_nothing_and_says_why(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.WARNING, logger="streamtrain.runtime.cpus"):
+        assert cpus_module.pin_training_thread("auto", torch_threads=1) is None
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")  # the launcher names a bad value; here it counts as 1
+        assert cpus_module.pin_training_thread("auto", torch_threads=1) is not None
+    assert kernel.set[0] == (0, frozenset({3}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "TRAIN_CPUS=auto: nothing pinned: 2 ranks on this host would all pin the same CPUs "
+        "(give each its own cpuset instead)"
+    ]
+
+
+def test_a_refused_affinity_pins_nothing_and_says_so(kernel: Kernel, caplog: pytest.LogCaptureFixture) -> None:
+    kernel.refuse = True
+    with caplog.at_level(logging.WARNING, logger="streamtrain.runtime.cpus"):
+        assert cpus_module.pin_training_thread("2-3", torch_threads=2) is None
+        cpus_module.leave_training_cpus()  # nothing was pinned: nothing asked
+    assert [r.getMessage() for r in caplog.records] == [
+        "TRAIN_CPUS=2-3: could not pin the training thread: [Errno 1] Operation not permitted"
+    ]
+    assert cpus_module._pinned is None
+
+
+def test_a_helper_that_cannot_leave_says_which_thread_it_is(kernel: Kernel, caplog: pytest.LogCaptureFixture) -> None:
+    assert cpus_module.pin_training_thread("3", torch_threads=1) is not None
+    kernel.refuse = True
+    with caplog.at_level(logging.WARNING, logger="streamtrain.runtime.cpus"):
+        cpus_module.leave_training_cpus()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"could not move {threading.current_thread().name} off the training CPUs: [Errno 1] Operation not permitted"
+    ]
+
+
+def test_without_proc_only_the_calling_thread_is_moved(kernel: Kernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_proc(path: str) -> list[str]:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(cpus_module.os, "listdir", no_proc)
+    cpus_module._move_threads(frozenset({0}))
+    assert kernel.set == [(101, frozenset({0}))]
+
+
+def test_elsewhere_than_linux_nothing_is_pinned_and_it_says_so(
+    kernel: Kernel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpus_module.sys, "platform", "darwin")
+    with caplog.at_level(logging.INFO, logger="streamtrain.runtime.cpus"):
+        assert cpus_module.pin_training_thread("auto", torch_threads=1) is None
+    assert [r.getMessage() for r in caplog.records] == ["TRAIN_CPUS=auto ignored: CPU affinity per thread needs Linux"]
+    assert kernel.set == []
