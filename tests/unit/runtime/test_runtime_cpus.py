@@ -141,6 +141,7 @@ class Kernel:
         self.refuse = False
 
     def sched_getaffinity(self, tid: int) -> frozenset[int]:
+        assert tid == 0, "the process's own CPUs are the calling thread's (0)"
         return self.allowed
 
     def sched_setaffinity(self, tid: int, cpus: frozenset[int]) -> None:
@@ -157,7 +158,7 @@ class Kernel:
 
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Kernel:
-    fake = Kernel({0, 1, 2, 3}, threads=[100, 101, 102, 103], gone={103})
+    fake = Kernel({0, 1, 2, 3}, threads=[100, 103, 101, 102], gone={103})  # 103 ends before it is moved
     for name in ("sched_getaffinity", "sched_setaffinity", "listdir"):
         monkeypatch.setattr(cpus_module.os, name, getattr(fake, name))
     monkeypatch.setattr(cpus_module.threading, "get_native_id", lambda: 101)
