@@ -76,7 +76,7 @@ MODULES=(
   "registry|src/streamtrain/training/registry.py|tests/unit/training/test_training_registry.py"
   "cpus|src/streamtrain/runtime/cpus.py|tests/unit/runtime/test_runtime_cpus.py"
   "files|src/streamtrain/checkpoint/files.py|tests/unit/checkpoint/test_checkpoint_files.py"
-  "snapshot|src/streamtrain/window/snapshot.py|tests/unit/data/test_policies.py tests/unit/data/test_dataset.py"
+  "snapshot|src/streamtrain/window/snapshot.py|tests/unit/window/test_window_snapshot.py tests/unit/data/test_policies.py tests/unit/data/test_dataset.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
