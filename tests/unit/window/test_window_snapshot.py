@@ -58,6 +58,8 @@ def test_a_subset_is_the_chosen_items_whole_wherever_their_readings_lie(layout: 
     if layout == "chunks":  # only the chosen items' readings were gathered
         assert isinstance(part.flat_values, np.ndarray) and part.flat_values.shape == (6, 2)
         assert part.starts.tolist() == [0, 4]
+    if layout == "chunks, readings gathered first":  # the subset shares them: no second gather
+        assert part.flat_values is whole._readings[0]
     assert snapshot(flat, starts, seq=False).subset(np.array([1])).seq is None
 
 
@@ -78,6 +80,8 @@ def test_readings_already_back_to_back_are_returned_without_a_gather() -> None:
     view = snapshot(flat, starts)
     assert view.all_values().tolist() == flat[:12].tolist()
     assert np.shares_memory(view.all_values(), flat)  # a view of them, not a copy
+    gap = snapshot(flat, np.array([0, 3, 6, 7, 11], dtype=np.int64))  # from 0, but a reading between items
+    assert gap.all_values().tolist() == flat[[0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]].tolist()
     shifted = snapshot(flat, starts + 1)  # one reading before the first item: a gather
     assert shifted.all_values().tolist() == flat[1:13].tolist() and not np.shares_memory(shifted.all_values(), flat)
     empty = WindowSnapshot(
@@ -98,7 +102,7 @@ def test_item_readings_say_where_each_item_lies(layout: str) -> None:
         assert where.chunk_of.tolist() == [0] * 5 and where.starts.tolist() == starts.tolist()
     else:
         assert where.chunk_of.tolist() == [0, 0, 1, 1, 2] and where.starts.tolist() == [1, 4, 1, 3, 1]
-        assert where.chunk_of.dtype == np.int32
+    assert where.chunk_of.dtype == np.int32 and where.starts.dtype == np.int64
     assert np.asarray(where).tolist() == view.all_values().tolist()
 
 
