@@ -190,7 +190,7 @@ class SensorModel(nn.Module):
         mask = mask.bool()
         real = mask[..., None]
         # Pad values are arbitrary; zero them so no NaN/inf pad can leak through 0 * inf.
-        x = torch.where(real, x_norm, torch.zeros((), dtype=x_norm.dtype, device=x_norm.device))
+        x = x_norm.masked_fill(~real, 0.0)
         features, scale = level_free_features(x, real)
         n_positions = batch * length
         rows = n_positions + (-n_positions) % row_multiple

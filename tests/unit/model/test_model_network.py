@@ -8,12 +8,14 @@ against it (:mod:`broken_models`), which must fail it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from broken_models import mixes_batch, non_causal, pools_over_padding, reads_padding
+from broken_models import mixes_batch, non_causal, pools_over_padding, randomize_head, reads_padding
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_fixtures import pad_batch, ragged, small_model, untrained_model
@@ -283,3 +285,131 @@ def test_forecasts_beat_the_last_value_on_levels_never_seen_in_training() -> Non
         ratio = one_step_ratios(model, norm, np.concatenate([train, future]), start=len(train) + 24, length=24)
         # Last value: MSE ~ 2(1 - cos(30 deg)) * 0.5 + 2 * 0.04 = 0.21; the best forecast's ~0.04.
         assert ratio[0] <= 0.7, (level, ratio)
+
+
+# ------------------------------------------------------------------ the network written out by hand
+
+
+def textbook_positions(max_len: int, d_model: int) -> torch.Tensor:
+    """PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(p / 10000^(2i/d)) (Vaswani et al.)."""
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    for p in range(max_len):
+        for i in range(0, d_model, 2):
+            angle = p / 10000.0 ** (i / d_model)
+            table[p, i] = math.sin(angle)
+            if i + 1 < d_model:
+                table[p, i + 1] = math.cos(angle)
+    return table.float()
+
+
+def by_hand(model: SensorModel, x_norm: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the model documents it computes, one instance and one position at a time."""
+    batch, length, channels = x_norm.shape
+    forecast = torch.zeros(batch, length, channels)
+    logits = []
+    positions = textbook_positions(model.max_len, model.input.out_features)
+    for b in range(batch):
+        n = int(mask[b].sum())
+        xb = x_norm[b, :n]
+        features, scales = [], []
+        for t in range(n):
+            step = xb[t] - xb[t - 1] if t else torch.zeros(channels)
+            mean_abs_step = sum((xb[s] - xb[s - 1]).abs() for s in range(1, t + 1)) / max(t, 1)
+            scale = 1.25 * mean_abs_step + 0.05
+            features.append(torch.cat([(xb[t] - xb[: t + 1].mean(dim=0)) / scale, step / scale]))
+            scales.append(scale * torch.ones(channels))
+        h = model.input(torch.stack(features)) + positions[:n]
+        for block in model.blocks:
+            attn = block.attn
+            normed = block.attn_norm(h)
+            q, k, v = (
+                layer(normed).view(n, attn.n_heads, attn.head_dim) for layer in (attn.query, attn.key, attn.value)
+            )
+            scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(attn.head_dim)
+            scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))  # a position sees its past
+            mixed = torch.einsum("hts,shd->thd", scores.softmax(dim=-1), v).reshape(n, -1)
+            h = h + attn.out(mixed)
+            h = h + block.ff_out(torch.nn.functional.gelu(block.ff_in(block.ff_norm(h))))
+        h = model.final_norm(h)
+        forecast[b, :n] = xb + torch.stack(scales) * model.forecast_head(h)
+        if model.class_head is not None:
+            logits.append(model.class_head(h[n - 1]))
+    return forecast, torch.stack(logits) if logits else None
+
+
+def test_the_forward_is_the_documented_computation() -> None:
+    model = small_model(channels=2, n_classes=3)
+    x, mask = pad_batch([torch.randn(7, 2) * 3 + 5, torch.randn(1, 2), torch.randn(12, 2)])
+    with torch.no_grad():
+        output = model(x, mask)
+        forecast, logits = by_hand(model, x, mask)
+    torch.testing.assert_close(output.forecast, forecast, rtol=1e-4, atol=1e-5)
+    assert output.logits is not None and logits is not None
+    torch.testing.assert_close(output.logits, logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.positions, textbook_positions(64, 32), rtol=0, atol=1e-6)
+
+
+def test_dropout_acts_in_training_only() -> None:
+    torch.manual_seed(0)
+    model = SensorModel(2, d_model=16, n_heads=2, n_layers=1, max_len=16, dropout=0.5)
+    randomize_head(model)
+    x, mask = pad_batch([torch.randn(9, 2)])
+    model.train()
+    assert not torch.equal(model(x, mask).forecast, model(x, mask).forecast)
+    model.eval()
+    assert torch.equal(model(x, mask).forecast, model(x, mask).forecast)
+
+
+def test_a_config_builds_the_same_network_and_its_defaults_are_the_documented_ones() -> None:
+    default = SensorModel(3)
+    assert default.config == {
+        "channels": 3, "n_classes": 0, "d_model": 64, "n_heads": 4, "n_layers": 2, "ff_mult": 4, "max_len": 512,
+        "dropout": 0.0, "form": "level_free_residual/v2",
+    }  # fmt: skip
+    model = small_model(channels=2, n_classes=3)
+    rebuilt = SensorModel.from_config(model.config)
+    rebuilt.load_state_dict(model.state_dict())
+    x, mask = pad_batch([torch.randn(5, 2)])
+    torch.testing.assert_close(rebuilt.eval()(x, mask).forecast, model(x, mask).forecast)
+    with pytest.raises(ValueError) as refused:
+        SensorModel.from_config({**model.config, "form": "level_free_residual/v1"})
+    assert str(refused.value) == (
+        "this model was saved in form 'level_free_residual/v1'; this streamtrain builds 'level_free_residual/v2', "
+        "whose inputs and outputs differ: export or serve it with the streamtrain version that trained it"
+    )
+    settings = SimpleNamespace(channels=2, n_classes=1, d_model=24, n_heads=3, n_layers=3, max_len=40)
+    built = network_module.build_model(settings)
+    assert {k: built.config[k] for k in vars(settings)} == vars(settings)
+
+
+@pytest.mark.parametrize(
+    ("kw", "got"),
+    [
+        ({"channels": 0}, "got 0, 0, 2, 512"),
+        ({"channels": 1, "n_classes": -1}, "got 1, -1, 2, 512"),
+        ({"channels": 1, "n_layers": 0}, "got 1, 0, 0, 512"),
+        ({"channels": 1, "max_len": 0}, "got 1, 0, 2, 0"),
+    ],
+)
+def test_each_bad_size_is_refused_in_full(kw: dict[str, int], got: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        SensorModel(**kw)  # type: ignore[arg-type]
+    assert str(refused.value) == f"SensorModel: need channels >= 1, n_classes >= 0, n_layers >= 1, max_len >= 1; {got}"
+
+
+def test_the_smallest_model_and_the_longest_input_are_allowed() -> None:
+    assert SensorModel(1, d_model=8, n_heads=2, n_layers=1, max_len=1)(
+        torch.ones(1, 1, 1), torch.ones(1, 1)
+    ).forecast.shape == (1, 1, 1)
+    model = SensorModel(1, d_model=8, n_heads=2, n_layers=1, max_len=4)
+    assert model(torch.ones(2, 4, 1), torch.ones(2, 4)).forecast.shape == (2, 4, 1)
+    with pytest.raises(ValueError, match=r"^d_model \(10\) must be a multiple of n_heads \(4\)$"):
+        SensorModel(1, d_model=10, n_heads=4)
+
+
+def test_pad_rows_adds_zero_rows_and_leaves_a_full_set_alone() -> None:
+    rows = torch.ones(3, 2)
+    assert network_module.pad_rows(rows, 3) is rows
+    padded = network_module.pad_rows(rows, 5)
+    assert padded.shape == (5, 2) and padded[3:].abs().sum() == 0 and padded[:3].tolist() == rows.tolist()
+    assert network_module.pad_rows(rows, 4).shape == (4, 2)
