@@ -83,8 +83,10 @@ def test_under_cpu_bf16_autocast_the_linears_run_in_bf16_and_attention_in_float3
     attention = torch.nn.functional.scaled_dot_product_attention
 
     def recording_attention(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        mixed = attention(q, *args, **kwargs)  # type: ignore[arg-type]
         seen["attention"] = q.dtype
-        return attention(q, *args, **kwargs)  # type: ignore[arg-type]
+        seen["attention output"] = mixed.dtype  # computed in float32 too, not cast down inside
+        return mixed
 
     monkeypatch.setattr(network_module.F, "scaled_dot_product_attention", recording_attention)
     model = small_model()
@@ -92,7 +94,7 @@ def test_under_cpu_bf16_autocast_the_linears_run_in_bf16_and_attention_in_float3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         seen["linear"] = model.blocks[0].ff_in(torch.randn(2, model.blocks[0].ff_in.in_features)).dtype
         output = model(x, mask)
-    assert seen == {"linear": torch.bfloat16, "attention": torch.float32}
+    assert seen == {"linear": torch.bfloat16, "attention": torch.float32, "attention output": torch.float32}
     torch.testing.assert_close(output.forecast.float(), model(x, mask).forecast, atol=0.05, rtol=0.05)
 
 
@@ -413,3 +415,29 @@ def test_pad_rows_adds_zero_rows_and_leaves_a_full_set_alone() -> None:
     padded = network_module.pad_rows(rows, 5)
     assert padded.shape == (5, 2) and padded[3:].abs().sum() == 0 and padded[:3].tolist() == rows.tolist()
     assert network_module.pad_rows(rows, 4).shape == (4, 2)
+
+
+def test_the_position_table_is_computed_in_float64() -> None:
+    # float32 angles drift by ~1e-5 at position 500: the table must match the float64 formula to an ulp
+    torch.testing.assert_close(
+        network_module.sinusoidal_positions(512, 64), textbook_positions(512, 64), rtol=0, atol=2e-7
+    )
+
+
+def test_the_position_table_is_not_saved_with_the_weights() -> None:
+    model = small_model()
+    assert "positions" not in model.state_dict()  # rebuilt from max_len: a checkpoint carries no copy
+    with pytest.raises(ValueError, match="saved in form None"):
+        SensorModel.from_config({k: v for k, v in model.config.items() if k != "form"})
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_attention_dropout_acts_in_training_only(autocast: bool) -> None:
+    torch.manual_seed(0)
+    attention = network_module.CausalSelfAttention(16, 2, dropout=0.5)
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        attention.train()
+        assert not torch.equal(attention(x, 2, 4), attention(x, 2, 4))
+        attention.eval()
+        assert torch.equal(attention(x, 2, 4), attention(x, 2, 4))
