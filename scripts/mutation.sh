@@ -78,7 +78,7 @@ MODULES=(
   "files|src/streamtrain/checkpoint/files.py|tests/unit/checkpoint/test_checkpoint_files.py"
   "snapshot|src/streamtrain/window/snapshot.py|tests/unit/window/test_window_snapshot.py tests/unit/data/test_policies.py tests/unit/data/test_dataset.py"
   "network|src/streamtrain/model/network.py|tests/unit/model/test_model_network.py tests/unit/model/test_model_inference.py tests/unit/model/test_model_losses.py"
-  "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py"
+  "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sharded_cluster import (
@@ -13,8 +15,9 @@ from sharded_cluster import (
 )
 
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.manifest import read_manifest, verify_checkpoint
+from streamtrain.checkpoint.manifest import _check_chain, _manifest_digest, read_manifest, verify_checkpoint
 from streamtrain.checkpoint.rescale import restore_share
+from streamtrain.checkpoint.shards import FORMAT_NAME, FORMAT_VERSION
 
 
 def test_manifest_lists_the_cut(tmp_path: Path) -> None:
@@ -39,3 +42,106 @@ def test_verify_catches_a_flip_in_a_section_no_reader_needed(tmp_path: Path) -> 
         verify_checkpoint(newer)
     with pytest.raises(CorruptCheckpoint, match="SHA-256"):
         restore_share(manifest, rank=1, world_size=2, partition_count=3, topic=TOPIC)
+
+
+def resealed(directory: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Edit ``directory``'s manifest and seal it again (its own digest made to match): what only
+    the structural checks can catch."""
+    record = json.loads((directory / "manifest.json").read_text())
+    edit(record)
+    record["sha256"] = _manifest_digest(record)
+    (directory / "manifest.json").write_text(json.dumps(record))
+
+
+def chained(record: dict[str, Any], **shard: object) -> None:
+    """Make shard 0 a delta of a named checkpoint (then ``shard`` overrides its entries)."""
+    digest = "a" * 64
+    parent = {"checkpoint": "chk-000000000001-1", "file": "shard-0.stck", "sha256": digest, "index_sha256": digest}
+    record["shards"][0].update({"delta_of": parent, "chain": ["chk-000000000001-1"], **shard})
+
+
+def set_in(path: list[Any], value: object) -> Callable[[dict[str, Any]], object]:
+    def edit(record: dict[str, Any]) -> None:
+        target = record
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return edit
+
+
+TAMPERED = [
+    (set_in(["shards", 1, "rank"], 0), "manifest is malformed: shards [0, 0] are not ranks 0..1"),
+    (set_in(["shards", 0, "file"], "../shard-0.stck"), "manifest is malformed: file entry"),
+    (set_in(["shards", 0, "file"], "a\\b"), "manifest is malformed: file entry"),
+    (set_in(["shards", 0, "file"], ".."), "manifest is malformed: file entry"),
+    (set_in(["shards", 0, "file"], "."), "manifest is malformed: file entry"),
+    (set_in(["shards", 0, "file"], ""), "manifest is malformed: file entry"),
+    (set_in(["shards", 0, "file"], 7), "manifest is malformed: file entry"),
+    (set_in(["common", "size"], -1), "manifest is malformed: file entry"),
+    (set_in(["common", "sha256"], "ab"), "manifest is malformed: file entry"),
+    (
+        set_in(["shards", 1, "partitions"], [1, 2]),
+        "manifest is malformed: partition 2 is in the shards of ranks 0 and 1",
+    ),
+    (
+        set_in(["shards", 1, "partitions"], [3]),
+        "manifest is malformed: partition 3 is outside the 3 partitions recorded",
+    ),
+    (set_in(["window", "half_life_s"], "soon"), "manifest is malformed: could not convert string to float: 'soon'"),
+    (lambda r: chained(r, chain=[]), "has a malformed delta_of"),
+    (lambda r: chained(r, delta_of=None), "has a malformed delta_of"),
+    (lambda r: chained(r, chain=[3]), "that is not distinct checkpoint names"),
+    (lambda r: chained(r, chain=["elsewhere"]), "that is not distinct checkpoint names"),
+    (lambda r: chained(r, chain=["chk-000000000001-1"] * 2), "that is not distinct checkpoint names"),
+    (lambda r: chained(r, chain=["chk-000000000002-2"]), "which its chain"),
+    (lambda r: chained(r) or r["shards"][0]["delta_of"].update(file="../x"), "which its chain"),
+    (lambda r: chained(r) or r["shards"][0]["delta_of"].update(sha256="ab"), "names its parent by malformed digests"),
+    (lambda r: chained(r) or r["shards"][0]["delta_of"].update(index_sha256="ab"), "by malformed digests"),
+]
+
+
+@pytest.mark.parametrize(("edit", "says"), TAMPERED)
+def test_a_resealed_manifest_that_breaks_a_rule_is_refused_by_name(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], object], says: str
+) -> None:
+    _, _, newer = two_checkpoints(tmp_path)
+    resealed(newer, edit)
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(newer)
+    assert refused.value.reason.startswith(says) or says in refused.value.reason, refused.value.reason
+    assert refused.value.path == newer
+
+
+def test_a_delta_chain_that_follows_the_rules_is_read_back() -> None:
+    record: dict[str, Any] = {"shards": [{"file": "shard-0.stck"}]}
+    chained(record)
+    _check_chain(record["shards"][0])  # no refusal
+    _check_chain({"file": "shard-0.stck"})  # a base shard: nothing to check
+
+
+def test_the_manifest_s_own_refusals_in_full(tmp_path: Path) -> None:
+    _, older, newer = two_checkpoints(tmp_path)
+    (newer / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(newer)
+    assert refused.value.reason == "manifest is malformed: not a JSON object"
+    (newer / "manifest.json").write_text('{"format": NaN}')
+    with pytest.raises(CorruptCheckpoint, match="malformed"):
+        read_manifest(newer)
+    record = json.loads((older / "manifest.json").read_text())
+    resealed(older, set_in(["version"], 99))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(older)
+    reads = f"this streamtrain reads {FORMAT_NAME!r} version {FORMAT_VERSION}"
+    assert refused.value.reason == f"manifest format {record['format']!r} version 99; {reads}"
+    record["step"] = 123  # not resealed
+    (older / "manifest.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(older)
+    assert refused.value.reason == "manifest SHA-256 mismatch: it changed after writing (bit rot or an edit)"
+    (older / "manifest.json").unlink()
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(older)
+    assert refused.value.path == older
+    assert refused.value.reason == "no manifest: the checkpoint was never completed (or is being deleted)"
