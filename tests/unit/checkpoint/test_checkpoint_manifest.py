@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,14 +11,25 @@ from typing import Any
 import pytest
 from sharded_cluster import (
     TOPIC,
+    damage_common,
     damage_section,
     two_checkpoints,
 )
 
+import streamtrain.checkpoint.manifest as manifest_module
+from streamtrain.checkpoint.files import file_sha256
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.manifest import _check_chain, _manifest_digest, read_manifest, verify_checkpoint
+from streamtrain.checkpoint.manifest import (
+    _check_chain,
+    _manifest_digest,
+    read_common,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from streamtrain.checkpoint.rescale import restore_share
-from streamtrain.checkpoint.shards import FORMAT_NAME, FORMAT_VERSION
+from streamtrain.checkpoint.shards import FORMAT_NAME, FORMAT_VERSION, FileReceipt
+from streamtrain.distributed.ownership import Ownership
 
 
 def test_manifest_lists_the_cut(tmp_path: Path) -> None:
@@ -145,3 +157,80 @@ def test_the_manifest_s_own_refusals_in_full(tmp_path: Path) -> None:
         read_manifest(older)
     assert refused.value.path == older
     assert refused.value.reason == "no manifest: the checkpoint was never completed (or is being deleted)"
+
+
+MISMATCH = "SHA-256 mismatch against the manifest (bit rot or partial overwrite)"
+
+
+def receipts(directory: Path) -> tuple[Ownership, FileReceipt, list[FileReceipt]]:
+    """What the ranks reported when ``directory`` was sealed, read back from its manifest."""
+    record = json.loads((directory / "manifest.json").read_text())
+    common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
+    shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
+    return Ownership.from_dict(record["ownership"]), common, shards
+
+
+def test_sealing_again_writes_the_same_record_sorted_and_indented(tmp_path: Path) -> None:
+    _, _, newer = two_checkpoints(tmp_path)
+    before = json.loads((newer / "manifest.json").read_text())
+    ownership, common, shards = receipts(newer)
+    write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards, created_at=1234.5)
+    text = (newer / "manifest.json").read_text()
+    record = json.loads(text)
+    assert text == json.dumps(record, indent=1, sort_keys=True, allow_nan=False)
+    assert record["created_at"] == 1234.5 and list(record["next_offsets"]) == ["0", "1", "2"]
+    assert {k: v for k, v in record.items() if k not in ("created_at", "sha256")} == {
+        k: v for k, v in before.items() if k not in ("created_at", "sha256")
+    }
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards,
+                       created_at=float("nan"))  # fmt: skip
+
+
+def test_sealing_refuses_shards_of_another_count_or_step_in_full(tmp_path: Path) -> None:
+    _, _, newer = two_checkpoints(tmp_path)
+    ownership, common, shards = receipts(newer)
+    with pytest.raises(ValueError) as refused:
+        write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards[:1])
+    assert str(refused.value) == "a checkpoint of 2 ranks needs 2 shards, got 1"
+    with pytest.raises(CorruptCheckpoint) as corrupt:
+        write_manifest(newer, step=10, topic=TOPIC, ownership=ownership, common=common, shards=shards)
+    assert corrupt.value.path == newer / shards[0].file and corrupt.value.reason == "shard says rank 0 step 9"
+    with pytest.raises(CorruptCheckpoint) as corrupt:
+        write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards[::-1])
+    assert corrupt.value.path == newer / shards[1].file and corrupt.value.reason == "shard says rank 1 step 9"
+
+
+def test_a_damaged_or_unreadable_file_is_named_with_the_check_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, older, newer = two_checkpoints(tmp_path)
+    damage_common(newer)
+    manifest = read_manifest(newer)
+    for check in (verify_checkpoint, lambda d: read_common(read_manifest(d))):
+        with pytest.raises(CorruptCheckpoint) as refused:
+            check(newer)
+        assert refused.value.path == newer / "common.stck" and refused.value.reason == MISMATCH
+    assert manifest.step == 9
+    shard = older / "shard-00001.stsh"
+
+    def unreadable(path: Path) -> tuple[int, str]:
+        if path == shard:
+            raise PermissionError(13, "Permission denied")
+        return file_sha256(path)
+
+    monkeypatch.setattr(manifest_module, "file_sha256", unreadable)
+    with pytest.raises(CorruptCheckpoint) as refused:
+        verify_checkpoint(older)
+    assert refused.value.path == shard and refused.value.reason == "unreadable: [Errno 13] Permission denied"
+
+
+def test_common_state_of_another_step_is_refused(tmp_path: Path) -> None:
+    _, older, _ = two_checkpoints(tmp_path)
+    moved = tmp_path / "renamed"  # not a checkpoint's directory name: the name's step is not checked
+    shutil.copytree(older, moved)
+    resealed(moved, set_in(["step"], 123))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_common(read_manifest(moved))
+    assert refused.value.path == moved / "common.stck"
+    assert refused.value.reason.startswith("holds step ") and refused.value.reason.endswith(", the manifest says 123")
