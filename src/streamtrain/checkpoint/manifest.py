@@ -101,7 +101,7 @@ def write_manifest(
         "window": window,
         "common": {"file": common.file, "size": common.size, "sha256": common.sha256},
         "shards": listed,
-        "next_offsets": dict(sorted(next_offsets.items(), key=lambda kv: int(kv[0]))),
+        "next_offsets": next_offsets,  # written with sorted keys, as the whole record
     }
     manifest["sha256"] = _manifest_digest(manifest)
     path = directory / MANIFEST_NAME

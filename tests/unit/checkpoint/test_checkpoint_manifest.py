@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -234,3 +235,86 @@ def test_common_state_of_another_step_is_refused(tmp_path: Path) -> None:
         read_common(read_manifest(moved))
     assert refused.value.path == moved / "common.stck"
     assert refused.value.reason.startswith("holds step ") and refused.value.reason.endswith(", the manifest says 123")
+
+
+def test_what_the_manifest_records_is_read_back(tmp_path: Path) -> None:
+    _, older, newer = two_checkpoints(tmp_path)
+    record = json.loads((newer / "manifest.json").read_text())
+    manifest = read_manifest(newer)
+    assert manifest.created_at == record["created_at"] and manifest.step == 9
+    assert manifest.next_offsets == {int(p): o for p, o in record["next_offsets"].items()} and manifest.next_offsets
+    resealed(older, lambda r: r.pop("next_offsets"))
+    assert read_manifest(older).next_offsets == {}
+    resealed(older, set_in(["common", "size"], 0))  # an empty file is a size like any other
+    assert read_manifest(older).common["size"] == 0
+
+
+def test_a_manifest_in_a_directory_of_another_step_or_unreadable_is_refused(tmp_path: Path) -> None:
+    _, older, newer = two_checkpoints(tmp_path)
+    step = read_manifest(newer).step
+    resealed(newer, set_in(["step"], step + 1))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(newer)
+    assert refused.value.path == newer
+    assert refused.value.reason == f"directory says step {step}, manifest says {step + 1}"
+    (older / "manifest.json").unlink()
+    (older / "manifest.json").mkdir()
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_manifest(older)
+    assert refused.value.path == older and refused.value.reason.startswith("manifest unreadable: [Errno 21]")
+
+
+def test_common_state_unreadable_or_undecodable_names_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, older, newer = two_checkpoints(tmp_path)
+    garbage = b"not a checkpoint at all"
+    (newer / "common.stck").write_bytes(garbage)
+    resealed(newer, lambda r: r["common"].update(size=len(garbage), sha256=hashlib.sha256(garbage).hexdigest()))
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_common(read_manifest(newer))
+    assert refused.value.path == newer / "common.stck"
+
+    def unreadable(path: Path, start: int, length: int) -> bytearray:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(manifest_module, "read_range", unreadable)
+    with pytest.raises(CorruptCheckpoint) as refused:
+        read_common(read_manifest(older))
+    assert refused.value.path == older / "common.stck"
+    assert refused.value.reason == "unreadable: [Errno 13] Permission denied"
+
+
+def test_sealing_lists_every_partition_s_next_offset_and_refuses_shards_that_disagree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, newer = two_checkpoints(tmp_path)
+    ownership, common, shards = receipts(newer)
+    real = manifest_module.read_shard_index
+
+    def with_partitions(path: Path, receipt: FileReceipt) -> dict[str, Any]:
+        index = real(path, receipt)
+        if index["rank"] == 0:  # partitions 10 and 2, offsets in the other order
+            index["sections"] = [
+                {**index["sections"][0], "partition": 10, "next_offset": 5},
+                {**index["sections"][0], "partition": 2, "next_offset": 7000},
+            ]
+        return index
+
+    monkeypatch.setattr(manifest_module, "read_shard_index", with_partitions)
+    wide = Ownership(world_size=2, partition_count=11)
+    write_manifest(newer, step=9, topic=TOPIC, ownership=wide, common=common, shards=shards)
+    written = json.loads((newer / "manifest.json").read_text())["next_offsets"]
+    assert written == {"1": written["1"], "2": 7000, "10": 5} and read_manifest(newer).next_offsets[10] == 5
+
+    def disagreeing(path: Path, receipt: FileReceipt) -> dict[str, Any]:
+        index = real(path, receipt)
+        if index["rank"] == 1:
+            index["window"] = {**index["window"], "channels": 3}
+        return index
+
+    monkeypatch.setattr(manifest_module, "read_shard_index", disagreeing)
+    with pytest.raises(ValueError) as refused:
+        write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards)
+    assert str(refused.value) == (
+        "shards disagree on the window settings: rank 0 {'channels': 1, 'half_life_s': None, 'capacity': 5000}, "
+        "rank 1 {'channels': 3, 'half_life_s': None}"
+    )

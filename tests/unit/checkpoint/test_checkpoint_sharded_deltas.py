@@ -22,9 +22,10 @@ from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.manifest import read_manifest
 from streamtrain.checkpoint.rescale import restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import read_shard_index
+from streamtrain.checkpoint.shards import FileReceipt, read_shard_index
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
+from streamtrain.distributed.ownership import Ownership
 from streamtrain.window.reservoir import RecencyWindow
 
 COUNTERS = ("accepted_total", "rejected_total", "version")
@@ -339,3 +340,34 @@ def test_sigkill_in_the_middle_of_a_shard_write_restores_the_last_cut_nothing_lo
     seq = restored.state_dict()["seq"]
     assert np.unique(seq).size == seq.size  # nothing twice
     assert by_seq(restored.state_dict()) == by_seq(window.state_dict())
+
+
+def reseal_again(directory: Path, topic: str = TOPIC) -> None:
+    """Seal ``directory`` again from its own receipts (what rank 0 does last)."""
+    record = json.loads((directory / "manifest.json").read_text())
+    common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
+    shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
+    manifest_module.write_manifest(
+        directory, step=record["step"], topic=topic, ownership=Ownership.from_dict(record["ownership"]),
+        common=common, shards=shards,
+    )  # fmt: skip
+
+
+def test_a_delta_is_sealed_only_on_the_shards_and_topic_it_builds_on(tmp_path: Path) -> None:
+    _, _, (base, delta), _ = chained_cluster(tmp_path, 2, compaction_ratio=100.0)
+    reseal_again(delta)  # as it was: sealed again without a complaint
+    with pytest.raises(ValueError) as refused:
+        reseal_again(delta, topic="other-events")
+    assert str(refused.value) == f"a delta builds on {base.name}, of another topic or ownership"
+    record = json.loads((base / "manifest.json").read_text())
+    record["shards"][1]["sha256"] = "0" * 64  # the base's shard of rank 1 replaced by another one
+    record["sha256"] = manifest_module._manifest_digest(record)
+    (base / "manifest.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError) as refused:
+        reseal_again(delta)
+    assert str(refused.value) == f"the shard {base.name}/{record['shards'][1]['file']} a delta builds on was replaced"
+    record["shards"][1]["file"] = "shard-00009.stsh"  # or gone from the base's list
+    record["sha256"] = manifest_module._manifest_digest(record)
+    (base / "manifest.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="a delta builds on was replaced$"):
+        reseal_again(delta)
