@@ -7,6 +7,7 @@ tests/unit/distributed/test_distributed_processes.py.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,7 @@ from streamtrain.checkpoint.incremental import PendingWindow, WindowChain
 from streamtrain.checkpoint.manifest import read_manifest, write_manifest
 from streamtrain.checkpoint.rescale import RestoredShare, restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import shard_present, write_common, write_shard
+from streamtrain.checkpoint.shards import FileReceipt, shard_present, write_common, write_shard
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext, capacity_share
@@ -240,3 +241,12 @@ def mixed_directory(root: Path) -> tuple[Topic, RecencyWindow, CheckpointStore, 
     single_file = CheckpointStore(root)
     checkpointer = DistributedCheckpointer(ShardedCheckpointStore(root), Collectives(DistContext()), topic=TOPIC)
     return topic, window, single_file, checkpointer
+
+
+def receipts(directory: Path) -> tuple[int, Ownership, FileReceipt, list[FileReceipt]]:
+    """What the ranks reported when ``directory`` was sealed, read back from its manifest: step,
+    ownership, the common file's receipt and each shard's (what ``write_manifest`` takes)."""
+    record = json.loads((directory / "manifest.json").read_text())
+    common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
+    shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
+    return int(record["step"]), Ownership.from_dict(record["ownership"]), common, shards

@@ -14,6 +14,7 @@ from sharded_cluster import (
     TOPIC,
     damage_common,
     damage_section,
+    receipts,
     two_checkpoints,
 )
 
@@ -163,18 +164,10 @@ def test_the_manifest_s_own_refusals_in_full(tmp_path: Path) -> None:
 MISMATCH = "SHA-256 mismatch against the manifest (bit rot or partial overwrite)"
 
 
-def receipts(directory: Path) -> tuple[Ownership, FileReceipt, list[FileReceipt]]:
-    """What the ranks reported when ``directory`` was sealed, read back from its manifest."""
-    record = json.loads((directory / "manifest.json").read_text())
-    common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
-    shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
-    return Ownership.from_dict(record["ownership"]), common, shards
-
-
 def test_sealing_again_writes_the_same_record_sorted_and_indented(tmp_path: Path) -> None:
     _, _, newer = two_checkpoints(tmp_path)
     before = json.loads((newer / "manifest.json").read_text())
-    ownership, common, shards = receipts(newer)
+    _, ownership, common, shards = receipts(newer)
     write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards, created_at=1234.5)
     text = (newer / "manifest.json").read_text()
     record = json.loads(text)
@@ -190,7 +183,7 @@ def test_sealing_again_writes_the_same_record_sorted_and_indented(tmp_path: Path
 
 def test_sealing_refuses_shards_of_another_count_or_step_in_full(tmp_path: Path) -> None:
     _, _, newer = two_checkpoints(tmp_path)
-    ownership, common, shards = receipts(newer)
+    _, ownership, common, shards = receipts(newer)
     with pytest.raises(ValueError) as refused:
         write_manifest(newer, step=9, topic=TOPIC, ownership=ownership, common=common, shards=shards[:1])
     assert str(refused.value) == "a checkpoint of 2 ranks needs 2 shards, got 1"
@@ -287,7 +280,7 @@ def test_sealing_lists_every_partition_s_next_offset_and_refuses_shards_that_dis
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, _, newer = two_checkpoints(tmp_path)
-    ownership, common, shards = receipts(newer)
+    _, ownership, common, shards = receipts(newer)
     real = manifest_module.read_shard_index
 
     def with_partitions(path: Path, receipt: FileReceipt) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip
+from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip, receipts
 from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint import collective
@@ -22,10 +22,9 @@ from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.manifest import read_manifest
 from streamtrain.checkpoint.rescale import restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
-from streamtrain.checkpoint.shards import FileReceipt, read_shard_index
+from streamtrain.checkpoint.shards import read_shard_index
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
-from streamtrain.distributed.ownership import Ownership
 from streamtrain.window.reservoir import RecencyWindow
 
 COUNTERS = ("accepted_total", "rejected_total", "version")
@@ -344,13 +343,8 @@ def test_sigkill_in_the_middle_of_a_shard_write_restores_the_last_cut_nothing_lo
 
 def reseal_again(directory: Path, topic: str = TOPIC) -> None:
     """Seal ``directory`` again from its own receipts (what rank 0 does last)."""
-    record = json.loads((directory / "manifest.json").read_text())
-    common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
-    shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
-    manifest_module.write_manifest(
-        directory, step=record["step"], topic=topic, ownership=Ownership.from_dict(record["ownership"]),
-        common=common, shards=shards,
-    )  # fmt: skip
+    step, ownership, common, shards = receipts(directory)
+    manifest_module.write_manifest(directory, step=step, topic=topic, ownership=ownership, common=common, shards=shards)
 
 
 def test_a_delta_is_sealed_only_on_the_shards_and_topic_it_builds_on(tmp_path: Path) -> None:
