@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 
 from streamtrain.checkpoint.collective import DistributedCheckpointer, SaveResult
 from streamtrain.checkpoint.incremental import PendingWindow, WindowChain
-from streamtrain.checkpoint.manifest import read_manifest, write_manifest
+from streamtrain.checkpoint.manifest import _manifest_digest, read_manifest, write_manifest
 from streamtrain.checkpoint.rescale import RestoredShare, restore_share
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.shards import FileReceipt, shard_present, write_common, write_shard
@@ -250,3 +250,12 @@ def receipts(directory: Path) -> tuple[int, Ownership, FileReceipt, list[FileRec
     common = FileReceipt(record["common"]["file"], record["common"]["size"], record["common"]["sha256"])
     shards = [FileReceipt(s["file"], s["size"], s["sha256"], s["index_sha256"]) for s in record["shards"]]
     return int(record["step"]), Ownership.from_dict(record["ownership"]), common, shards
+
+
+def resealed(directory: Path, edit: Callable[[dict[str, Any]], object]) -> None:
+    """Edit ``directory``'s manifest and seal it again (its own digest made to match): what only
+    the structural checks can catch."""
+    record = json.loads((directory / "manifest.json").read_text())
+    edit(record)
+    record["sha256"] = _manifest_digest(record)
+    (directory / "manifest.json").write_text(json.dumps(record))

@@ -15,6 +15,7 @@ from sharded_cluster import (
     damage_common,
     damage_section,
     receipts,
+    resealed,
     two_checkpoints,
 )
 
@@ -23,7 +24,6 @@ from streamtrain.checkpoint.files import file_sha256
 from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.manifest import (
     _check_chain,
-    _manifest_digest,
     read_common,
     read_manifest,
     verify_checkpoint,
@@ -56,15 +56,6 @@ def test_verify_catches_a_flip_in_a_section_no_reader_needed(tmp_path: Path) -> 
         verify_checkpoint(newer)
     with pytest.raises(CorruptCheckpoint, match="SHA-256"):
         restore_share(manifest, rank=1, world_size=2, partition_count=3, topic=TOPIC)
-
-
-def resealed(directory: Path, edit: Callable[[dict[str, Any]], object]) -> None:
-    """Edit ``directory``'s manifest and seal it again (its own digest made to match): what only
-    the structural checks can catch."""
-    record = json.loads((directory / "manifest.json").read_text())
-    edit(record)
-    record["sha256"] = _manifest_digest(record)
-    (directory / "manifest.json").write_text(json.dumps(record))
 
 
 def chained(record: dict[str, Any], **shard: object) -> None:

@@ -3,7 +3,6 @@ restored (and rescaled) from base + deltas, never mixed, pruned by what the kept
 
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip, receipts
+from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip, receipts, resealed
 from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint import collective
@@ -262,11 +261,7 @@ def test_pruning_keeps_what_kept_shards_build_on_and_a_restore_point_beside_one_
 def test_a_manifest_that_names_a_chain_it_cannot_have_is_refused(tmp_path: Path, chain: list[str]) -> None:
     """Even with its digest made to match: a chain names sealed checkpoints beside it, the parent first."""
     _, _, directories, _ = chained_cluster(tmp_path, 2)
-    path = directories[-1] / "manifest.json"
-    record = json.loads(path.read_text())
-    record["shards"][0]["chain"] = chain
-    record["sha256"] = manifest_module._manifest_digest(record)
-    path.write_text(json.dumps(record))
+    resealed(directories[-1], lambda record: record["shards"][0].update(chain=chain))
     with pytest.raises(CorruptCheckpoint, match="malformed"):
         read_manifest(directories[-1])
 
@@ -353,15 +348,11 @@ def test_a_delta_is_sealed_only_on_the_shards_and_topic_it_builds_on(tmp_path: P
     with pytest.raises(ValueError) as refused:
         reseal_again(delta, topic="other-events")
     assert str(refused.value) == f"a delta builds on {base.name}, of another topic or ownership"
-    record = json.loads((base / "manifest.json").read_text())
-    record["shards"][1]["sha256"] = "0" * 64  # the base's shard of rank 1 replaced by another one
-    record["sha256"] = manifest_module._manifest_digest(record)
-    (base / "manifest.json").write_text(json.dumps(record))
+    shard_file = read_manifest(base).shards[1]["file"]
+    resealed(base, lambda record: record["shards"][1].update(sha256="0" * 64))  # rank 1's shard replaced
     with pytest.raises(ValueError) as refused:
         reseal_again(delta)
-    assert str(refused.value) == f"the shard {base.name}/{record['shards'][1]['file']} a delta builds on was replaced"
-    record["shards"][1]["file"] = "shard-00009.stsh"  # or gone from the base's list
-    record["sha256"] = manifest_module._manifest_digest(record)
-    (base / "manifest.json").write_text(json.dumps(record))
+    assert str(refused.value) == f"the shard {base.name}/{shard_file} a delta builds on was replaced"
+    resealed(base, lambda record: record["shards"][1].update(file="shard-00009.stsh"))  # or gone from its list
     with pytest.raises(ValueError, match="a delta builds on was replaced$"):
         reseal_again(delta)

@@ -124,14 +124,18 @@ def test_sample_is_uniform_over_ordered_tuples_of_distinct_items(rng: Randomness
     assert stats.chisquare(counts).pvalue > CRYPTO_ALPHA
 
 
-class CountingRandomness(SeededRandomness):
-    """Counts the 64-bit words drawn."""
+class Counting(Randomness):
+    """Counts the 64-bit words drawn from the randomness it is mixed into."""
 
     drawn = 0
 
     def raw_uint64(self, n: int) -> np.ndarray:
         self.drawn += n
         return super().raw_uint64(n)
+
+
+class CountingRandomness(Counting, SeededRandomness):
+    """A seeded stream, its words counted."""
 
 
 def test_a_small_sample_of_many_items_draws_words_for_the_sample_not_the_items() -> None:
@@ -200,16 +204,8 @@ def test_bernoulli_rejects_probabilities_outside_unit_interval() -> None:
             SeededRandomness(0).bernoulli(bad)
 
 
-class ScriptedCounting(ScriptedRandomness):
+class ScriptedCounting(Counting, ScriptedRandomness):
     """Scripted words, counting how many were drawn."""
-
-    def __init__(self, words: list[int]) -> None:
-        super().__init__(words)
-        self.drawn = 0
-
-    def raw_uint64(self, n: int) -> np.ndarray:
-        self.drawn += n
-        return super().raw_uint64(n)
 
 
 @pytest.mark.parametrize(
