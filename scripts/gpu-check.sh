@@ -178,7 +178,7 @@ EOF
 say "environment: $(tr -d '\n' <"$OUT/env.json" | tr -s ' ' | cut -c1-400)"
 
 step tests "$LIMIT_TESTS" "$OUT/tests.txt" \
-  "$PY" -m pytest -q -rs -p no:cacheprovider "${TEST_SELECT[@]}" tests/unit/test_device.py tests/unit/model/test_model_inference.py tests/unit/serve/test_serve_batcher.py
+  "$PY" -m pytest -q -rs -p no:cacheprovider "${TEST_SELECT[@]}" tests/unit/test_device.py tests/unit/data/test_prefetch.py tests/unit/model/test_model_inference.py tests/unit/serve/test_serve_batcher.py
 if [ -f "$OUT/tests.txt" ]; then tail -n 12 "$OUT/tests.txt" | tee -a "$LOG"; fi
 
 : >"$OUT/train_throughput.jsonl"

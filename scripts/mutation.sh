@@ -78,6 +78,13 @@ MODULES=(
   "files|src/streamtrain/checkpoint/files.py|tests/unit/checkpoint/test_checkpoint_files.py"
   "snapshot|src/streamtrain/window/snapshot.py|tests/unit/window/test_window_snapshot.py tests/unit/data/test_policies.py tests/unit/data/test_dataset.py"
   "network|src/streamtrain/model/network.py|tests/unit/model/test_model_network.py tests/unit/model/test_model_inference.py tests/unit/model/test_model_losses.py"
+  "decoders|src/streamtrain/ingest/decoders.py|tests/unit/ingest/test_ingest_decoders.py"
+  "window_storage|src/streamtrain/window/storage.py|tests/unit/window/test_window_storage.py tests/unit/window/test_window_reservoir.py tests/unit/window/test_window_snapshot.py"
+  "wire|src/streamtrain/distributed/wire.py|tests/unit/distributed/test_distributed_wire.py"
+  "prefetch|src/streamtrain/data/prefetch.py|tests/unit/data/test_prefetch.py tests/unit/test_device.py tests/unit/data/test_dataset.py"
+  "quality_config|src/streamtrain/quality/config.py|tests/unit/quality/test_quality_config.py"
+  "launch|src/streamtrain/distributed/launch.py|tests/unit/distributed/test_distributed_launch.py"
+  "simulation_config|src/streamtrain/tools/simulation_config.py|tests/unit/tools/test_tools_simulation_config.py"
   "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )

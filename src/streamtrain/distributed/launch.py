@@ -72,7 +72,7 @@ class DistContext:
         rank = _env_int(env, "RANK", minimum=0, default=None if world_size > 1 else 0)
         local_rank = _env_int(env, "LOCAL_RANK", minimum=0, default=0)
         local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", minimum=1, default=max(1, local_rank + 1))
-        port = _env_int(env, "MASTER_PORT", minimum=1, default=-1)
+        port = _env_int(env, "MASTER_PORT", minimum=1, default=0)  # 0: unset
         if port > 65535:
             raise DistConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
         return cls(
@@ -81,7 +81,7 @@ class DistContext:
             local_rank=local_rank,
             local_world_size=local_world_size,
             master_addr=env.get("MASTER_ADDR") or None,
-            master_port=None if port < 0 else port,
+            master_port=port or None,
             restart_count=_env_int(env, "TORCHELASTIC_RESTART_COUNT", minimum=0, default=0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() in ("1", "true"),
         )

@@ -141,14 +141,14 @@ class StepRow:
         for name, value in counts.items():
             if not 0 <= int(value) < _EXACT_FLOAT_INT:
                 raise ValueError(f"count {name}={value} must be in [0, 2**53)")
-        extra = torch.as_tensor(np.asarray(payload if payload is not None else [], dtype=np.float64)).reshape(-1)
+        extra = torch.as_tensor(payload if payload is not None else [], dtype=torch.float64).reshape(-1)
         names = sorted(counts)
         layout = float(zlib.crc32(f"{','.join(names)}|{extra.numel()}|{','.join(_SIGNAL_FIELDS)}".encode()))
         head = [float(step), layout, float(len(names))]
         head += [1.0 if getattr(signals, name) else 0.0 for name in _SIGNAL_FIELDS]
         head += _rollback_fields(signals.rollback)
         head += [float(int(counts[name])) for name in names]
-        values = torch.cat([torch.tensor(head, dtype=torch.float64), extra.to(torch.float64)])
+        values = torch.cat([torch.tensor(head, dtype=torch.float64), extra])
         return cls(step=int(step), count_names=tuple(names), payload_size=extra.numel(), values=values)
 
     def decode(self, rows: torch.Tensor) -> StepAgreement:

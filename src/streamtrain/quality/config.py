@@ -26,7 +26,7 @@ class QualityConfig:
     drift_detector: str = "adwin"
     drift_adwin_delta: float = 0.002
     drift_ph_threshold: float = 100.0
-    holdout_share: float = 0.0
+    holdout_share: float = 0.0  # the service's default is HOLDOUT_SHARE's (0.1); 0 here: nothing held out unless asked
     holdout_capacity: int = 256
     holdout_min_events: int = 32
     holdout_block_events: int = 1

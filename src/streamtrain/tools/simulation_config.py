@@ -216,8 +216,8 @@ def _one_line(exc: ValidationError, sources: Mapping[str, str]) -> str:
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     if not name:
         return f"invalid simulation settings: {err['msg']}{more}"
+    origin = sources[name]  # defaults are not validated: every value refused came with a source
     if err.get("type") == "extra_forbidden":
         known = ", ".join(SimulationConfig.model_fields)
-        return f"unknown simulation setting {name!r} (from {sources.get(name, 'arguments')}); known: {known}"
-    origin = sources.get(name, "default")
+        return f"unknown simulation setting {name!r} (from {origin}); known: {known}"
     return f"invalid simulation setting {name}={err.get('input')!r} (from {origin}): {err['msg']}{more}"

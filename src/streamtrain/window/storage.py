@@ -17,7 +17,7 @@ _LN2 = math.log(2.0)
 
 def decay_rate(half_life_s: float) -> float:
     """λ = ln 2 / half-life; 0 for an infinite half-life (uniform reservoir)."""
-    return 0.0 if math.isinf(half_life_s) else _LN2 / half_life_s
+    return _LN2 / half_life_s  # ln 2 / inf is 0.0
 
 
 # The per-item columns of a window and their dtypes: its storage, its state_dict (which
@@ -132,8 +132,8 @@ class ItemReadings:
             return []
         ends = np.cumsum(self.lengths)
         piece_tokens = max(1, piece_bytes // (4 * channels))
-        cuts = np.unique(np.searchsorted(ends, np.arange(piece_tokens, tokens, piece_tokens), side="right"))
-        bounds = np.concatenate([[0], cuts[(cuts > 0) & (cuts < self.lengths.shape[0])], [self.lengths.shape[0]]])
+        cuts = np.searchsorted(ends, np.arange(piece_tokens, tokens, piece_tokens), side="right")
+        bounds = np.union1d([0, self.lengths.shape[0]], cuts)  # sorted, each once
         token_bounds = np.concatenate([[0], ends])[bounds]
         pieces = zip(bounds[:-1].tolist(), bounds[1:].tolist(), token_bounds[:-1].tolist(), token_bounds[1:].tolist())
         return [piece for piece in pieces if piece[3] > piece[2]]

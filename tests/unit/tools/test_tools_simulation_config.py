@@ -47,3 +47,84 @@ def test_config_errors_name_the_setting_and_its_source(tmp_path: Path):
         load_simulation_config(None, environ={}, overrides={"max_len": 100_000, "channels": 8})
     with pytest.raises(SimulationConfigError, match="ascending"):
         load_simulation_config(None, environ={}, overrides={"drift_at_s": (5.0, 1.0)})
+
+
+KNOWN = ", ".join(SimulationConfig.model_fields)
+RATE_REFUSED = "invalid simulation setting rate=-1.0 (from --rate): Input should be greater than or equal to 0"
+
+
+def test_each_refusal_names_where_the_value_came_from(tmp_path: Path, monkeypatch) -> None:
+    top = tmp_path / "top.toml"
+    top.write_text("channels = 0\n")  # a top-level key shared with the service's config, no [simulate]
+    with pytest.raises(SimulationConfigError) as err:
+        load_simulation_config(top, environ={})
+    assert (
+        str(err.value)
+        == f"invalid simulation setting channels=0 (from {top}): Input should be greater than or equal to 1"
+    )
+    with pytest.raises(
+        SimulationConfigError, match=r"^invalid simulation setting max_message_bytes=10 \(from --max-message-bytes\)"
+    ):
+        load_simulation_config(None, environ={}, overrides={"max_message_bytes": 10})
+    monkeypatch.setenv("STREAMTRAIN_TOPIC", "from-the-process")
+    assert load_simulation_config(None).topic == "from-the-process"  # no environ given: the process's
+
+
+def test_a_file_without_a_simulate_section_and_an_alias_inside_one(tmp_path: Path) -> None:
+    top = tmp_path / "service.toml"
+    top.write_text('kafka_bootstrap = "broker:9092"\nwindow_capacity = 5000\n')  # the service's keys are left alone
+    assert load_simulation_config(top, environ={}).bootstrap == "broker:9092"
+    section = tmp_path / "section.toml"
+    section.write_text('[simulate]\nkafka_bootstrap = "other:9092"\n')
+    assert load_simulation_config(section, environ={}).bootstrap == "other:9092"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("simulate = 5\n", "config file {path}: 'simulate' must be a table ([simulate]), got int"),
+        ("[simulate]\nrte = 5\n", "config file {path}: unknown setting 'rte' in [simulate]; known settings: " + KNOWN),
+        ("rate = \n", "config file {path} is not valid TOML: Invalid value (at line 1, column 8)"),
+    ],
+)
+def test_a_bad_file_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SimulationConfigError) as err:
+        load_simulation_config(path, environ={})
+    assert str(err.value) == message.format(path=path)
+
+
+def test_a_file_that_is_not_utf8_is_refused_as_not_toml(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'topic = "caf\xe9"\n')
+    with pytest.raises(SimulationConfigError, match=rf"^config file {path} is not valid TOML: 'utf-8' codec"):
+        load_simulation_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"rate": -1.0},
+            "invalid simulation setting rate=-1.0 (from --rate): Input should be greater than or equal to 0",
+        ),
+        (
+            {"rate": -1.0, "channels": 0},
+            RATE_REFUSED + " (and 1 more)",
+        ),
+        (
+            {"rate": -1.0, "channels": 0, "max_len": 0},
+            RATE_REFUSED + " (and 2 more)",
+        ),
+        ({"rte": 5}, f"unknown simulation setting 'rte' (from --rte); known: {KNOWN}"),
+        (
+            {"drift_at_s": (5.0, 1.0)},
+            "invalid simulation settings: Value error, drift_at_s must be non-negative and ascending, got [5.0, 1.0]",
+        ),
+    ],
+)
+def test_the_first_error_is_said_in_full_and_the_rest_counted(overrides: dict, message: str) -> None:
+    with pytest.raises(SimulationConfigError) as err:
+        load_simulation_config(None, environ={}, overrides=overrides)
+    assert str(err.value) == message
