@@ -10,8 +10,9 @@ each series is also fitted on every prefix of its windows from half to all (abou
 the geometric mean over prefixes, the worst, and on how many prefixes one variant beats the
 other say more than one fit. Both in one run: the forecaster as it serves, and the baseline
 variant ``--baseline`` names: ``no-smoothing`` (its smoothed family left out,
-``SMOOTHING_WEIGHTS`` emptied) or ``shrink-df-2`` (every family shrunk as a model of two
-parameters, as before the shrink factor counted the best model's own).
+``SMOOTHING_WEIGHTS`` emptied), ``shrink-df-2`` (every family shrunk as a model of two
+parameters, as before the shrink factor counted the best model's own) or ``bic`` (a family served
+only where Schwarz's criterion prefers it to the last value).
 
     python bench/linear_offline.py                   # the 11 tuning series
     python bench/linear_offline.py --series all      # tuning, unseen, fresh and late (30), a minute
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,9 +68,33 @@ def shrink_df_2() -> Iterator[None]:
         forecasters.shrink_factor = shrink_factor
 
 
+@contextlib.contextmanager
+def schwarz_gate() -> Iterator[None]:
+    """A family's fit kept only where Schwarz's criterion (BIC) prefers it to the last value: its GCV gain
+    over the last value, ``n log(last / GCV)``, above ``df (log n - 2)`` (GCV charges about 2 per
+    parameter already, as AIC does; BIC charges ``log n``)."""
+    averaged = forecasters.averaged
+
+    def gated(members: Sequence[forecasters.LinearModel], sums: LagSums, channel: int) -> forecasters.FamilyFit | None:
+        fit = averaged(members, sums, channel)
+        if fit is None:
+            return None
+        best = min(members, key=lambda m: m.gcv_mse)
+        _, _, yty, rows = sums.tail(channel, best.coefficients.size - 2)
+        n = best.distinct_targets
+        return fit if n * math.log(yty / rows / best.gcv_mse) > best.df * (math.log(n) - 2.0) else None
+
+    forecasters.averaged = gated
+    try:
+        yield
+    finally:
+        forecasters.averaged = averaged
+
+
 BASELINES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "no-smoothing": no_smoothing,
     "shrink-df-2": shrink_df_2,
+    "bic": schwarz_gate,
 }
 
 
