@@ -86,6 +86,7 @@ MODULES=(
   "launch|src/streamtrain/distributed/launch.py|tests/unit/distributed/test_distributed_launch.py"
   "simulation_config|src/streamtrain/tools/simulation_config.py|tests/unit/tools/test_tools_simulation_config.py"
   "sharded_store|src/streamtrain/checkpoint/sharded_store.py|tests/unit/checkpoint/test_checkpoint_sharded_store.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_rescale.py"
+  "shards|src/streamtrain/checkpoint/shards.py|tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_collective.py"
   "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )

@@ -24,6 +24,7 @@ from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.shards import read_shard_index
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
+from streamtrain.events import EventBatch
 from streamtrain.window.reservoir import RecencyWindow
 
 COUNTERS = ("accepted_total", "rejected_total", "version")
@@ -356,3 +357,83 @@ def test_a_delta_is_sealed_only_on_the_shards_and_topic_it_builds_on(tmp_path: P
     resealed(base, lambda record: record["shards"][1].update(file="shard-00009.stsh"))  # or gone from its list
     with pytest.raises(ValueError, match="a delta builds on was replaced$"):
         reseal_again(delta)
+
+
+@pytest.mark.parametrize("offsets", [True, False], ids=["consumed", "no-offsets"])
+def test_a_partition_whose_items_all_left_is_carried_by_the_delta_as_empty(tmp_path: Path, offsets: bool) -> None:
+    """After the base only partition 0 gets events, newer by far: every item of partition 1 leaves the
+    window and none enters it. The delta must still say so (and keep partition 1's offset), also for a
+    window fed without Kafka offsets (nothing but its items names the partitions)."""
+    topic = Topic(partitions=2, seed=3)
+    topic.produce(12)
+    window = RecencyWindow(6, 1.0, rng=np.random.default_rng(0))
+    store = ShardedCheckpointStore(tmp_path, keep=100)
+    chain = WindowChain(by_partition=True, compaction_ratio=1e9, max_chain=3)
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=chain)
+
+    fed = [0, 0]
+
+    def cut(step: int) -> Path:
+        if offsets:
+            Cluster.consume_into(window, topic, rank=0, world_size=1)
+        else:
+            for p in (0, 1):
+                events = topic.events[p][fed[p] :]
+                if events:
+                    window.insert_batch(EventBatch.from_events(events, [p] * len(events), range(len(events))))
+                fed[p] = len(topic.events[p])
+        result = checkpointer.save(
+            step=step, partition_count=2, window_state=window.capture_state(), common_state={"trainer": {}}
+        )
+        assert result.ok
+        return result.path
+
+    cut(0)
+    assert set(window.state_dict()["partitions"].tolist()) == {0, 1}
+    later = Topic(partitions=1, seed=4)
+    later.clock = topic.clock + 1000.0  # a thousand half-lives newer
+    later.produce(30)
+    topic.events[0] += later.events[0]
+    delta = cut(1)
+    assert shard_kinds(delta) == ["delta"]
+    assert set(window.state_dict()["partitions"].tolist()) == {0}
+    share = restore_share(read_manifest(delta), rank=0, world_size=1, partition_count=2, topic=TOPIC)
+    assert by_seq(share.window_state) == by_seq(window.state_dict())
+    restored = {int(p): int(o) for p, o in share.window_state["next_offsets"].items()}
+    assert restored == window.next_offsets == ({0: len(topic.events[0]), 1: len(topic.events[1])} if offsets else {})
+
+
+def test_a_delta_keeps_partitions_that_did_not_change_and_those_that_only_moved_their_offset(
+    tmp_path: Path,
+) -> None:
+    """Fed without offsets (items alone name partitions 0 and 1), partition 1 gets nothing after the
+    base and keeps its items; partition 2 holds no item, only an offset that moved."""
+    topic = Topic(partitions=2, seed=5)
+    topic.produce(12)
+    window = RecencyWindow(100, math.inf, rng=np.random.default_rng(0))
+    store = ShardedCheckpointStore(tmp_path, keep=100)
+    chain = WindowChain(by_partition=True, compaction_ratio=1e9, max_chain=3)
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=chain)
+
+    def feed(p: int, events: list) -> None:
+        window.insert_batch(EventBatch.from_events(events, [p] * len(events), range(len(events))))
+
+    def cut(step: int) -> Path:
+        result = checkpointer.save(
+            step=step, partition_count=3, window_state=window.capture_state(), common_state={"trainer": {}}
+        )
+        assert result.ok
+        return result.path
+
+    feed(0, topic.events[0])
+    feed(1, topic.events[1])
+    cut(0)
+    later = Topic(partitions=1, seed=6)
+    later.produce(5)
+    feed(0, later.events[0])
+    window.insert_batch(EventBatch.from_events([], [], []), {2: 7})
+    delta = cut(1)
+    assert shard_kinds(delta) == ["delta"]
+    share = restore_share(read_manifest(delta), rank=0, world_size=1, partition_count=3, topic=TOPIC)
+    assert by_seq(share.window_state) == by_seq(window.state_dict())
+    assert {int(p): int(o) for p, o in share.window_state["next_offsets"].items()} == {2: 7}
