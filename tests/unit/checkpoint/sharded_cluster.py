@@ -227,6 +227,31 @@ def one_rank_window(topic: Topic) -> RecencyWindow:
     return cluster.windows[0]
 
 
+def save_chain(
+    store: ShardedCheckpointStore,
+    topic: Topic,
+    window: RecencyWindow,
+    steps: int,
+    after_each: Callable[[WindowChain], None] | None = None,
+) -> tuple[list[Path], list[str]]:
+    """``steps`` checkpoints of one rank's ``window`` into ``store``, 20 events more each, on a chain of
+    up to three deltas that never compacts; their directories and kinds ("base", "delta")."""
+    chain = WindowChain(by_partition=True, compaction_ratio=1e9, max_chain=3)
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=chain)
+    paths, kinds = [], []
+    for step in range(steps):
+        topic.produce(20)
+        Cluster.consume_into(window, topic, rank=0, world_size=1)
+        result = checkpointer.save(
+            step=step, partition_count=3, window_state=window.capture_state(), common_state={"trainer": {}}
+        )
+        paths.append(result.path)
+        kinds.append(result.kind)
+        if after_each is not None:
+            after_each(chain)
+    return paths, kinds
+
+
 def save_one_rank(checkpointer: DistributedCheckpointer, window: RecencyWindow, step: int) -> SaveResult:
     return checkpointer.save(
         step=step, partition_count=3, window_state=window.state_dict(), common_state={"trainer": {"step": step}}

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip, receipts, resealed
+from sharded_cluster import TOPIC, Cluster, Topic, assert_exact, flip, receipts, resealed, save_chain
 from stalled_child import kill_when_stalled
 
 from streamtrain.checkpoint import collective
@@ -229,21 +229,12 @@ def test_pruning_keeps_what_kept_shards_build_on_and_a_restore_point_beside_one_
     window = RecencyWindow(60, 30.0, rng=np.random.default_rng(2))
 
     def save_all(keep: int, steps: int) -> tuple[ShardedCheckpointStore, list[Path], list[str]]:
-        root = tmp_path / f"keep{keep}"
-        store = ShardedCheckpointStore(root, keep=keep)
-        chain = WindowChain(by_partition=True, compaction_ratio=1e9, max_chain=3)
-        checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=chain)
-        paths, kinds = [], []
-        for step in range(steps):
-            topic.produce(20)
-            Cluster.consume_into(window, topic, rank=0, world_size=1)
-            result = checkpointer.save(
-                step=step, partition_count=3, window_state=window.capture_state(), common_state={"trainer": {}}
-            )
-            paths.append(result.path)
-            kinds.append(result.kind)
-            if keep == 1:  # the newest and the checkpoints its chain builds on, nothing else
-                assert len(store.scan()) == chain.report().chain_length + 1
+        store = ShardedCheckpointStore(tmp_path / f"keep{keep}", keep=keep)
+
+        def only_the_newest_chain(chain: WindowChain) -> None:  # the newest and what it builds on, nothing else
+            assert len(store.scan()) == chain.report().chain_length + 1
+
+        paths, kinds = save_chain(store, topic, window, steps, only_the_newest_chain if keep == 1 else None)
         return store, paths, kinds
 
     _, _, kinds = save_all(keep=1, steps=9)

@@ -11,18 +11,17 @@ import pytest
 import torch
 from sharded_cluster import (
     TOPIC,
-    Cluster,
     Topic,
     damage_common,
     mixed_directory,
     one_rank_window,
+    save_chain,
     save_one_rank,
 )
 
 from streamtrain.checkpoint import sharded_store
 from streamtrain.checkpoint.collective import DistributedCheckpointer
 from streamtrain.checkpoint.format import CorruptCheckpoint
-from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
@@ -148,20 +147,8 @@ def test_a_damaged_manifest_is_reported_once_and_a_failing_callback_is_logged(
 
 def chain_of_seven(root: Path) -> list[Path]:
     """base, 3 deltas, base, 2 deltas: written by a store that prunes nothing."""
-    topic = Topic(partitions=3, seed=4)
     window = RecencyWindow(60, 30.0, rng=np.random.default_rng(2))
-    store = ShardedCheckpointStore(root, keep=100)
-    chain = WindowChain(by_partition=True, compaction_ratio=1e9, max_chain=3)
-    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=chain)
-    paths, kinds = [], []
-    for step in range(7):
-        topic.produce(20)
-        Cluster.consume_into(window, topic, rank=0, world_size=1)
-        result = checkpointer.save(
-            step=step, partition_count=3, window_state=window.capture_state(), common_state={"trainer": {}}
-        )
-        paths.append(result.path)
-        kinds.append(result.kind)
+    paths, kinds = save_chain(ShardedCheckpointStore(root, keep=100), Topic(partitions=3, seed=4), window, 7)
     assert kinds == ["base", "delta", "delta", "delta", "base", "delta", "delta"]
     return paths
 

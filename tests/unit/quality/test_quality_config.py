@@ -7,50 +7,37 @@ import dataclasses
 from streamtrain.config import load_settings
 from streamtrain.quality.config import HOLDOUT_STREAM, SCORING_STREAM, QualityConfig
 
+#: every field at a value of its own, none its default
+OWN_VALUES = {
+    "max_events_per_s": 7.5,
+    "score_delay_s": 0.25,
+    "half_life_events": 321.0,
+    "drift_detector": "page_hinkley",
+    "drift_adwin_delta": 0.01,
+    "drift_ph_threshold": 42.0,
+    "holdout_share": 0.3,
+    "holdout_capacity": 99,
+    "holdout_min_events": 11,
+    "holdout_block_events": 5,
+    "publish_gate_tolerance": 0.2,
+    "linear_max_order": 6,
+    "auto_rollback": False,
+    "rollback_min_events": 17,
+    "rollback_margin": 0.4,
+    "token_budget": 512,
+    "shuffle": "crypto",
+    "seed": 3,
+}
+#: the settings whose names are not the field's
+SETTING_NAMES = {name: f"quality_{name}" for name in ("max_events_per_s", "score_delay_s", "half_life_events")}
+
 
 def test_each_quality_setting_is_read_from_its_own_setting() -> None:
-    """Every field set to a value of its own, none the default: a field read from another setting,
-    or left at its default, changes the result."""
-    settings = load_settings(
-        quality_max_events_per_s=7.5,
-        quality_score_delay_s=0.25,
-        quality_half_life_events=321.0,
-        drift_detector="page_hinkley",
-        drift_adwin_delta=0.01,
-        drift_ph_threshold=42.0,
-        holdout_share=0.3,
-        holdout_capacity=99,
-        holdout_min_events=11,
-        holdout_block_events=5,
-        publish_gate_tolerance=0.2,
-        linear_max_order=6,
-        auto_rollback=False,
-        rollback_min_events=17,
-        rollback_margin=0.4,
-        token_budget=512,
-        shuffle="crypto",
-        seed=3,
-    )
-    assert QualityConfig.from_settings(settings) == QualityConfig(
-        max_events_per_s=7.5,
-        score_delay_s=0.25,
-        half_life_events=321.0,
-        drift_detector="page_hinkley",
-        drift_adwin_delta=0.01,
-        drift_ph_threshold=42.0,
-        holdout_share=0.3,
-        holdout_capacity=99,
-        holdout_min_events=11,
-        holdout_block_events=5,
-        publish_gate_tolerance=0.2,
-        linear_max_order=6,
-        auto_rollback=False,
-        rollback_min_events=17,
-        rollback_margin=0.4,
-        token_budget=512,
-        shuffle="crypto",
-        seed=3,
-    )
+    """A field read from another setting, or left at its default, changes the result."""
+    assert set(OWN_VALUES) == {f.name for f in dataclasses.fields(QualityConfig)}
+    assert all(getattr(QualityConfig(), name) != value for name, value in OWN_VALUES.items())
+    settings = load_settings(**{SETTING_NAMES.get(name, name): value for name, value in OWN_VALUES.items()})
+    assert QualityConfig.from_settings(settings) == QualityConfig(**OWN_VALUES)
 
 
 def test_a_config_built_directly_has_the_services_defaults_but_two() -> None:
