@@ -87,6 +87,9 @@ MODULES=(
   "simulation_config|src/streamtrain/tools/simulation_config.py|tests/unit/tools/test_tools_simulation_config.py"
   "sharded_store|src/streamtrain/checkpoint/sharded_store.py|tests/unit/checkpoint/test_checkpoint_sharded_store.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "shards|src/streamtrain/checkpoint/shards.py|tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_collective.py"
+  "validate|src/streamtrain/data/_validate.py|tests/unit/data/test_validate.py"
+  "exits|src/streamtrain/runtime/exits.py|tests/unit/runtime/test_runtime_exits.py"
+  "allocator|src/streamtrain/runtime/allocator.py|tests/unit/runtime/test_runtime_allocator.py --deselect=tests/unit/runtime/test_runtime_allocator.py::test_deploy_jemalloc_gives_a_library_the_process_then_runs_on"
   "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )

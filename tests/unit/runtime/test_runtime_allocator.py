@@ -39,3 +39,8 @@ def test_deploy_jemalloc_gives_a_library_the_process_then_runs_on() -> None:
     assert run.stdout.strip() == "jemalloc", run.stderr
     plain = subprocess.run([sys.executable, "-c", probe], env={}, capture_output=True, text=True)
     assert plain.stdout.strip() == (platform.libc_ver()[0] or "unknown"), plain.stderr
+
+
+def test_a_c_library_python_cannot_name_is_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform, "libc_ver", lambda: ("", ""))  # musl, as on Alpine
+    assert malloc_in_use(tmp_path / "missing") == "unknown"
