@@ -69,7 +69,7 @@ def test_nothing_is_unpickled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 # ------------------------------------------------------------------ a shard's prefix and index, by hand
-PREFIX = struct.Struct("<8sQ32s")  # as docs/checkpoints.md lays a shard out: magic, index length, its SHA-256
+PREFIX = struct.Struct("<8sQ32s")  # as shards.py's docstring lays a shard out: magic, index length, its SHA-256
 INDEX = {
     "format": SHARD_FORMAT,
     "version": FORMAT_VERSION,

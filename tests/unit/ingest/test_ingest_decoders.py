@@ -198,11 +198,15 @@ class Recorded:
         self.waited: list[list] = []
         self.exits: list[int] = []
         self.threads: list[dict] = []
-        monkeypatch.setattr(decoders.signal, "signal", lambda *args: self.signals.append(args))
-        monkeypatch.setattr(decoders.multiprocessing, "parent_process", lambda: parent)
-        monkeypatch.setattr(decoders.multiprocessing.connection, "wait", self.waited.append)
-        monkeypatch.setattr(decoders.os, "_exit", self.exits.append)
-        monkeypatch.setattr(decoders.threading, "Thread", self.thread)
+        # the module's own names for these, not the process-wide functions: nothing else is touched
+        monkeypatch.setattr(decoders, "signal", types.SimpleNamespace(
+            signal=lambda *args: self.signals.append(args), SIGINT=signal.SIGINT, SIG_IGN=signal.SIG_IGN
+        ))  # fmt: skip
+        monkeypatch.setattr(decoders, "multiprocessing", types.SimpleNamespace(
+            parent_process=lambda: parent, connection=types.SimpleNamespace(wait=self.waited.append)
+        ))  # fmt: skip
+        monkeypatch.setattr(decoders, "os", types.SimpleNamespace(_exit=self.exits.append))
+        monkeypatch.setattr(decoders, "threading", types.SimpleNamespace(Thread=self.thread))
 
     def thread(self, **how):
         self.threads.append(how)
