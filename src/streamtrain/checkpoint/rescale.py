@@ -153,6 +153,11 @@ def restore_share(
             rank_state = dict(
                 read_shard_blob(newest.path, newest.index["_data_start"], newest.index["rank_state"]).state
             )
+    settings = {(str(m["half_life_s"]), int(m["channels"])) for m in shard_meta.values()}
+    if len(settings) > 1:  # the manifest's writer refuses such shards; a hand-made manifest may not
+        raise CorruptCheckpoint(
+            manifest.directory, f"its shards disagree on the window's half-life or channels: {sorted(settings)}"
+        )
     common = read_common(manifest).state if load_common else {}
     window_state = _merge_sections(
         sections, shard_meta or {-1: _empty_meta(manifest.window)}, unchanged=unchanged, rank_state=rank_state
@@ -191,7 +196,10 @@ def _open_shard(manifest: Manifest, entry: Mapping[str, Any]) -> _ShardLink:
         or int(index["step"]) != manifest.step
         or index["topic"] != manifest.topic
     ):
-        raise CorruptCheckpoint(path, f"shard says rank {index['rank']} step {index['step']}, the manifest disagrees")
+        raise CorruptCheckpoint(
+            path,
+            f"shard says rank {index['rank']} step {index['step']} topic {index['topic']!r}, the manifest disagrees",
+        )
     if [int(e["partition"]) for e in index["sections"]] != [int(p) for p in entry["partitions"]]:
         raise CorruptCheckpoint(path, "the shard's partitions are not the ones the manifest lists")
     if index.get("delta_of") != entry.get("delta_of"):
@@ -288,21 +296,17 @@ def _merge_sections(
     unchanged: bool,
     rank_state: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """One window state from sections of one or more old shards (keys on one reference time)."""
+    """One window state from sections of one or more old shards (keys on one reference time), whose
+    metadata agree on the window's half-life and channels."""
     metas = list(shard_meta.values())
-    if not metas:
-        raise ValueError("no shard metadata to merge")
     channels = int(metas[0]["channels"])
-    half_lives = {m["half_life_s"] for m in metas}
-    if len(half_lives) != 1 or {int(m["channels"]) for m in metas} != {channels}:
-        raise CorruptCheckpoint(Path("."), f"shards disagree on the window's half-life or channels: {metas}")
     half_life_s = half_life_from_json(metas[0]["half_life_s"])
     decay = decay_rate(half_life_s)
     references = [float(m["reference_ts"]) for m in metas if m["reference_ts"] is not None]
     reference = min(references) if references else None
     ordered = sorted(sections, key=lambda s: s.items.partition)
     joined = join_partitions([s.items for s in ordered], channels)
-    if not unchanged and ordered and decay > 0.0:
+    if not unchanged and ordered:
         # key = λ·(ts − L) − ln E: the same event under the common reference L' gets key + λ·(L − L')
         shifts = []
         for section in ordered:
@@ -312,10 +316,12 @@ def _merge_sections(
         joined["keys"] = joined["keys"] + np.concatenate(shifts)
     n = joined["partitions"].shape[0]
     rejected_total: dict[str, int] = {}
+    held_out_total = 0
     if unchanged:
         meta = metas[0]
         accepted_total = int(meta["accepted_total"])
         rejected_total = {str(k): int(v) for k, v in dict(meta.get("rejected_total") or {}).items()}
+        held_out_total = int(meta.get("held_out_total", 0))  # shards before stop 60 did not record it
         version = int(meta["version"])
     else:
         # the ledger of covered messages is kept per rank, not per partition: after a
@@ -335,14 +341,16 @@ def _merge_sections(
         **joined,
         "accepted_total": accepted_total,
         "rejected_total": rejected_total,
+        "held_out_total": held_out_total,
         "version": version,
         "rng_state": None if rank_state is None else rank_state.get("window_rng_state"),
     }
 
 
 def _empty_meta(window: Mapping[str, Any]) -> dict[str, Any]:
-    """Shard metadata for a rank that reads no shard (it owns no partition with state)."""
-    return {**window, "reference_ts": None, "accepted_total": 0, "version": 0}
+    """Shard metadata for a rank that reads no shard (it owns no partition with state; the topology
+    changed, so its ledger starts from nothing)."""
+    return {**window, "reference_ts": None, "version": 0}
 
 
 def share_from_single_file(

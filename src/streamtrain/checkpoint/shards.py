@@ -203,6 +203,7 @@ def window_meta(window_state: Mapping[str, Any]) -> dict[str, Any]:
         "reference_ts": None if reference_ts is None else float(reference_ts),
         "accepted_total": int(window_state.get("accepted_total", 0)),
         "rejected_total": {str(k): int(v) for k, v in dict(window_state.get("rejected_total") or {}).items()},
+        "held_out_total": int(window_state.get("held_out_total", 0)),
         "version": int(window_state.get("version", 0)),
     }
 

@@ -305,12 +305,15 @@ def test_the_window_record_of_an_index_defaults_what_an_older_state_lacks() -> N
     state = {"channels": 2, "capacity": 10, "half_life_s": math.inf}
     assert window_meta(state) == {
         "channels": 2, "capacity": 10, "half_life_s": None, "reference_ts": None,
-        "accepted_total": 0, "rejected_total": {}, "version": 0,
+        "accepted_total": 0, "rejected_total": {}, "held_out_total": 0, "version": 0,
     }  # fmt: skip
-    full = {**state, "half_life_s": 30, "reference_ts": 5, "accepted_total": 3, "rejected_total": {1: 2}, "version": 4}
+    full = {
+        **state, "half_life_s": 30, "reference_ts": 5, "accepted_total": 3, "rejected_total": {1: 2},
+        "held_out_total": 6, "version": 4,
+    }  # fmt: skip
     assert window_meta(full) == {
         "channels": 2, "capacity": 10, "half_life_s": 30.0, "reference_ts": 5.0,
-        "accepted_total": 3, "rejected_total": {"1": 2}, "version": 4,
+        "accepted_total": 3, "rejected_total": {"1": 2}, "held_out_total": 6, "version": 4,
     }  # fmt: skip
 
 
