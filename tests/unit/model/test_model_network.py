@@ -144,10 +144,12 @@ def test_token_rows_padded_to_a_multiple_change_no_forecast_logit_or_gradient(ro
         (output.forecast.square().sum() + output.logits.square().sum()).backward()
         outputs.append(output)
         gradients.append([p.grad for p in model.parameters()])
-    torch.testing.assert_close(outputs[1].forecast, outputs[0].forecast, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-6, rtol=1e-5)
+    # float32 tolerances: on some CPUs (AVX2 without AVX-512) a matmul's kernel, and so its last bits,
+    # depend on the row count (differences of up to 5e-6 seen there); a pad row that mixed in would not
+    torch.testing.assert_close(outputs[1].forecast, outputs[0].forecast, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=2e-5, rtol=1e-4)
     for padded, plain in zip(*gradients, strict=True):
-        torch.testing.assert_close(padded, plain, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(padded, plain, atol=2e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ the checks catch what they guard
