@@ -38,6 +38,17 @@ from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.window.reservoir import RecencyWindow
 
 
+def consumed(
+    partitions: int, seed: int, events: int, world_size: int, capacity: int, half_life_s: float
+) -> tuple[Topic, Cluster]:
+    """A topic of ``events`` events and a cluster of ``world_size`` ranks that consumed them."""
+    topic = Topic(partitions, seed=seed)
+    topic.produce(events)
+    cluster = Cluster(world_size, capacity, half_life_s)
+    cluster.consume(topic)
+    return topic, cluster
+
+
 def test_rescale_two_to_one_to_three_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     topic = Topic(partitions=5, seed=1)
     capacity = 10_000  # a uniform window larger than the stream: it must hold exactly what was sent
@@ -95,10 +106,7 @@ def test_rescale_keeps_every_event_and_its_race_draw(
 
 
 def test_a_capacity_share_keeps_the_top_keys(tmp_path: Path) -> None:
-    topic = Topic(partitions=4, seed=3)
-    topic.produce(600)
-    big = Cluster(2, 10_000, 60.0)
-    big.consume(topic)
+    topic, big = consumed(4, 3, 600, 2, 10_000, 60.0)
     directory = big.save(tmp_path, step=1, partition_count=4)
     small, _ = Cluster.restore(directory, 1, 100, 60.0, partition_count=4)
     everything = big.race_draws()
@@ -115,10 +123,7 @@ def test_a_capacity_share_keeps_the_top_keys(tmp_path: Path) -> None:
 
 
 def test_same_ownership_restores_every_field(tmp_path: Path) -> None:
-    topic = Topic(partitions=3, seed=5)
-    topic.produce(200)
-    cluster = Cluster(2, 50, 45.0)
-    cluster.consume(topic)
+    topic, cluster = consumed(3, 5, 200, 2, 50, 45.0)
     directory = cluster.save(
         tmp_path, step=7, partition_count=3, rank_state={"sampler": {"passes": 4, "watermark": 123}}
     )
@@ -145,10 +150,7 @@ def test_same_ownership_restores_every_field(tmp_path: Path) -> None:
 
 
 def test_a_grown_topic_is_handled_on_purpose(tmp_path: Path) -> None:
-    topic = Topic(partitions=3, seed=2)
-    topic.produce(150)
-    cluster = Cluster(2, 10_000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(3, 2, 150, 2, 10_000, math.inf)
     directory = cluster.save(tmp_path, step=3, partition_count=3)
     topic.grow(5)
     grown, shares = Cluster.restore(directory, 3, 10_000, math.inf, partition_count=5)
@@ -160,10 +162,7 @@ def test_a_grown_topic_is_handled_on_purpose(tmp_path: Path) -> None:
 
 
 def test_restores_that_must_be_refused(tmp_path: Path) -> None:
-    topic = Topic(partitions=4)
-    topic.produce(50)
-    cluster = Cluster(2, 1000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(4, 0, 50, 2, 1000, math.inf)
     manifest = read_manifest(cluster.save(tmp_path, step=1, partition_count=4))
     with pytest.raises(CheckpointMismatch) as err:
         restore_share(manifest, rank=0, world_size=2, partition_count=4, topic="other-topic")
@@ -223,10 +222,7 @@ def test_state_that_follows_partitions_comes_from_every_shard_after_a_rescale(tm
     """The DP windows' records follow their partitions, and a record may sit in a shard that holds none
     of the restoring rank's window partitions: after a rescale every shard's part is read (the manifest
     says which shards have one), under the same ownership only the rank's own."""
-    topic = Topic(partitions=4, seed=3)
-    topic.produce(80)
-    cluster = Cluster(2, 1000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(4, 3, 80, 2, 1000, math.inf)
     parts: list[dict[str, Any] | None] = [{"records": np.arange(3) + 10 * rank} for rank in range(2)]
     manifest = read_manifest(cluster.save(tmp_path, step=7, partition_count=4, partitioned=parts))
     assert [shard.get("partitioned_state") for shard in manifest.shards] == [True, True]
@@ -282,10 +278,7 @@ def test_a_restore_keeps_the_whole_ledger_and_a_rescale_starts_it_again(tmp_path
 def test_a_rescale_numbers_arrival_by_event_time(tmp_path: Path) -> None:
     """Arrival order across shards is unknown, so a rescaled window's arrival numbers follow event
     time (then partition, offset): the order the fresh share of a pass and a delta's ``left_seq`` use."""
-    topic = Topic(partitions=4, seed=9)
-    topic.produce(120)
-    cluster = Cluster(2, 10_000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(4, 9, 120, 2, 10_000, math.inf)
     one, _ = Cluster.restore(cluster.save(tmp_path, step=1, partition_count=4), 1, 10_000, math.inf, partition_count=4)
     state = one.windows[0].state_dict()
     by_time = np.lexsort((state["offsets"], state["partitions"], state["ts"]))
@@ -295,10 +288,7 @@ def test_a_rescale_numbers_arrival_by_event_time(tmp_path: Path) -> None:
 
 
 def test_the_refusals_say_what_to_do_in_full(tmp_path: Path) -> None:
-    topic = Topic(partitions=4)
-    topic.produce(50)
-    cluster = Cluster(2, 1000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(4, 0, 50, 2, 1000, math.inf)
     directory = cluster.save(tmp_path, step=1, partition_count=4)
     manifest = read_manifest(directory)
     with pytest.raises(CheckpointMismatch) as err:
@@ -328,10 +318,7 @@ def test_the_refusals_say_what_to_do_in_full(tmp_path: Path) -> None:
 
 
 def test_a_restore_without_common_state_reads_only_the_window(tmp_path: Path) -> None:
-    topic = Topic(partitions=2, seed=6)
-    topic.produce(40)
-    cluster = Cluster(1, 1000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(2, 6, 40, 1, 1000, math.inf)
     directory = cluster.save(tmp_path, step=2, partition_count=2)
     (directory / "common.stck").unlink()  # never opened
     share = restore_share(
@@ -341,10 +328,7 @@ def test_a_restore_without_common_state_reads_only_the_window(tmp_path: Path) ->
 
 
 def test_a_rank_that_owns_no_partition_restores_an_empty_window(tmp_path: Path) -> None:
-    topic = Topic(partitions=2, seed=6)
-    topic.produce(40)
-    cluster = Cluster(1, 1000, 30.0)
-    cluster.consume(topic)
+    topic, cluster = consumed(2, 6, 40, 1, 1000, 30.0)
     directory = cluster.save(tmp_path, step=2, partition_count=2)
     share = restore_share(read_manifest(directory), rank=2, world_size=3, partition_count=2, topic=TOPIC)
     assert (share.owned_partitions, share.source_ranks, share.next_offsets) == ([], [], {})
@@ -544,10 +528,7 @@ def test_a_section_that_does_not_match_its_index_entry_is_refused(
 
 def test_shards_that_disagree_on_the_window_are_refused(tmp_path: Path) -> None:
     """The manifest's writer refuses them; a manifest sealed by hand around such shards is refused on reading."""
-    topic = Topic(partitions=3, seed=5)
-    topic.produce(60)
-    cluster = Cluster(2, 100, 30.0)
-    cluster.consume(topic)
+    topic, cluster = consumed(3, 5, 60, 2, 100, 30.0)
     directory = cluster.save(tmp_path, step=4, partition_count=3)
     other = RecencyWindow(50, 60.0)
     Cluster.consume_into(other, topic, rank=1, world_size=2)
@@ -570,10 +551,7 @@ def test_a_shard_of_an_earlier_release_restores_without_its_held_out_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Shards written before stop 60 recorded no ``held_out_total``: restored as 0, as then."""
-    topic = Topic(partitions=2, seed=3)
-    topic.produce(30)
-    cluster = Cluster(1, 1000, math.inf)
-    cluster.consume(topic)
+    topic, cluster = consumed(2, 3, 30, 1, 1000, math.inf)
     cluster.windows[0].advance_offsets({0: 99}, held_out=4)
     record = shards_module.window_meta
 
