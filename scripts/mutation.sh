@@ -93,6 +93,7 @@ MODULES=(
   "manifest|src/streamtrain/checkpoint/manifest.py|tests/unit/checkpoint/test_checkpoint_manifest.py tests/unit/checkpoint/test_checkpoint_compat.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_shards.py tests/unit/checkpoint/test_checkpoint_rescale.py"
   "partitions|src/streamtrain/window/partitions.py|tests/unit/window/test_window_partitions.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_incremental.py --deselect=tests/unit/checkpoint/test_checkpoint_incremental.py::test_sigkill_in_the_middle_of_a_write_restores_the_last_cut_nothing_lost_nothing_twice"
   "rescale|src/streamtrain/checkpoint/rescale.py|tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_collective.py"
+  "collective|src/streamtrain/checkpoint/collective.py|tests/unit/checkpoint/test_checkpoint_collective.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py --deselect=tests/unit/checkpoint/test_checkpoint_sharded_deltas.py::test_sigkill_in_the_middle_of_a_shard_write_restores_the_last_cut_nothing_lost_nothing_twice"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

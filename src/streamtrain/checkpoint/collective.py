@@ -303,7 +303,10 @@ class DistributedCheckpointer:
         c = self.collectives
         loaded = load_latest()
         step = -1 if loaded is None else loaded.step
-        if c.max_int(step) != step or (c.world_size > 1 and -c.max_int(-step) != step):
+        # both collectives on every rank: a rank that stopped after the first would leave the
+        # others waiting in the second
+        highest, lowest = c.max_int(step), -c.max_int(-step)
+        if highest != step or lowest != step:
             raise RuntimeError(
                 "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
             )

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sharded_cluster import (
     TOPIC,
+    Cluster,
     Topic,
     damage_common,
     damage_section,
@@ -23,7 +27,9 @@ from streamtrain.checkpoint import collective
 from streamtrain.checkpoint.collective import DistributedCheckpointer
 from streamtrain.checkpoint.format import CorruptCheckpoint
 from streamtrain.checkpoint.manifest import read_manifest, verify_checkpoint
+from streamtrain.checkpoint.rescale import CheckpointMismatch
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
+from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
 from streamtrain.window.reservoir import RecencyWindow
@@ -143,17 +149,18 @@ def test_the_window_ledger_survives_an_unchanged_restore(tmp_path: Path) -> None
     topic = Topic(partitions=2, seed=3)
     topic.produce(40)
     window = one_rank_window(topic)
-    window.advance_offsets({0: 999}, rejected={"decode": 2, "schema": 1})
+    window.advance_offsets({0: 999}, rejected={"decode": 2, "schema": 1}, held_out=5)
     checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path), Collectives(DistContext()), topic=TOPIC)
     assert checkpointer.save(step=1, partition_count=2, window_state=window.state_dict(), common_state={}).ok
     share = checkpointer.restore(partition_count=2)
     assert share is not None
     again = RecencyWindow(10_000, math.inf)
     again.load_state_dict(share.window_state)
-    assert (again.seen_total, again.accepted_total, again.rejected_total) == (
+    assert (again.seen_total, again.accepted_total, again.rejected_total, again.held_out_total) == (
         window.seen_total,
         window.accepted_total,
         window.rejected_total,
+        5,
     )
 
 
@@ -166,3 +173,207 @@ def test_the_partition_count_covers_what_the_window_holds(tmp_path: Path) -> Non
     result = checkpointer.save(step=1, partition_count=0, window_state=window.state_dict(), common_state={})
     assert result.ok
     assert read_manifest(result.path).partition_count == 3
+
+
+# ------------------------------------------------------------------ several ranks, in threads of this process
+
+
+class _Hub:
+    """What the ranks' collectives exchange: every rank puts its value, then all read all of them."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=20)
+        self.slots: list[Any] = [None] * world
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # everyone has read them before the next exchange
+        return values
+
+
+class ThreadCollectives:
+    """The collectives the checkpointer uses, for ``world`` ranks in threads (the real ones cross
+    processes, which a mutation run cannot reach: tests/unit/distributed/test_distributed_processes.py)."""
+
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank, self.world_size = hub, rank, len(hub.slots)
+
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.hub.exchange(self.rank, row.reshape(-1).clone()))
+
+    def broadcast_ints(self, values: Any, src: int = 0) -> list[int]:
+        return [int(v) for v in self.hub.exchange(self.rank, [int(v) for v in values])[src]]
+
+    def max_int(self, value: int) -> int:
+        return max(self.hub.exchange(self.rank, int(value)))
+
+
+def on_ranks(world: int, each: Callable[[int, Any], Any]) -> list[Any]:
+    """``each(rank, collectives)`` on ``world`` ranks at once; each rank's result, or the exception it raised."""
+    hub = _Hub(world)
+    results: list[Any] = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = each(rank, ThreadCollectives(hub, rank))
+        except Exception as err:  # noqa: BLE001 - the test reads it
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return results
+
+
+def _windows(topic: Topic, world: int) -> list[RecencyWindow]:
+    windows = [RecencyWindow(10_000, math.inf) for _ in range(world)]
+    for rank, window in enumerate(windows):
+        Cluster.consume_into(window, topic, rank=rank, world_size=world)
+    return windows
+
+
+def test_two_ranks_seal_one_checkpoint_and_restore_it_together(tmp_path: Path) -> None:
+    topic = Topic(partitions=3, seed=21)
+    topic.produce(90)
+    windows = _windows(topic, 2)
+    store = ShardedCheckpointStore(tmp_path)
+
+    def save(rank: int, c: Any) -> Any:
+        checkpointer = DistributedCheckpointer(store, c, topic=TOPIC)
+        first = checkpointer.save(
+            step=4, partition_count=3 - rank, window_state=windows[rank].capture_state(),
+            common_state={"trainer": {"step": 4}} if rank == 0 else None, clock=lambda: 1000.0 + rank,
+        )  # fmt: skip
+        second = checkpointer.save(
+            step=5, partition_count=3, window_state=windows[rank].capture_state(),
+            common_state={"trainer": {"step": 5}} if rank == 0 else None, clock=lambda: 1001.0,
+        )  # fmt: skip
+        return first, second
+
+    results = on_ranks(2, save)
+    for rank, (first, second) in enumerate(results):
+        assert first.ok and first.error is None and first.step == 4 and (first.kind, second.kind) == ("base", "delta")
+        assert first.path.name == "chk-000000000004-1000000"  # rank 0's clock names it
+        assert first.next_offsets == {int(p): o for p, o in windows[rank].state_dict()["next_offsets"].items()}
+        assert first.shard_bytes == (first.path / f"shard-{rank:05d}.stsh").stat().st_size
+    manifest = read_manifest(results[0][1].path)
+    assert manifest.partition_count == 3 and manifest.world_size == 2  # the largest count any rank gave
+    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=None))
+    assert [(s.step, s.owned_partitions, s.topology_changed) for s in shares] == [(5, [0, 2], False), (5, [1], False)]
+    assert [s.common for s in shares] == [{"trainer": {"step": 5}}] * 2
+    for share, window in zip(shares, windows, strict=True):
+        assert sorted(share.window_state["offsets"].tolist()) == sorted(window.state_dict()["offsets"].tolist())
+
+
+def test_a_rank_that_cannot_write_fails_the_checkpoint_on_every_rank(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=22)
+    topic.produce(40)
+    windows = _windows(topic, 2)
+    store = ShardedCheckpointStore(tmp_path)
+
+    def save(rank: int, c: Any) -> Any:
+        return DistributedCheckpointer(store, c, topic=TOPIC).save(
+            step=3, partition_count=2, window_state=windows[rank].state_dict(),
+            common_state={} if rank == 0 else None, veto="its dead letters are not acknowledged" if rank else None,
+            clock=lambda: 7.0,
+        )  # fmt: skip
+
+    zero, one = on_ranks(2, save)
+    directory = "chk-000000000003-7000"
+    assert not zero.ok and not one.ok and zero.next_offsets == one.next_offsets == {}
+    assert (zero.shard_bytes, one.shard_bytes) == (0, 0)
+    assert zero.error == f"ranks [1] could not write their shards of {directory}"
+    assert one.error == (
+        f"rank 1 could not write its part of checkpoint {directory}: "
+        "RuntimeError: its dead letters are not acknowledged"
+    )
+    assert not (tmp_path / directory / "manifest.json").exists()
+    assert on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2)) == [
+        None,
+        None,
+    ]
+
+
+def test_ranks_at_different_steps_refuse_to_cut(tmp_path: Path) -> None:
+    store = ShardedCheckpointStore(tmp_path)
+    window = RecencyWindow(10, math.inf)
+
+    def save(rank: int, c: Any) -> Any:
+        return DistributedCheckpointer(store, c, topic=TOPIC).save(
+            step=10 + rank, partition_count=1, window_state=window.state_dict(), common_state={}
+        )
+
+    for result in on_ranks(2, save):
+        assert isinstance(result, RuntimeError)
+        assert str(result) == "ranks cut a checkpoint at different steps [10, 11]; they must run in lockstep"
+
+
+def test_a_shard_damaged_on_one_rank_makes_every_rank_fall_back_together(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=23)
+    store = ShardedCheckpointStore(tmp_path)
+    paths = []
+    for step in (1, 2):
+        topic.produce(30)
+        windows = _windows(topic, 2)
+        results = on_ranks(
+            2,
+            lambda rank, c, step=step, windows=windows: DistributedCheckpointer(store, c, topic=TOPIC).save(
+                step=step, partition_count=2, window_state=windows[rank].state_dict(), common_state={}
+            ),
+        )
+        paths.append(results[0].path)
+    damage_section(paths[1])  # a section of rank 0's shard: only rank 0 finds it
+    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2))
+    assert [share.step for share in shares] == [1, 1]
+
+
+def test_a_mismatch_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=24)
+    topic.produce(30)
+    store = ShardedCheckpointStore(tmp_path)
+    windows = _windows(topic, 2)
+    on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+            step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}
+        ),
+    )
+    topics = ["other-topic", TOPIC]  # rank 0 is misconfigured; rank 1 would load
+    results = on_ranks(
+        2, lambda rank, c: DistributedCheckpointer(store, c, topic=topics[rank]).restore(partition_count=2)
+    )
+    assert all(isinstance(result, CheckpointMismatch) for result in results)
+    assert str(results[0]).startswith("checkpoint chk-000000000001-") and "reads 'other-topic'" in str(results[0])
+    assert str(results[1]) == "another rank refused checkpoint step 1; see rank 0's log"
+
+
+def test_ranks_that_find_different_one_file_checkpoints_refuse(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=25)
+    topic.produce(20)
+    window = one_rank_window(topic)
+    stores = []
+    for rank in range(2):
+        single_file = CheckpointStore(tmp_path / f"rank-{rank}")
+        single_file.save({"window": window.state_dict(), "trainer": {}}, step=3 + rank)
+        stores.append(single_file)
+    sharded = ShardedCheckpointStore(tmp_path / "sharded")
+    results = on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
+            partition_count=2, single_file=stores[rank]
+        ),
+    )
+    for result in results:
+        assert isinstance(result, RuntimeError)
+        assert str(result) == "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
+    same = on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
+            partition_count=2, single_file=stores[0]
+        ),
+    )
+    assert [(s.step, s.owned_partitions, s.topology_changed) for s in same] == [(3, [0], True), (3, [1], True)]
