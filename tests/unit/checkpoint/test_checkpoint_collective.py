@@ -236,10 +236,14 @@ def _windows(topic: Topic, world: int) -> list[RecencyWindow]:
     return windows
 
 
+def _consumed_by_two(partitions: int, seed: int, events: int) -> list[RecencyWindow]:
+    topic = Topic(partitions, seed=seed)
+    topic.produce(events)
+    return _windows(topic, 2)
+
+
 def test_two_ranks_seal_one_checkpoint_and_restore_it_together(tmp_path: Path) -> None:
-    topic = Topic(partitions=3, seed=21)
-    topic.produce(90)
-    windows = _windows(topic, 2)
+    windows = _consumed_by_two(3, 21, 90)
     store = ShardedCheckpointStore(tmp_path)
 
     def save(rank: int, c: Any) -> Any:
@@ -270,9 +274,7 @@ def test_two_ranks_seal_one_checkpoint_and_restore_it_together(tmp_path: Path) -
 
 
 def test_a_rank_that_cannot_write_fails_the_checkpoint_on_every_rank(tmp_path: Path) -> None:
-    topic = Topic(partitions=2, seed=22)
-    topic.produce(40)
-    windows = _windows(topic, 2)
+    windows = _consumed_by_two(2, 22, 40)
     store = ShardedCheckpointStore(tmp_path)
 
     def save(rank: int, c: Any) -> Any:
@@ -332,10 +334,8 @@ def test_a_shard_damaged_on_one_rank_makes_every_rank_fall_back_together(tmp_pat
 
 
 def test_a_mismatch_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
-    topic = Topic(partitions=2, seed=24)
-    topic.produce(30)
+    windows = _consumed_by_two(2, 24, 30)
     store = ShardedCheckpointStore(tmp_path)
-    windows = _windows(topic, 2)
     on_ranks(
         2,
         lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
