@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from sharded_cluster import (
     TOPIC,
     Cluster,
@@ -22,6 +19,7 @@ from sharded_cluster import (
     save_one_rank,
     two_checkpoints,
 )
+from thread_ranks import on_ranks
 
 from streamtrain.checkpoint import collective
 from streamtrain.checkpoint.collective import DistributedCheckpointer
@@ -176,57 +174,6 @@ def test_the_partition_count_covers_what_the_window_holds(tmp_path: Path) -> Non
 
 
 # ------------------------------------------------------------------ several ranks, in threads of this process
-
-
-class _Hub:
-    """What the ranks' collectives exchange: every rank puts its value, then all read all of them."""
-
-    def __init__(self, world: int) -> None:
-        self.barrier = threading.Barrier(world, timeout=20)
-        self.slots: list[Any] = [None] * world
-
-    def exchange(self, rank: int, value: Any) -> list[Any]:
-        self.slots[rank] = value
-        self.barrier.wait()
-        values = list(self.slots)
-        self.barrier.wait()  # everyone has read them before the next exchange
-        return values
-
-
-class ThreadCollectives:
-    """The collectives the checkpointer uses, for ``world`` ranks in threads (the real ones cross
-    processes, which a mutation run cannot reach: tests/unit/distributed/test_distributed_processes.py)."""
-
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self.hub, self.rank, self.world_size = hub, rank, len(hub.slots)
-
-    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.hub.exchange(self.rank, row.reshape(-1).clone()))
-
-    def broadcast_ints(self, values: Any, src: int = 0) -> list[int]:
-        return [int(v) for v in self.hub.exchange(self.rank, [int(v) for v in values])[src]]
-
-    def max_int(self, value: int) -> int:
-        return max(self.hub.exchange(self.rank, int(value)))
-
-
-def on_ranks(world: int, each: Callable[[int, Any], Any]) -> list[Any]:
-    """``each(rank, collectives)`` on ``world`` ranks at once; each rank's result, or the exception it raised."""
-    hub = _Hub(world)
-    results: list[Any] = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = each(rank, ThreadCollectives(hub, rank))
-        except Exception as err:  # noqa: BLE001 - the test reads it
-            results[rank] = err
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return results
 
 
 def _windows(topic: Topic, world: int) -> list[RecencyWindow]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from small_trainer import make_small_trainer
+from thread_ranks import ThreadHub
 
 from streamtrain.config import load_settings
 from streamtrain.distributed import lockstep as scale_out
@@ -357,21 +358,11 @@ class ThreadRanks:
     """``world`` ranks in threads of one process: ``combine(rank)`` adds a vector over them, as all_reduce does."""
 
     def __init__(self, world: int) -> None:
-        self.world = world
-        self.barrier = threading.Barrier(world)
-        self.rows: list[np.ndarray | None] = [None] * world
-        self.total: np.ndarray | None = None
+        self.hub = ThreadHub(world, timeout=None)
 
     def combine(self, rank: int) -> Any:
         def add(row: np.ndarray) -> np.ndarray:
-            self.rows[rank] = np.asarray(row, dtype=np.float64)
-            if self.barrier.wait() == 0:
-                self.total = np.sum(self.rows, axis=0)
-            self.barrier.wait()
-            total = self.total
-            self.barrier.wait()  # everyone has read it before the next collective
-            assert total is not None
-            return total.copy()
+            return np.sum(self.hub.exchange(rank, np.asarray(row, dtype=np.float64)), axis=0)
 
         return add
 
