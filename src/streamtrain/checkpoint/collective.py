@@ -114,7 +114,7 @@ class DistributedCheckpointer:
         held = (
             _partitions_held(window_state.partitions, window_state.next_offsets)
             if isinstance(window_state, WindowCapture)
-            else _partitions_held(window_state.get("partitions", []), window_state.get("next_offsets"))
+            else _partitions_held(window_state["partitions"], window_state["next_offsets"])
         )
         # rank 0's clock names the directory; the partition count is the largest any rank saw,
         # and at least covers every partition a window holds state of
@@ -317,8 +317,8 @@ class DistributedCheckpointer:
         return share
 
 
-def _partitions_held(partitions: Any, next_offsets: Mapping[Any, int] | None) -> int:
+def _partitions_held(partitions: Any, next_offsets: Mapping[Any, int]) -> int:
     """1 + the largest partition a window holds items or an offset of (0 for none)."""
     items = np.asarray(partitions, dtype=np.int64).reshape(-1)
-    held = [int(items.max()) if items.size else -1, *(int(p) for p in dict(next_offsets or {}))]
+    held = [int(items.max()) if items.size else -1, *(int(p) for p in next_offsets)]
     return max(held) + 1

@@ -1,7 +1,9 @@
-"""The collective checkpointer (one rank here): the manifest rule, fallback past damage, vetoes."""
+"""The collective checkpointer, on one rank and on several in threads: the manifest rule, fallback
+past damage, vetoes, what it logs."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from sharded_cluster import (
     flip,
     mixed_directory,
     one_rank_window,
+    receipts,
     save_one_rank,
     two_checkpoints,
 )
@@ -23,10 +26,12 @@ from thread_ranks import on_ranks
 
 from streamtrain.checkpoint import collective
 from streamtrain.checkpoint.collective import DistributedCheckpointer
-from streamtrain.checkpoint.format import CorruptCheckpoint
+from streamtrain.checkpoint.format import CorruptCheckpoint, read_header
+from streamtrain.checkpoint.incremental import WindowChain
 from streamtrain.checkpoint.manifest import read_manifest, verify_checkpoint
 from streamtrain.checkpoint.rescale import CheckpointMismatch
 from streamtrain.checkpoint.sharded_store import ShardedCheckpointStore
+from streamtrain.checkpoint.shards import read_shard_index, shard_name
 from streamtrain.checkpoint.store import CheckpointStore
 from streamtrain.distributed.collectives import Collectives
 from streamtrain.distributed.launch import DistContext
@@ -307,16 +312,21 @@ def test_ranks_that_find_different_one_file_checkpoints_refuse(tmp_path: Path) -
         single_file = CheckpointStore(tmp_path / f"rank-{rank}")
         single_file.save({"window": window.state_dict(), "trainer": {}}, step=3 + rank)
         stores.append(single_file)
+    only_one = [CheckpointStore(tmp_path / "step-1"), CheckpointStore(tmp_path / "none")]
+    only_one[0].save({"window": window.state_dict(), "trainer": {}}, step=1)
     sharded = ShardedCheckpointStore(tmp_path / "sharded")
-    results = on_ranks(
-        2,
-        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
-            partition_count=2, single_file=stores[rank]
-        ),
-    )
-    for result in results:
-        assert isinstance(result, RuntimeError)
-        assert str(result) == "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
+    for different in (stores, only_one):  # two steps; a checkpoint on one rank, none on the other
+        results = on_ranks(
+            2,
+            lambda rank, c, different=different: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
+                partition_count=2, single_file=different[rank]
+            ),
+        )
+        for result in results:
+            assert isinstance(result, RuntimeError)
+            assert str(result) == (
+                "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
+            )
     same = on_ranks(
         2,
         lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
@@ -324,3 +334,247 @@ def test_ranks_that_find_different_one_file_checkpoints_refuse(tmp_path: Path) -
         ),
     )
     assert [(s.step, s.owned_partitions, s.topology_changed) for s in same] == [(3, [0], True), (3, [1], True)]
+
+
+def test_the_checkpointer_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    store = ShardedCheckpointStore(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"^a shard splits its window by partition: pass WindowChain\(by_partition=True\)$"
+    ):
+        DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC, chain=WindowChain())
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC)
+    window = RecencyWindow(10, math.inf)
+    with pytest.raises(ValueError, match="^rank 0 writes the shared state: pass common_state$"):
+        checkpointer.save(step=1, partition_count=1, window_state=window.state_dict(), common_state=None)
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["whole", "captured"])
+def test_the_partition_count_covers_partitions_held_only_by_an_offset_or_only_by_items(
+    tmp_path: Path, captured: bool
+) -> None:
+    topic = Topic(partitions=3, seed=6)
+    topic.produce(30)
+    window = one_rank_window(topic)
+    window.advance_offsets({4: 10})  # partition 4: dead letters only, no item in the window
+    checkpointer = DistributedCheckpointer(ShardedCheckpointStore(tmp_path), Collectives(DistContext()), topic=TOPIC)
+    state = window.capture_state() if captured else window.state_dict()
+    result = checkpointer.save(step=1, partition_count=0, window_state=state, common_state={})
+    assert result.ok and read_manifest(result.path).partition_count == 5
+    items_only = {**window.state_dict(), "next_offsets": {}}
+    result = checkpointer.save(step=2, partition_count=0, window_state=items_only, common_state={})
+    assert result.ok and read_manifest(result.path).partition_count == 3
+    empty = RecencyWindow(10, math.inf).state_dict()
+    result = checkpointer.save(step=3, partition_count=1, window_state=empty, common_state={})
+    assert result.ok and read_manifest(result.path).partition_count == 1
+
+
+def test_every_file_of_a_checkpoint_carries_rank_0s_time_and_each_rank_gets_its_own_state_back(tmp_path: Path) -> None:
+    windows = _consumed_by_two(3, 26, 60)
+    store = ShardedCheckpointStore(tmp_path)
+
+    def save(rank: int, c: Any) -> Any:
+        return DistributedCheckpointer(store, c, topic=TOPIC).save(
+            step=2, partition_count=3, window_state=windows[rank].state_dict(),
+            common_state={"trainer": {"step": 2}} if rank == 0 else None, rank_state={"rank": rank},
+            partitioned_state={"dp": [rank]}, clock=lambda: 1234.5 + rank,
+        )  # fmt: skip
+
+    results = on_ranks(2, save)
+    assert [(r.ok, r.kind) for r in results] == [(True, "base")] * 2
+    assert all(isinstance(r.seconds, float) and 0.0 <= r.seconds < 60.0 for r in results)
+    manifest = read_manifest(results[0].path)
+    assert manifest.created_at == 1234.5
+    assert read_header(results[0].path / "common.stck")["created_at"] == 1234.5
+    for rank, receipt in enumerate(receipts(results[0].path)[3]):
+        assert read_shard_index(results[0].path / shard_name(rank), receipt)["created_at"] == 1234.5
+    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=3))
+    assert [(s.rank_state, s.partitioned_states) for s in shares] == [
+        ({"rank": 0}, [{"dp": [0]}]),
+        ({"rank": 1}, [{"dp": [1]}]),
+    ]
+
+
+def test_a_topic_grown_since_the_checkpoint_moves_the_new_partition_to_its_owner(tmp_path: Path) -> None:
+    windows = _consumed_by_two(2, 27, 40)
+    store = ShardedCheckpointStore(tmp_path)
+    chain_kinds = []
+
+    def save(rank: int, c: Any) -> Any:
+        checkpointer = DistributedCheckpointer(store, c, topic=TOPIC)
+        first = checkpointer.save(
+            step=1, partition_count=2, window_state=windows[rank].capture_state(),
+            common_state={} if rank == 0 else None,
+        )  # fmt: skip
+        # the topic grew: ownership changed, so a delta on the last shard would restore under the wrong owner
+        second = checkpointer.save(
+            step=2, partition_count=3, window_state=windows[rank].capture_state(),
+            common_state={} if rank == 0 else None,
+        )  # fmt: skip
+        chain_kinds.append((rank, first.kind, second.kind))
+        return second
+
+    on_ranks(2, save)
+    assert sorted(chain_kinds) == [(0, "base", "base"), (1, "base", "base")]
+    known = [None, 4]  # one rank has heard the topic has four partitions: every rank takes it
+    shares = on_ranks(
+        2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=known[rank])
+    )
+    assert [(s.step, s.owned_partitions, s.new_partitions, s.topology_changed) for s in shares] == [
+        (2, [0, 2], [], True),
+        (2, [1, 3], [3], True),
+    ]
+
+
+def _one_file_store(root: Path, partitions: int, step: int) -> CheckpointStore:
+    topic = Topic(partitions=partitions, seed=28)
+    topic.produce(30)
+    store = CheckpointStore(root)
+    store.save({"window": one_rank_window(topic).state_dict(), "trainer": {}}, step=step)
+    return store
+
+
+@pytest.mark.parametrize("beside_a_sharded_one", [False, True], ids=["alone", "beside-a-sharded-one"])
+def test_a_one_file_checkpoint_restores_onto_a_grown_topic(tmp_path: Path, beside_a_sharded_one: bool) -> None:
+    sharded = ShardedCheckpointStore(tmp_path)
+    if beside_a_sharded_one:  # an older sharded checkpoint makes the one-file checkpoint a candidate among several
+        window = RecencyWindow(10, math.inf)
+        on_ranks(2, lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).save(
+            step=1, partition_count=2, window_state=window.state_dict(), common_state={}, clock=lambda: 1.0,
+        ))  # fmt: skip
+    single_file = _one_file_store(tmp_path, partitions=2, step=5)
+    shares = on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
+            partition_count=3, single_file=single_file
+        ),
+    )
+    assert [(s.step, s.owned_partitions, s.new_partitions) for s in shares] == [(5, [0, 2], [2]), (5, [1], [])]
+
+
+def test_a_one_file_checkpoint_one_rank_cannot_read_is_skipped_by_every_rank(tmp_path: Path) -> None:
+    sharded = ShardedCheckpointStore(tmp_path / "shared")
+    window = RecencyWindow(10, math.inf)
+    on_ranks(2, lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).save(
+        step=1, partition_count=2, window_state=window.state_dict(), common_state={},
+    ))  # fmt: skip
+    stores = [_one_file_store(tmp_path / "shared", partitions=2, step=5), CheckpointStore(tmp_path / "elsewhere")]
+    shares = on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
+            partition_count=2, single_file=stores[rank]
+        ),
+    )
+    assert [s.step for s in shares] == [1, 1]
+
+
+def test_nothing_restores_when_no_checkpoint_loads(tmp_path: Path) -> None:
+    topic = Topic(partitions=2, seed=29)
+    topic.produce(20)
+    store = ShardedCheckpointStore(tmp_path / "sharded")
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC)
+    assert checkpointer.restore(partition_count=2, single_file=CheckpointStore(tmp_path / "one-file")) is None
+    result = checkpointer.save(
+        step=1, partition_count=2, window_state=one_rank_window(topic).state_dict(), common_state={}
+    )
+    damage_common(result.path)  # the only checkpoint
+    assert checkpointer.restore(partition_count=2) is None
+
+
+def test_a_rank_that_wrote_its_shard_hears_why_the_checkpoint_failed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    windows = _consumed_by_two(2, 30, 20)
+    store = ShardedCheckpointStore(tmp_path, keep=1)
+    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+        step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 1.0,
+    ))  # fmt: skip
+    caplog.set_level(logging.INFO, logger=collective.__name__)
+    vetoes = ["its dead letters are not acknowledged", None]  # rank 0 refuses; rank 1 writes its shard
+    zero, one = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+        step=2, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 2.0,
+        veto=vetoes[rank],
+    ))  # fmt: skip
+    directory = "chk-000000000002-2000"
+    assert not zero.ok and not one.ok
+    assert one.error == f"checkpoint {directory} was not sealed (another rank failed; see its log)"
+    assert zero.error == (
+        f"rank 0 could not write its part of checkpoint {directory}: "
+        "RuntimeError: its dead letters are not acknowledged"
+    )
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.ERROR, zero.error)]
+    # a failed checkpoint prunes nothing: with keep=1 the last sealed one is all there is
+    assert [m.step for m in store.manifests()] == [1]
+
+
+def test_a_checkpoint_that_cannot_be_sealed_fails_on_every_rank_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    windows = _consumed_by_two(2, 31, 20)
+    store = ShardedCheckpointStore(tmp_path)
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(collective, "write_manifest", read_only)
+    caplog.set_level(logging.INFO, logger=collective.__name__)
+    zero, one = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+        step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 3.0,
+    ))  # fmt: skip
+    sealing = "could not seal checkpoint chk-000000000001-3000: OSError: [Errno 30] Read-only file system"
+    assert (zero.ok, zero.error) == (False, sealing)
+    assert (one.ok, one.error) == (
+        False,
+        "checkpoint chk-000000000001-3000 was not sealed (another rank failed; see its log)",
+    )
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.ERROR, sealing)]
+
+
+def test_a_checkpoint_that_cannot_prune_is_still_sealed_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    topic = Topic(partitions=2, seed=32)
+    topic.produce(20)
+    store = ShardedCheckpointStore(tmp_path)
+
+    def read_only(just_written: Path) -> list[Path]:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(store, "prune", read_only)
+    caplog.set_level(logging.INFO, logger=collective.__name__)
+    checkpointer = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC)
+    result = checkpointer.save(
+        step=1, partition_count=2, window_state=one_rank_window(topic).state_dict(), common_state={}
+    )
+    assert result.ok and result.error is None
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, f"could not prune checkpoints in {tmp_path}: [Errno 30] Read-only file system")
+    ]
+
+
+def test_a_restore_says_what_it_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    windows = _consumed_by_two(2, 33, 30)
+    store = ShardedCheckpointStore(tmp_path)
+    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+        step=4, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 5.0,
+    ))  # fmt: skip
+    caplog.set_level(logging.INFO, logger=collective.__name__)
+    same = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC)
+    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2))
+    assert same.restore(partition_count=2) is not None  # one rank where two wrote: rescaled
+    counts = [len(w.state_dict()["lengths"]) for w in windows]
+    assert sorted(r.getMessage() for r in caplog.records) == sorted([
+        f"restored step 4 from chk-000000000004-5000: {counts[0]} items of partitions [0]",
+        f"restored step 4 from chk-000000000004-5000: {counts[1]} items of partitions [1]",
+        f"restored step 4 from chk-000000000004-5000: {sum(counts)} items of partitions [0, 1] (rescaled)",
+    ])  # fmt: skip
+    caplog.clear()
+    single_file = _one_file_store(tmp_path / "one-file", partitions=2, step=6)
+    empty = ShardedCheckpointStore(tmp_path / "one-file")
+    on_ranks(2, lambda rank, c: DistributedCheckpointer(empty, c, topic=TOPIC).restore(
+        partition_count=2, single_file=single_file
+    ))  # fmt: skip
+    name = single_file.list()[0].path.name
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"restored one-file checkpoint {name} as rank 0 of 2",
+        f"restored one-file checkpoint {name} as rank 1 of 2",
+    ]
