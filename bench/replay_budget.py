@@ -23,6 +23,8 @@ it cannot learn alone? Then the geometric means.
     python bench/replay_budget.py --n-heads 1    # the same network with one head of 64 (issue 24)
     python bench/replay_budget.py --hybrid       # and the network as a correction on AR(p), ~2x the time
     python bench/replay_budget.py --dropout 0.1  # the network with dropout in training (the service trains without)
+    python bench/replay_budget.py --d-model 32 --n-layers 1  # a smaller network (the service's: 64, 2)
+    python bench/replay_budget.py --weight-decay 0.1  # stronger AdamW weight decay (the service's: 0.01)
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -36,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,11 +78,16 @@ def ar_bases(z: np.ndarray, coefficients: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def run_series(
-    make: Callable[[], Series], seeds: list[int], n_heads: int = 4, hybrid: bool = False, dropout: float = 0.0
+    make: Callable[[], Series],
+    seeds: list[int],
+    network: dict[str, Any] | None = None,
+    hybrid: bool = False,
+    weight_decay: float = 0.01,
 ) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
-    on AR(p)'s forecast (``hybrid_R``). ``dropout``: the network's, in training only."""
+    on AR(p)'s forecast (``hybrid_R``). ``network``: ``SensorModel``'s size and dropout (its defaults,
+    the service's, where absent); ``weight_decay``: AdamW's."""
     values = make().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -104,8 +112,8 @@ def run_series(
         for arm in ("network", "hybrid") if hybrid else ("network",):
             rng = np.random.default_rng(seed)
             torch.manual_seed(seed)
-            model = SensorModel(values.shape[1], n_heads=n_heads, dropout=dropout)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            model = SensorModel(values.shape[1], **(network or {}))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
             done, held_mse = 0, {}
             for replays in REPLAYS:
                 steps = max(1, round(replays * len(train) / BATCH))
@@ -153,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; each series' figures are their mean")
     parser.add_argument("--json", action="store_true", help="one JSON object per series, then the geometric means")
-    parser.add_argument("--n-heads", type=int, default=4, help="the network's heads (width 64; default 4)")
+    parser.add_argument("--n-heads", type=int, default=4, help="the network's heads (default 4)")
     parser.add_argument("--hybrid", action="store_true", help="also the network as a correction on AR(p)")
     parser.add_argument("--dropout", type=float, default=0.0, help="the network's dropout in training (default 0)")
+    parser.add_argument("--d-model", type=int, default=64, help="the network's width (default 64)")
+    parser.add_argument("--n-layers", type=int, default=2, help="the network's blocks (default 2)")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default 0.01)")
     args = parser.parse_args(argv)
     makers = {name: make for group in series_groups(args.series).values() for name, make in group.items()}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -163,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, float]] = {}
     for name, make in makers.items():
         started = time.monotonic()
-        rows[name] = run_series(make, seeds, args.n_heads, args.hybrid, args.dropout)
+        network = {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers, "dropout": args.dropout}
+        rows[name] = run_series(make, seeds, network, args.hybrid, args.weight_decay)
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
