@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from streamtrain.distributed.collectives import Collectives
+
 
 class ThreadHub:
     """What the ranks' collectives exchange: every rank puts its value, then all read all of them."""
@@ -27,7 +29,7 @@ class ThreadHub:
 
 
 class ThreadCollectives:
-    """The collectives the checkpointer uses, for ``world`` ranks in threads (the real ones cross
+    """The collectives the checkpointer and the settings check use, for ``world`` ranks in threads (the real ones cross
     processes, which a mutation run cannot reach: tests/unit/distributed/test_distributed_processes.py)."""
 
     def __init__(self, hub: ThreadHub, rank: int) -> None:
@@ -41,6 +43,9 @@ class ThreadCollectives:
 
     def max_int(self, value: int) -> int:
         return max(self.hub.exchange(self.rank, int(value)))
+
+    # the real check, over this exchange instead of the process group's
+    agree_settings = Collectives.agree_settings
 
 
 def on_ranks(world: int, each: Callable[[int, Any], Any]) -> list[Any]:

@@ -8,6 +8,7 @@ collectives) and tests/integration/test_scale_out.py (the whole service).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -21,13 +22,14 @@ import numpy as np
 import pytest
 import torch
 from small_trainer import make_small_trainer
-from thread_ranks import ThreadHub
+from thread_ranks import ThreadHub, on_ranks
 
 from streamtrain.config import load_settings
 from streamtrain.distributed import lockstep as scale_out
 from streamtrain.distributed.collectives import EXIT_COLLECTIVE_FAILURE, CollectiveFailure, Collectives
 from streamtrain.distributed.launch import DistContext, capacity_share
 from streamtrain.distributed.lockstep import EXIT_LOOP_FAILURE, LockstepLoop, join_trainer_state, split_trainer_state
+from streamtrain.distributed.wire import AgreedRollback, AskedRollback, SettingsMismatch
 from streamtrain.metrics import Metrics
 from streamtrain.training.trainer import Trainer
 from streamtrain.window.reservoir import RecencyWindow
@@ -77,8 +79,11 @@ def wait(condition: Any, timeout_s: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("ahead", [False, True], ids=["as-ready", "staged-ahead"])
-def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed(ahead: bool) -> None:
+def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed(
+    ahead: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """``ahead``: the GPU path's one-tick-ahead staging, run on the CPU (the same code path)."""
+    caplog.set_level(logging.INFO, logger=scale_out.__name__)
     trainer = make_trainer()
     cuts = Cuts(trainer)
     stopped = threading.Event()
@@ -102,6 +107,10 @@ def test_the_loop_trains_publishes_checkpoints_and_stops_when_agreed(ahead: bool
     assert trainer.published is not None and trainer.published.step <= trainer.step
     assert loop.tick >= trainer.step
     assert loop.stager is not None and (loop.stager.staged_ahead > 0) == ahead
+    assert trainer.scheduler.last_epoch == trainer.step  # the learning-rate schedule follows every agreed step
+    assert trainer.data_wait_seconds == metrics.train_data_wait_seconds._value.get()
+    stops = [r.getMessage() for r in caplog.records if "agreed to stop" in r.getMessage()]
+    assert stops == [f"rank 0: the ranks agreed to stop at tick {loop.tick} (step {trainer.step})"]
 
 
 def test_the_loop_does_not_wait_for_a_window_that_is_still_filling() -> None:
@@ -129,9 +138,10 @@ def test_the_loop_does_not_wait_for_a_window_that_is_still_filling() -> None:
     ],
 )
 def test_an_error_in_the_loop_ends_the_process(
-    monkeypatch: pytest.MonkeyPatch, error: BaseException, code: int
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: BaseException, code: int
 ) -> None:
     """A rank never resumes alone: the process leaves, non-zero, and the group restarts."""
+    caplog.set_level(logging.INFO, logger=scale_out.__name__)
     exits: list[tuple[str, int]] = []
     monkeypatch.setattr(scale_out, "exit_after_collective_failure", lambda err, code: exits.append((str(err), code)))
     trainer = make_trainer()
@@ -139,6 +149,9 @@ def test_an_error_in_the_loop_ends_the_process(
     loop.checkpoint_due.set()
     loop()  # returns only because the exit is patched out
     assert exits == [(str(error), code)]
+    # the rank's own error is logged with its traceback; a failed collective says so itself
+    failed = [(r.getMessage(), r.exc_info is not None) for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failed == ([] if code == EXIT_COLLECTIVE_FAILURE else [("rank 0: the lockstep loop failed", True)])
 
 
 def test_trainer_state_splits_into_shared_and_rank_local() -> None:
@@ -265,6 +278,45 @@ def test_the_stager_hands_out_every_batch_once_in_order_staged_one_ahead() -> No
     assert stager.staged_ahead > 0
 
 
+class ListSource:
+    """A prefetcher stand-in whose batches are always ready; it records each poll's timeout and, after
+    its batches, raises ``end`` once (then has nothing), as a prefetcher's end or error comes out once."""
+
+    def __init__(self, batches: list[Any], end: BaseException) -> None:
+        self.batches, self.end, self.timeouts, self.closed = list(batches), end, [], False
+
+    def poll(self, timeout_s: float) -> Any:
+        self.timeouts.append(timeout_s)
+        if self.batches:
+            return self.batches.pop(0)
+        end, self.end = self.end, None
+        if end is not None:
+            raise end
+        return None
+
+    def close(self, timeout: float = 0.5) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("end", [StopIteration(), RuntimeError("the planner failed")], ids=["end", "error"])
+def test_the_stager_looks_ahead_without_waiting_and_keeps_the_sources_end_for_after_the_batch_in_hand(
+    end: BaseException,
+) -> None:
+    from streamtrain.data import collate
+
+    batches = [collate([np.full((n, 1), n, dtype=np.float32)]) for n in (2, 3, 4)]
+    source = ListSource(batches, end)
+    stager = scale_out.DeviceStager(source, torch.device("cpu"), ahead=True)  # type: ignore[arg-type]
+    got = [stager.poll(0.05) for _ in batches]
+    assert [int(b.lengths[0]) for b in got] == [2, 3, 4]  # type: ignore[union-attr]
+    assert stager.staged_ahead == 2 and source.timeouts == [0.05, 0.0, 0.0, 0.0]  # a look-ahead never waits
+    with pytest.raises(type(end)):  # after the last batch in hand, not instead of it
+        stager.poll(0.05)
+    assert stager.poll(0.05) is None  # the end comes out once, as from the source itself
+    stager.close()
+    assert source.closed
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -298,9 +350,8 @@ def test_on_a_gpu_the_loop_stages_pinned_batches_ahead_and_trains_as_the_cpu() -
 # agreed rollbacks and the collective gate, in one process (two: test_distributed.py)
 
 
-def test_the_loop_rolls_back_at_one_tick_and_publishes_nothing_then() -> None:
-    from streamtrain.distributed.wire import AskedRollback
-
+def test_the_loop_rolls_back_at_one_tick_and_publishes_nothing_then(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=scale_out.__name__)
     trainer, loop = make_wired_loop()
     assert trainer.quality.combine == loop.sum_rows
     published_at: list[int] = []  # the ticks that published
@@ -314,24 +365,47 @@ def test_the_loop_rolls_back_at_one_tick_and_publishes_nothing_then() -> None:
         assert outcome is not None and outcome.applied and outcome.version == target and outcome.rank == 0
         assert outcome.from_version is not None and outcome.from_version > target
         assert loop.rollbacks == [outcome] and outcome.tick not in published_at
-        assert [r["to_version"] for r in trainer.quality.rollbacks] == [target]
+        assert outcome.why_not is None and outcome.unknown_version is False
+        taken = [(r["to_version"], r["trigger"], r["reason"]) for r in trainer.quality.rollbacks]
+        assert taken == [(target, "admin", f"asked by the test (agreed at tick {outcome.tick}, asked by rank 0)")]
         assert trainer.metrics.model_rollbacks.labels("admin")._value.get() == 1
+        again = loop.request_rollback(trainer.registry.versions()[1]).wait(30)  # an admin's, as the route asks
+        assert again is not None and again.applied
+        assert (
+            trainer.quality.rollbacks[-1]["reason"]
+            == f"asked by an admin (agreed at tick {again.tick}, asked by rank 0)"
+        )
 
         missing = loop.request_rollback(10_000).wait(30)
-        assert missing is not None and not missing.applied and missing.unknown_version
+        assert missing is not None and not missing.applied and missing.unknown_version is True
+        assert missing.trigger == "admin" and missing.from_version is not None
         # an automatic request lapses once the version it judged no longer serves
         stale = scale_out.RollbackTicket(AskedRollback(target, "automatic", 9_999), "judged long ago")
         with loop._rollback_lock:
             loop._rollback_queue.append(stale)
         lapsed = stale.wait(30)
-        assert lapsed is not None and not lapsed.applied and "version 9999 no longer serves" in (lapsed.why_not or "")
+        assert lapsed is not None and not lapsed.applied and lapsed.unknown_version is False
+        assert lapsed.why_not == f"version 9999 no longer serves (version {lapsed.from_version} does)"
+        warnings = [
+            r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == scale_out.__name__
+        ]
+        assert warnings == [
+            f"admin rollback to version 10000 asked by rank 0 not taken: {missing.why_not}",
+            f"automatic rollback to version {target} asked by rank 0 not taken: {lapsed.why_not}",
+        ]
         # the quality monitor's rule asks, with the version that serves, instead of rolling back here
         serving = trainer.published
         assert serving is not None and trainer._auto_rollback(target, "the test's rule") is True
-        wait(lambda: len(loop.rollbacks) >= 4, 30, "the automatic request taken")
-        asked = loop.rollbacks[3]
+        asking = f"rank 0 asks every rank to roll back from version {serving.version} to {target}: the test's rule"
+        assert asking in [r.getMessage() for r in caplog.records]
+        wait(lambda: len(loop.rollbacks) >= 5, 30, "the automatic request taken")
+        asked = loop.rollbacks[4]
         assert asked.trigger == "automatic" and asked.version == target
         assert asked.applied == (asked.from_version == serving.version)  # applied unless a publication came first
+        if asked.applied:
+            reason = f"the test's rule (agreed at tick {asked.tick}, asked by rank 0)"
+            assert trainer.quality.rollbacks[-1]["trigger"] == "automatic"
+            assert trainer.quality.rollbacks[-1]["reason"] == reason
     finally:
         loop.stop_requested.set()
         thread.join(30)
@@ -341,11 +415,111 @@ def test_a_stopped_loop_answers_waiting_rollbacks() -> None:
     trainer = make_trainer(events=3)
     loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
     loop.stop_requested.set()
+    automatic = loop.request_rollback(3, "automatic", "the rule")  # asked first, but an admin's goes first
     first, second = loop.request_rollback(1), loop.request_rollback(2)
-    loop()  # one tick, the agreed stop: it takes one request (nothing is kept), the other waits in vain
-    taken, left = first.wait(1), second.wait(1)
+    assert automatic.wait(0.01) is None  # not taken yet: a wait that times out says so
+    loop()  # one tick, the agreed stop: it takes one request (nothing is kept), the others wait in vain
+    taken = first.wait(1)
     assert taken is not None and taken.unknown_version and taken.tick == 0
-    assert left is not None and not left.applied and left.why_not == "the ranks stopped before taking it"
+    why = "the ranks stopped before taking it"
+    assert [automatic.wait(1), second.wait(1)] == [
+        scale_out.AppliedRollback(1, 0, "automatic", 3, None, False, why),
+        scale_out.AppliedRollback(1, 0, "admin", 2, None, False, why),
+    ]
+
+
+def test_a_rank_takes_another_ranks_rollback_and_keeps_its_own_request() -> None:
+    trainer = make_trainer(events=3)
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    own = loop.request_rollback(1)
+    outcome = loop._roll_back(4, AgreedRollback(rank=1, request=AskedRollback(2)), own)  # rank 1's won this tick
+    assert (outcome, loop.rollbacks[0].rank, loop.rollbacks[0].version) == (False, 1, 2)
+    assert own.outcome is None and loop._pending_rollback() is own  # asked again at the next tick
+
+
+class CountingEvent(threading.Event):
+    """An event that counts its waits (the loop's idle waits)."""
+
+    waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_a_refused_step_moves_the_stream_past_its_batch_and_a_stop_leaves_the_batch_in_hand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a resume starts after: every batch a tick applied or refused, never the one in hand at the stop.
+    And how long a tick waits: for a batch only after a tick that had one, idle only after a tick without."""
+    polls: list[float] = []
+
+    class RecordingStager(scale_out.DeviceStager):
+        def poll(self, timeout_s: float) -> Any:
+            polls.append(timeout_s)
+            return super().poll(timeout_s)
+
+    monkeypatch.setattr(scale_out, "DeviceStager", RecordingStager)
+    trainer = make_trainer(events=24)
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    loop.stop_requested = CountingEvent()
+    assert (loop.step.forward, loop.step.scheduler) == (trainer.forward, trainer.scheduler)
+    bf16 = make_trainer(events=3, amp="bf16")
+    assert LockstepLoop(bf16, Collectives(DistContext()), checkpoint=Cuts(bf16)).step.amp == "bf16"
+    # the trainer's own step: its (compiled) forward, its schedule, its precision
+    marked: list[Any] = []
+    mark = trainer.dataset.mark_trained
+    trainer.dataset.mark_trained = lambda batch: (marked.append(batch), mark(batch))[1]  # type: ignore[method-assign]
+    trainer.fault_injector = lambda loss: loss * float("nan")
+    ticks: list[tuple[bool, str | None]] = []  # (a batch in hand, why the step was skipped)
+    step = loop.step.step
+    loop.step.step = lambda batch, **kw: (lambda r: (ticks.append((batch is not None, r.skipped_reason)), r)[1])(
+        step(batch, **kw)
+    )  # type: ignore[method-assign]
+    thread = run_loop(loop)
+    try:
+        wait(lambda: len(marked) >= 3, 60, "three refused steps")
+        assert trainer.step == 0 and loop.last_report is not None
+        assert loop.last_report.skipped_reason == "non_finite_loss"
+        trainer.fault_injector = None
+        wait(lambda: trainer.step >= 3, 60, "clean steps again")
+    finally:
+        loop.stop_requested.set()
+        thread.join(30)
+    refused = sum(1 for _, why in ticks if why == "non_finite_loss")
+    assert refused >= 3 and trainer.metrics.train_steps._value.get() == trainer.step
+    assert ticks[-1][1] == "stop" and len(ticks) == loop.tick
+    # applied or refused, the stream moves past a batch; the stop tick's, if it had one, trains after a resume
+    assert len(marked) == trainer.step + refused == sum(1 for held, why in ticks if held and why != "stop")
+    assert loop.stager is not None and loop.stager.source.depth == trainer.settings.prefetch_depth == 1
+    held = [h for h, _ in ticks]
+    assert polls == [0.0] + [scale_out._BATCH_WAIT_S if h else 0.0 for h in held[:-1]]
+    assert loop.stop_requested.waits == sum(1 for h in held[:-1] if not h)  # not after the stop tick
+
+
+def test_an_automatic_rollback_needs_a_version_that_serves() -> None:
+    trainer, loop = make_wired_loop()
+    assert trainer.published is None
+    assert loop.request_automatic_rollback(1, "the rule") is False and loop._pending_rollback() is None
+
+
+def test_the_loop_publishes_once_per_interval_and_agrees_optimizer_resets() -> None:
+    trainer = make_trainer(publish_interval_s=3600.0, drift_reaction="reset_optimizer")
+    trainer.publish()  # as a restored trainer serves before its loop starts
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    thread = run_loop(loop)
+    try:
+        wait(lambda: trainer.step >= 5 and trainer.published is not None, 60, "training and a first version")
+        trainer._on_drift(None)  # type: ignore[arg-type]
+        reset_at = trainer.step
+        wait(lambda: trainer.step >= reset_at + 5, 60, "training after the reset")
+    finally:
+        loop.stop_requested.set()
+        thread.join(30)
+    # the first tick publishes (the loop has not yet), then not again within the interval
+    assert trainer.registry.versions() == [1, 2] and trainer.published.version == 2  # type: ignore[union-attr]
+    moments = trainer.optimizer.state[next(trainer.model.parameters())]
+    assert 0 < int(moments["step"]) <= trainer.step - reset_at + 1  # counted again from the agreed reset
 
 
 def _gate_models() -> tuple[Any, Any, Any]:
@@ -436,6 +610,15 @@ def test_a_drift_reaction_is_taken_once_by_the_loop() -> None:
     assert trainer.take_optimizer_reset() is False
     trainer._on_drift(None)  # type: ignore[arg-type]
     assert trainer.take_optimizer_reset() is True and trainer.take_optimizer_reset() is False
+
+
+def test_ranks_started_with_different_shared_settings_refuse_to_start() -> None:
+    settings = [load_settings(checkpoint_dir="unused", d_model=d) for d in (64, 32)]
+    results = on_ranks(2, lambda rank, c: scale_out.check_settings_agree(c, settings[rank]))
+    assert all(
+        isinstance(r, SettingsMismatch) and str(r).startswith("D_MODEL differs between the ranks") for r in results
+    )
+    assert on_ranks(2, lambda rank, c: scale_out.check_settings_agree(c, settings[0])) == [None, None]
 
 
 def test_settings_every_rank_must_share() -> None:
