@@ -497,6 +497,34 @@ def test_a_refused_step_moves_the_stream_past_its_batch_and_a_stop_leaves_the_ba
     assert loop.stop_requested.waits == sum(1 for h in held[:-1] if not h)  # not after the stop tick
 
 
+def test_the_data_wait_is_what_a_training_rank_waited_for_its_next_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source 0.15 s per batch: each tick after a step waits up to 0.05 s for the next; idle ticks count nothing."""
+    from streamtrain.data.prefetch import Prefetcher
+
+    def slowly(batches: Any) -> Any:
+        for batch in batches:
+            time.sleep(0.15)
+            yield batch
+
+    class SlowPrefetcher(Prefetcher[Any]):
+        def __init__(self, iterable: Any, **kwargs: Any) -> None:
+            super().__init__(slowly(iterable), **kwargs)
+
+    monkeypatch.setattr(scale_out, "Prefetcher", SlowPrefetcher)
+    trainer = make_trainer()
+    loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
+    started = time.monotonic()
+    thread = run_loop(loop)
+    try:
+        wait(lambda: trainer.step >= 8, 60, "eight steps")
+    finally:
+        loop.stop_requested.set()
+        thread.join(30)
+    elapsed = time.monotonic() - started
+    assert 0.0 < trainer.data_wait_seconds < elapsed
+    assert trainer.metrics.train_data_wait_seconds._value.get() == trainer.data_wait_seconds
+
+
 def test_an_automatic_rollback_needs_a_version_that_serves() -> None:
     trainer, loop = make_wired_loop()
     assert trainer.published is None
