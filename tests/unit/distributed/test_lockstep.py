@@ -460,27 +460,30 @@ def test_a_refused_step_moves_the_stream_past_its_batch_and_a_stop_leaves_the_ba
             return super().poll(timeout_s)
 
     monkeypatch.setattr(scale_out, "DeviceStager", RecordingStager)
-    trainer = make_trainer(events=24)
+    trainer = make_trainer(events=24)  # a small window: passes run dry, so some ticks are idle
     loop = LockstepLoop(trainer, Collectives(DistContext()), checkpoint=Cuts(trainer))
     loop.stop_requested = CountingEvent()
+    # the trainer's own step: its (compiled) forward, its schedule, its precision
     assert (loop.step.forward, loop.step.scheduler) == (trainer.forward, trainer.scheduler)
     bf16 = make_trainer(events=3, amp="bf16")
     assert LockstepLoop(bf16, Collectives(DistContext()), checkpoint=Cuts(bf16)).step.amp == "bf16"
-    # the trainer's own step: its (compiled) forward, its schedule, its precision
     marked: list[Any] = []
     mark = trainer.dataset.mark_trained
     trainer.dataset.mark_trained = lambda batch: (marked.append(batch), mark(batch))[1]  # type: ignore[method-assign]
     trainer.fault_injector = lambda loss: loss * float("nan")
     ticks: list[tuple[bool, str | None]] = []  # (a batch in hand, why the step was skipped)
     step = loop.step.step
-    loop.step.step = lambda batch, **kw: (lambda r: (ticks.append((batch is not None, r.skipped_reason)), r)[1])(
-        step(batch, **kw)
-    )  # type: ignore[method-assign]
+
+    def recorded_step(batch: Any, **kwargs: Any) -> Any:
+        report = step(batch, **kwargs)
+        ticks.append((batch is not None, report.skipped_reason))
+        return report
+
+    loop.step.step = recorded_step  # type: ignore[method-assign]
     thread = run_loop(loop)
     try:
         wait(lambda: len(marked) >= 3, 60, "three refused steps")
-        assert trainer.step == 0 and loop.last_report is not None
-        assert loop.last_report.skipped_reason == "non_finite_loss"
+        assert trainer.step == 0
         trainer.fault_injector = None
         wait(lambda: trainer.step >= 3, 60, "clean steps again")
     finally:
