@@ -194,6 +194,33 @@ def _consumed_by_two(partitions: int, seed: int, events: int) -> list[RecencyWin
     return _windows(topic, 2)
 
 
+def _each_rank_saves(
+    store: ShardedCheckpointStore,
+    states: list[Any],
+    *,
+    step: int,
+    partition_count: int,
+    vetoes: Any = None,
+    **same: Any,
+) -> list[Any]:
+    """Every rank saves its whole window (``states[rank]``) at ``step`` together; ``vetoes[rank]`` makes it refuse."""
+    return on_ranks(
+        len(states),
+        lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
+            step=step, partition_count=partition_count, window_state=states[rank], common_state={},
+            veto=None if vetoes is None else vetoes[rank], **same,
+        ),
+    )  # fmt: skip
+
+
+def _each_rank_restores(store: ShardedCheckpointStore, partition_count: int | None, **same: Any) -> list[Any]:
+    """Two ranks restore from ``store`` together."""
+    return on_ranks(
+        2,
+        lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=partition_count, **same),
+    )
+
+
 def test_two_ranks_seal_one_checkpoint_and_restore_it_together(tmp_path: Path) -> None:
     windows = _consumed_by_two(3, 21, 90)
     store = ShardedCheckpointStore(tmp_path)
@@ -218,7 +245,7 @@ def test_two_ranks_seal_one_checkpoint_and_restore_it_together(tmp_path: Path) -
         assert first.shard_bytes == (first.path / f"shard-{rank:05d}.stsh").stat().st_size
     manifest = read_manifest(results[0][1].path)
     assert manifest.partition_count == 3 and manifest.world_size == 2  # the largest count any rank gave
-    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=None))
+    shares = _each_rank_restores(store, None)
     assert [(s.step, s.owned_partitions, s.topology_changed) for s in shares] == [(5, [0, 2], False), (5, [1], False)]
     assert [s.common for s in shares] == [{"trainer": {"step": 5}}] * 2
     for share, window in zip(shares, windows, strict=True):
@@ -246,10 +273,7 @@ def test_a_rank_that_cannot_write_fails_the_checkpoint_on_every_rank(tmp_path: P
         "RuntimeError: its dead letters are not acknowledged"
     )
     assert not (tmp_path / directory / "manifest.json").exists()
-    assert on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2)) == [
-        None,
-        None,
-    ]
+    assert _each_rank_restores(store, 2) == [None, None]
 
 
 def test_ranks_at_different_steps_refuse_to_cut(tmp_path: Path) -> None:
@@ -273,27 +297,17 @@ def test_a_shard_damaged_on_one_rank_makes_every_rank_fall_back_together(tmp_pat
     for step in (1, 2):
         topic.produce(30)
         windows = _windows(topic, 2)
-        results = on_ranks(
-            2,
-            lambda rank, c, step=step, windows=windows: DistributedCheckpointer(store, c, topic=TOPIC).save(
-                step=step, partition_count=2, window_state=windows[rank].state_dict(), common_state={}
-            ),
-        )
+        results = _each_rank_saves(store, [w.state_dict() for w in windows], step=step, partition_count=2)
         paths.append(results[0].path)
     damage_section(paths[1])  # a section of rank 0's shard: only rank 0 finds it
-    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2))
+    shares = _each_rank_restores(store, 2)
     assert [share.step for share in shares] == [1, 1]
 
 
 def test_a_mismatch_on_one_rank_is_raised_on_every_rank(tmp_path: Path) -> None:
     windows = _consumed_by_two(2, 24, 30)
     store = ShardedCheckpointStore(tmp_path)
-    on_ranks(
-        2,
-        lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
-            step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}
-        ),
-    )
+    _each_rank_saves(store, [w.state_dict() for w in windows], step=1, partition_count=2)
     topics = ["other-topic", TOPIC]  # rank 0 is misconfigured; rank 1 would load
     results = on_ranks(
         2, lambda rank, c: DistributedCheckpointer(store, c, topic=topics[rank]).restore(partition_count=2)
@@ -327,12 +341,7 @@ def test_ranks_that_find_different_one_file_checkpoints_refuse(tmp_path: Path) -
             assert str(result) == (
                 "ranks found different one-file checkpoints; CHECKPOINT_DIR must be one shared directory"
             )
-    same = on_ranks(
-        2,
-        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
-            partition_count=2, single_file=stores[0]
-        ),
-    )
+    same = _each_rank_restores(sharded, 2, single_file=stores[0])
     assert [(s.step, s.owned_partitions, s.topology_changed) for s in same] == [(3, [0], True), (3, [1], True)]
 
 
@@ -387,7 +396,7 @@ def test_every_file_of_a_checkpoint_carries_rank_0s_time_and_each_rank_gets_its_
     assert read_header(results[0].path / "common.stck")["created_at"] == 1234.5
     for rank, receipt in enumerate(receipts(results[0].path)[3]):
         assert read_shard_index(results[0].path / shard_name(rank), receipt)["created_at"] == 1234.5
-    shares = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=3))
+    shares = _each_rank_restores(store, 3)
     assert [(s.rank_state, s.partitioned_states) for s in shares] == [
         ({"rank": 0}, [{"dp": [0]}]),
         ({"rank": 1}, [{"dp": [1]}]),
@@ -437,26 +446,17 @@ def _one_file_store(root: Path, partitions: int, step: int) -> CheckpointStore:
 def test_a_one_file_checkpoint_restores_onto_a_grown_topic(tmp_path: Path, beside_a_sharded_one: bool) -> None:
     sharded = ShardedCheckpointStore(tmp_path)
     if beside_a_sharded_one:  # an older sharded checkpoint makes the one-file checkpoint a candidate among several
-        window = RecencyWindow(10, math.inf)
-        on_ranks(2, lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).save(
-            step=1, partition_count=2, window_state=window.state_dict(), common_state={}, clock=lambda: 1.0,
-        ))  # fmt: skip
+        empty = RecencyWindow(10, math.inf).state_dict()
+        _each_rank_saves(sharded, [empty, empty], step=1, partition_count=2, clock=lambda: 1.0)
     single_file = _one_file_store(tmp_path, partitions=2, step=5)
-    shares = on_ranks(
-        2,
-        lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).restore(
-            partition_count=3, single_file=single_file
-        ),
-    )
+    shares = _each_rank_restores(sharded, 3, single_file=single_file)
     assert [(s.step, s.owned_partitions, s.new_partitions) for s in shares] == [(5, [0, 2], [2]), (5, [1], [])]
 
 
 def test_a_one_file_checkpoint_one_rank_cannot_read_is_skipped_by_every_rank(tmp_path: Path) -> None:
     sharded = ShardedCheckpointStore(tmp_path / "shared")
-    window = RecencyWindow(10, math.inf)
-    on_ranks(2, lambda rank, c: DistributedCheckpointer(sharded, c, topic=TOPIC).save(
-        step=1, partition_count=2, window_state=window.state_dict(), common_state={},
-    ))  # fmt: skip
+    empty = RecencyWindow(10, math.inf).state_dict()
+    _each_rank_saves(sharded, [empty, empty], step=1, partition_count=2)
     stores = [_one_file_store(tmp_path / "shared", partitions=2, step=5), CheckpointStore(tmp_path / "elsewhere")]
     shares = on_ranks(
         2,
@@ -485,15 +485,11 @@ def test_a_rank_that_wrote_its_shard_hears_why_the_checkpoint_failed(
 ) -> None:
     windows = _consumed_by_two(2, 30, 20)
     store = ShardedCheckpointStore(tmp_path, keep=1)
-    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
-        step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 1.0,
-    ))  # fmt: skip
+    states = [w.state_dict() for w in windows]
+    _each_rank_saves(store, states, step=1, partition_count=2, clock=lambda: 1.0)
     caplog.set_level(logging.INFO, logger=collective.__name__)
     vetoes = ["its dead letters are not acknowledged", None]  # rank 0 refuses; rank 1 writes its shard
-    zero, one = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
-        step=2, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 2.0,
-        veto=vetoes[rank],
-    ))  # fmt: skip
+    zero, one = _each_rank_saves(store, states, step=2, partition_count=2, vetoes=vetoes, clock=lambda: 2.0)
     directory = "chk-000000000002-2000"
     assert not zero.ok and not one.ok
     assert one.error == f"checkpoint {directory} was not sealed (another rank failed; see its log)"
@@ -517,9 +513,7 @@ def test_a_checkpoint_that_cannot_be_sealed_fails_on_every_rank_and_says_why(
 
     monkeypatch.setattr(collective, "write_manifest", read_only)
     caplog.set_level(logging.INFO, logger=collective.__name__)
-    zero, one = on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
-        step=1, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 3.0,
-    ))  # fmt: skip
+    zero, one = _each_rank_saves(store, [w.state_dict() for w in windows], step=1, partition_count=2, clock=lambda: 3.0)
     sealing = "could not seal checkpoint chk-000000000001-3000: OSError: [Errno 30] Read-only file system"
     assert (zero.ok, zero.error) == (False, sealing)
     assert (one.ok, one.error) == (
@@ -554,12 +548,10 @@ def test_a_checkpoint_that_cannot_prune_is_still_sealed_and_says_so(
 def test_a_restore_says_what_it_restored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     windows = _consumed_by_two(2, 33, 30)
     store = ShardedCheckpointStore(tmp_path)
-    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).save(
-        step=4, partition_count=2, window_state=windows[rank].state_dict(), common_state={}, clock=lambda: 5.0,
-    ))  # fmt: skip
+    _each_rank_saves(store, [w.state_dict() for w in windows], step=4, partition_count=2, clock=lambda: 5.0)
     caplog.set_level(logging.INFO, logger=collective.__name__)
     same = DistributedCheckpointer(store, Collectives(DistContext()), topic=TOPIC)
-    on_ranks(2, lambda rank, c: DistributedCheckpointer(store, c, topic=TOPIC).restore(partition_count=2))
+    _each_rank_restores(store, 2)
     assert same.restore(partition_count=2) is not None  # one rank where two wrote: rescaled
     counts = [len(w.state_dict()["lengths"]) for w in windows]
     assert sorted(r.getMessage() for r in caplog.records) == sorted([
@@ -570,9 +562,7 @@ def test_a_restore_says_what_it_restored(tmp_path: Path, caplog: pytest.LogCaptu
     caplog.clear()
     single_file = _one_file_store(tmp_path / "one-file", partitions=2, step=6)
     empty = ShardedCheckpointStore(tmp_path / "one-file")
-    on_ranks(2, lambda rank, c: DistributedCheckpointer(empty, c, topic=TOPIC).restore(
-        partition_count=2, single_file=single_file
-    ))  # fmt: skip
+    _each_rank_restores(empty, 2, single_file=single_file)
     name = single_file.list()[0].path.name
     assert sorted(r.getMessage() for r in caplog.records) == [
         f"restored one-file checkpoint {name} as rank 0 of 2",
