@@ -41,6 +41,7 @@ in its shard and restored only when the ownership is unchanged.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -260,7 +261,7 @@ class LockstepControl(Generic[TrainerT]):
         self.rollbacks: list[AppliedRollback] = []  # every agreed rollback, as applied (the same on every rank)
         self._rollback_lock = threading.Lock()
         self._rollback_queue: deque[RollbackTicket] = deque()
-        self._last_publish = 0.0
+        self._last_publish = -math.inf  # never: the first tick may publish, however young the machine's clock
 
     # ------------------------------------------------------------------ requests from other threads
     def request_rollback(

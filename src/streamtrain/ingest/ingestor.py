@@ -36,6 +36,7 @@ progress while the log end moves" can).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -195,7 +196,7 @@ class Ingestor:
             else:
                 consumer_factory = lambda s, listener: assigned_consumer(s, listener, self._owned)  # noqa: E731
         self._consumer_factory = consumer_factory
-        self._last_partition_check = 0.0
+        self._last_partition_check = -math.inf  # never (the monotonic clock starts at the machine's boot)
         self._decoder = Decoder(settings.decode_workers)
         self._clock = clock
         self._consumer: KafkaConsumer | None = None
@@ -206,8 +207,8 @@ class Ingestor:
         self._polled: dict[int, int] = {}  # next offset per partition of every polled batch
         self._reported_evicted = 0
         self._reported_compaction_bytes = 0  # what window_compaction_bytes counted of window.compactions
-        self._last_gauges = 0.0
-        self._last_end_probe = 0.0
+        self._last_gauges = -math.inf
+        self._last_end_probe = -math.inf
         self._started_at = time.monotonic()
         self._last_record_at: float | None = None  # monotonic
         self._last_restart: tuple[str, float] | None = None  # reason, monotonic time
@@ -355,7 +356,7 @@ class Ingestor:
         self.dead_letters.configure(self.topic_limits.source_max_message_bytes, fetch_bytes(s))
         self._consumer = self._consumer_factory(s, _SeekOnAssign(self))
         self.watchdog.reset()
-        self._last_end_probe = 0.0
+        self._last_end_probe = -math.inf
         if self.security_failure is None:  # while one lasts, the retries stay quiet
             log.info(
                 "ingest connected to %s (%s), topic %s, group %s",

@@ -553,6 +553,18 @@ def test_the_loop_publishes_once_per_interval_and_agrees_optimizer_resets() -> N
     assert 0 < int(moments["step"]) <= trainer.step - reset_at + 1  # counted again from the agreed reset
 
 
+def test_a_restored_version_is_published_over_at_the_first_tick_on_a_machine_booted_a_moment_ago(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The monotonic clock starts at the machine's boot: a fresh VM's first minutes are no past publication."""
+    trainer, loop = make_wired_loop(publish_interval_s=3600.0)
+    trainer.publish()  # as a restored trainer serves before its loop starts
+    monkeypatch.setattr(scale_out.time, "monotonic", lambda: 5.0)
+    assert loop._publish_due()
+    loop._last_publish = 5.0 - 3599.0
+    assert not loop._publish_due()
+
+
 def _gate_models() -> tuple[Any, Any, Any]:
     import dist_worker
 
