@@ -25,6 +25,7 @@ it cannot learn alone? Then the geometric means.
     python bench/replay_budget.py --dropout 0.1  # the network with dropout in training (the service trains without)
     python bench/replay_budget.py --d-model 32 --n-layers 1  # a smaller network (the service's: 64, 2)
     python bench/replay_budget.py --weight-decay 0.1  # stronger AdamW weight decay (the service's: 0.01)
+    python bench/replay_budget.py --level-inputs  # the level and step scale as inputs too
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -48,11 +49,34 @@ from _series import Series, series_groups, sliding_windows  # noqa: E402
 from _table import _fmt, print_columns  # noqa: E402
 from real_series import CONTEXT, baselines, fit_ar  # noqa: E402
 
-from streamtrain.model.network import SensorModel  # noqa: E402
+from streamtrain.model.network import ModelOutput, SensorModel, level_free_features  # noqa: E402
 
 REPLAYS = (4, 8, 16, 32, 64)
 BATCH = 64
 HELD_OUT_SHARE = 0.1
+
+
+class LevelAwareModel(SensorModel):
+    """The service's network with what its level-free encoding discards given back as inputs: per
+    channel, the reading itself (in the series' standard units, as the model sees it) and the log of
+    the instance's step scale, beside the centred reading and the step. The output is the service's
+    (the last value plus a change in the step scale), so untrained it is still the last value."""
+
+    def __init__(self, channels: int, **network: Any) -> None:
+        super().__init__(channels, **network)
+        self.input = torch.nn.Linear(4 * channels, self.input.out_features)
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor, row_multiple: int = 1) -> ModelOutput:
+        batch, length, channels = x_norm.shape
+        real = mask.bool()[..., None]
+        x = x_norm.masked_fill(~real, 0.0)
+        features, scale = level_free_features(x, real)
+        inputs = torch.cat([features, x, torch.log(scale) * real], dim=-1)
+        hidden = self.input(inputs.reshape(batch * length, -1)) + self.positions[:length].repeat(batch, 1)
+        for block in self.blocks:
+            hidden = block(hidden, batch, length)
+        change = self.forecast_head(self.final_norm(hidden)).view(batch, length, channels)
+        return ModelOutput(forecast=(x + scale * change) * real, logits=None)
 
 
 def forecast_last(model: SensorModel, z: np.ndarray) -> np.ndarray:
@@ -83,11 +107,13 @@ def run_series(
     network: dict[str, Any] | None = None,
     hybrid: bool = False,
     weight_decay: float = 0.01,
+    level_inputs: bool = False,
 ) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
     on AR(p)'s forecast (``hybrid_R``). ``network``: ``SensorModel``'s size and dropout (its defaults,
-    the service's, where absent); ``weight_decay``: AdamW's."""
+    the service's, where absent); ``weight_decay``: AdamW's; ``level_inputs``: train
+    :class:`LevelAwareModel` instead of the service's network."""
     values = make().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -112,7 +138,7 @@ def run_series(
         for arm in ("network", "hybrid") if hybrid else ("network",):
             rng = np.random.default_rng(seed)
             torch.manual_seed(seed)
-            model = SensorModel(values.shape[1], **(network or {}))
+            model = (LevelAwareModel if level_inputs else SensorModel)(values.shape[1], **(network or {}))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
             done, held_mse = 0, {}
             for replays in REPLAYS:
@@ -167,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=64, help="the network's width (default 64)")
     parser.add_argument("--n-layers", type=int, default=2, help="the network's blocks (default 2)")
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument(
+        "--level-inputs", action="store_true", help="give the network the level and scale its encoding discards"
+    )
     args = parser.parse_args(argv)
     makers = {name: make for group in series_groups(args.series).values() for name, make in group.items()}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -175,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, make in makers.items():
         started = time.monotonic()
         network = {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers, "dropout": args.dropout}
-        rows[name] = run_series(make, seeds, network, args.hybrid, args.weight_decay)
+        rows[name] = run_series(make, seeds, network, args.hybrid, args.weight_decay, args.level_inputs)
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
