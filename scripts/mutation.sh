@@ -95,6 +95,7 @@ MODULES=(
   "rescale|src/streamtrain/checkpoint/rescale.py|tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py tests/unit/checkpoint/test_checkpoint_collective.py"
   "collective|src/streamtrain/checkpoint/collective.py|tests/unit/checkpoint/test_checkpoint_collective.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py --deselect=tests/unit/checkpoint/test_checkpoint_sharded_deltas.py::test_sigkill_in_the_middle_of_a_shard_write_restores_the_last_cut_nothing_lost_nothing_twice"
   "lockstep|src/streamtrain/distributed/lockstep.py|tests/unit/distributed/test_lockstep.py tests/unit/test_device.py --deselect=tests/unit/distributed/test_lockstep.py::test_a_launch_that_cannot_work_stops_in_one_line"
+  "trainer|src/streamtrain/training/trainer.py|tests/unit/training/test_training_trainer.py tests/unit/training/test_training_publishing.py tests/unit/training/test_training_faults.py tests/unit/training/test_training_resume.py tests/unit/training/test_training_replays.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/runtime/test_service_restore.py tests/unit/distributed/test_lockstep.py tests/unit/test_device.py --deselect=tests/unit/distributed/test_lockstep.py::test_a_launch_that_cannot_work_stops_in_one_line"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }

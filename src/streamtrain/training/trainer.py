@@ -82,12 +82,6 @@ class StepReport:
     seconds: float
 
 
-def _float32(output: ModelOutput) -> ModelOutput:
-    """``output`` in float32 (the same tensors when they already are: AMP off)."""
-    logits = output.logits
-    return ModelOutput(forecast=output.forecast.float(), logits=None if logits is None else logits.float())
-
-
 def build_budget(settings: Settings) -> TokenBudget:
     return TokenBudget(
         max_tokens=settings.token_budget,
@@ -293,7 +287,8 @@ class Trainer(ModelTrainer):
             x_norm = self.norm.normalize(on_device.values).float() * on_device.mask[..., None]
             with autocast(self.device, self.settings.precision):
                 output = self.model(x_norm, on_device.mask)
-            return float(forecast_loss(_float32(output), x_norm, on_device.mask))
+            # the loss reads the forecast alone, in float32 (the same tensor when AMP is off)
+            return float(forecast_loss(ModelOutput(output.forecast.float(), None), x_norm, on_device.mask))
 
     def _placed(self, batch: Batch) -> tuple[Batch, Batch]:
         """(host batch, its values/mask/labels on the training device) for any batch given."""
