@@ -290,6 +290,7 @@ def test_an_idle_trainer_counts_its_wait_publishes_what_moved_and_goes_on_when_e
     assert trainer._wait_for_replay_budget(0)  # credits the window's 96 events
     trainer.replays.spend(96)  # and spends them: nothing more may train
     try:
+        started = time.monotonic()
         thread, answer = _waiting(trainer, 8)
         time.sleep(0.8)  # four rounds of 0.2 s, less the publication's time
         assert thread.is_alive() and answer == []
@@ -298,14 +299,17 @@ def test_an_idle_trainer_counts_its_wait_publishes_what_moved_and_goes_on_when_e
         assert trainer.registry.versions() == [1]
         trainer.window.insert_batch(_walks(8, 1))  # 8 new events buy 8 item-trainings
         thread.join(5)
+        idle = time.monotonic() - started
         assert not thread.is_alive() and answer == [True]
-        assert 0.35 <= trainer.budget_wait_seconds < 5.0  # every round counted, not the publication
+        # every round counted (not the publication): all of the time but the publication's
+        assert idle - trainer.publish_seconds - 0.1 <= trainer.budget_wait_seconds <= idle
         assert _value(trainer, "streamtrain_train_budget_wait_seconds_total") == trainer.budget_wait_seconds
         assert trainer.report().training["budget_wait_seconds"] == trainer.budget_wait_seconds
         with trainer.lock:
             trainer.apply_step(_outcome(), None)  # a step trained since: the next idle wait publishes it
         trainer.replays.spend(8)
         waited_before = trainer.budget_wait_seconds
+        started = time.monotonic()
         thread, answer = _waiting(trainer, 8)
         time.sleep(0.8)
         published = trainer.registry.versions()
@@ -314,8 +318,9 @@ def test_an_idle_trainer_counts_its_wait_publishes_what_moved_and_goes_on_when_e
         assert trainer.registry.versions() == published  # and nothing more: nothing moved since
         trainer._stop.set()  # stopped while idle: no more waiting
         thread.join(5)
+        idle = time.monotonic() - started
         assert not thread.is_alive() and answer == [False]
-        assert trainer.budget_wait_seconds >= waited_before + 0.35
+        assert idle - trainer.publish_seconds - 0.1 <= trainer.budget_wait_seconds - waited_before <= idle
     finally:
         trainer._stop.set()  # a waiting thread left by a failure ends too
 
@@ -450,7 +455,7 @@ def test_the_training_loop_counts_the_time_it_waits_for_batches_after_the_first(
     # every batch after the first came 0.15 s after the one before, less what the step (and the first
     # publication) took meanwhile; the first batch's wait (over a second) is warm-up, not counted
     assert (steps - 1) * 0.15 - trainer.step_seconds - trainer.publish_seconds - 0.05 <= waited
-    assert waited <= (steps - 1) * 0.15 + 0.1 and waited < wall - 1.0
+    assert waited <= (steps - 1) * 0.25 + 0.2 and waited < wall - 1.0  # slack for a loaded machine
     assert _value(trainer, "streamtrain_train_data_wait_seconds_total") == waited
 
 
