@@ -27,16 +27,18 @@ def make_small_trainer(
            "checkpoint_dir": "unused", **overrides},
     )  # fmt: skip
     window = RecencyWindow(1000, math.inf, channels=1, rng=np.random.default_rng(seed))
-    rng = np.random.default_rng(seed)
-    now = time.time()
-    window.insert_batch(
-        EventBatch.from_events(
-            [
-                SensorEvent(
-                    f"s{i % 4}", now - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32)
-                )
-                for i, n in enumerate(rng.integers(4, 32, events))
-            ]
-        )
-    )
+    window.insert_batch(random_walks(events, seed, time.time()))
     return Trainer(settings, window, Metrics(), loop=loop)
+
+
+def random_walks(count: int, seed: int, newest_ts: float) -> EventBatch:
+    """``count`` random walks of 4-31 readings from 4 sensors, one a second back from ``newest_ts``."""
+    rng = np.random.default_rng(seed)
+    return EventBatch.from_events(
+        [
+            SensorEvent(
+                f"s{i % 4}", newest_ts - i, np.cumsum(rng.standard_normal((int(n), 1)), axis=0).astype(np.float32)
+            )
+            for i, n in enumerate(rng.integers(4, 32, count))
+        ]
+    )

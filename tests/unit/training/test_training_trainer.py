@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from small_trainer import make_small_trainer
+from small_trainer import make_small_trainer, random_walks
 
 from streamtrain.data.collate import Batch
 from streamtrain.data.randomness import make_randomness
-from streamtrain.events import EventBatch, SensorEvent
 from streamtrain.model.losses import forecast_loss
 from streamtrain.training.protocol import RestoredParts, StepOutcome
 from streamtrain.training.publishing import lower_thread_priority
@@ -269,15 +268,6 @@ def test_a_checkpoint_of_another_model_is_refused_with_both_configurations() -> 
     assert other.step == 0 and other.published is None
 
 
-def _walks(count: int, seed: int) -> EventBatch:
-    rng = np.random.default_rng(seed)
-    now = time.time()
-    return EventBatch.from_events(
-        [SensorEvent(f"s{i % 4}", now + i, np.cumsum(rng.standard_normal((12, 1)), axis=0).astype(np.float32))
-         for i in range(count)]
-    )  # fmt: skip
-
-
 def _waiting(trainer: Trainer, items: int) -> tuple[threading.Thread, list[bool]]:
     answer: list[bool] = []
     thread = threading.Thread(target=lambda: answer.append(trainer._wait_for_replay_budget(items)), daemon=True)
@@ -297,7 +287,7 @@ def test_an_idle_trainer_counts_its_wait_publishes_what_moved_and_goes_on_when_e
         # idle, it published once (nothing served), then never again: nothing it is made of moved,
         # however many publication intervals (0.05 s, or the publication's own time) passed
         assert trainer.registry.versions() == [1]
-        trainer.window.insert_batch(_walks(8, 1))  # 8 new events buy 8 item-trainings
+        trainer.window.insert_batch(random_walks(8, 1, time.time() + 8))  # 8 new events buy 8 item-trainings
         thread.join(5)
         idle = time.monotonic() - started
         assert not thread.is_alive() and answer == [True]
@@ -443,7 +433,7 @@ def test_the_training_loop_counts_the_time_it_waits_for_batches_after_the_first(
     trainer.start()
     try:
         time.sleep(1.0)  # the window (96 events) is below its minimum: the first batch waits
-        trainer.window.insert_batch(_walks(40, 2))
+        trainer.window.insert_batch(random_walks(40, 2, time.time() + 40))
         deadline = time.monotonic() + 60
         while trainer.step < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
