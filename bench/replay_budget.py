@@ -26,6 +26,7 @@ it cannot learn alone? Then the geometric means.
     python bench/replay_budget.py --d-model 32 --n-layers 1  # a smaller network (the service's: 64, 2)
     python bench/replay_budget.py --weight-decay 0.1  # stronger AdamW weight decay (the service's: 0.01)
     python bench/replay_budget.py --level-inputs  # the level and step scale as inputs too
+    python bench/replay_budget.py --choose-level  # both networks, the held-out block choosing (~2x the time)
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -108,12 +109,16 @@ def run_series(
     hybrid: bool = False,
     weight_decay: float = 0.01,
     level_inputs: bool = False,
+    choose_level: bool = False,
 ) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
     on AR(p)'s forecast (``hybrid_R``). ``network``: ``SensorModel``'s size and dropout (its defaults,
     the service's, where absent); ``weight_decay``: AdamW's; ``level_inputs``: train
-    :class:`LevelAwareModel` instead of the service's network."""
+    :class:`LevelAwareModel` instead of the service's network; ``choose_level``: train both and
+    let the held-out block choose, per seed, which one forecasts (``chosen_R``; with early
+    stopping, ``chosen_early``: the best of both networks at every replay count), as a service
+    holding both families would."""
     values = make().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -134,11 +139,17 @@ def run_series(
     forecasts: dict[int, list[np.ndarray]] = {r: [] for r in REPLAYS}  # per seed, in data units
     corrected: dict[int, list[float]] = {r: [] for r in REPLAYS}
     stopped, picks = [], []
+    level_test: dict[int, list[float]] = {r: [] for r in REPLAYS}  # the level-aware network's, with choose_level
+    chosen: dict[int, list[float]] = {r: [] for r in REPLAYS}
+    chosen_early: list[float] = []
+    arms = ("network",) + (("level",) if choose_level else ()) + (("hybrid",) if hybrid else ())
     for seed in seeds:
-        for arm in ("network", "hybrid") if hybrid else ("network",):
+        held_by_arm: dict[str, dict[int, float]] = {}
+        for arm in arms:
             rng = np.random.default_rng(seed)
             torch.manual_seed(seed)
-            model = (LevelAwareModel if level_inputs else SensorModel)(values.shape[1], **(network or {}))
+            aware = arm == "level" or (arm == "network" and level_inputs)
+            model = (LevelAwareModel if aware else SensorModel)(values.shape[1], **(network or {}))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
             done, held_mse = 0, {}
             for replays in REPLAYS:
@@ -161,14 +172,29 @@ def run_series(
                     forecast = ar_test + forecast_last(model, contexts) - contexts[:, -1]
                     corrected[replays].append(base.mse(forecast * std + mean) / mse_ar)
                     continue
+                held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
+                if arm == "level":
+                    level_test[replays].append(base.mse(forecast_last(model, contexts) * std + mean) / mse_ar)
+                    continue
                 forecasts[replays].append(forecast_last(model, contexts) * std + mean)
                 test[replays].append(base.mse(forecasts[replays][-1]) / mse_ar)
-                held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
+            held_by_arm[arm] = held_mse
             if arm == "network":
                 pick = min(held_mse, key=held_mse.__getitem__)
                 stopped.append(test[pick][-1])
                 picks.append(pick)
+        if choose_level:  # the held-out block's choice between the two networks, this seed's
+            plain_held, aware_held = held_by_arm["network"], held_by_arm["level"]
+            for r in REPLAYS:
+                chosen[r].append(test[r][-1] if plain_held[r] <= aware_held[r] else level_test[r][-1])
+            candidates = [(plain_held[r], test[r][-1]) for r in REPLAYS]
+            candidates += [(aware_held[r], level_test[r][-1]) for r in REPLAYS]
+            chosen_early.append(min(candidates)[1])
     out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
+    if choose_level:
+        out.update({f"level_{r}": float(np.mean(v)) for r, v in level_test.items()})
+        out.update({f"chosen_{r}": float(np.mean(v)) for r, v in chosen.items()})
+        out["chosen_early"] = float(np.mean(chosen_early))
     out["early_stopping"] = float(np.mean(stopped))
     for r, each in forecasts.items():
         averaged = np.mean(each, axis=0)
@@ -196,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--level-inputs", action="store_true", help="give the network the level and scale its encoding discards"
     )
+    parser.add_argument(
+        "--choose-level",
+        action="store_true",
+        help="train both networks (level-free and level-aware) and let the held-out block choose, ~2x the time",
+    )
     args = parser.parse_args(argv)
     makers = {name: make for group in series_groups(args.series).values() for name, make in group.items()}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -204,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, make in makers.items():
         started = time.monotonic()
         network = {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers, "dropout": args.dropout}
-        rows[name] = run_series(make, seeds, network, args.hybrid, args.weight_decay, args.level_inputs)
+        rows[name] = run_series(
+            make, seeds, network, args.hybrid, args.weight_decay, args.level_inputs, args.choose_level
+        )
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
