@@ -109,11 +109,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
 
 
 def _validation_message(err: ValidationError) -> str:
-    problems = []
-    for error in err.errors()[:5]:
-        where = ".".join(str(p) for p in error.get("loc", ()))
-        problems.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
-    return "; ".join(problems)
+    """The first five problems, each where (the field's path) and pydantic's words. Only a JSON
+    object gets here (:func:`parse_header`), so every problem has a path."""
+    return "; ".join(f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in err.errors()[:5])
 
 
 def parse_header(header: bytes) -> OIPInferRequest:

@@ -300,6 +300,12 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
         "values[0]: schema: 'values' must hold only numbers",
     ),
     ("bools", {"inputs": [{**values_input(GOOD), "data": [0.0] * 6 + [True] * 6}]}, {}, "values[1]: schema"),
+    (
+        "words and nulls",
+        {"inputs": [{**values_input(GOOD), "data": [0.0] * 6 + ["abc", None] + [0.0] * 4}]},
+        {},
+        "values[1]: schema: 'values' must hold only numbers",
+    ),
     ("huge int", {"inputs": [{**values_input(GOOD), "data": [0.0] * 11 + [10**400]}]}, {}, "values[1]: non_finite"),
     (
         "nan",
@@ -348,6 +354,18 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
         "classification extension",
     ),
     ("binary flag", {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}, {}, "true or false"),
+    (
+        "output binary flag",
+        {"inputs": [values_input(GOOD)], "outputs": [{"name": "next", "parameters": {"binary_data": 1}}]},
+        {},
+        "outputs[0] (next): parameters.binary_data must be true or false",
+    ),
+    (
+        "forecast overflow",  # finite readings whose forecast is not: the row that overflows is named
+        {"inputs": [{**values_input(GOOD[:, :2]), "data": [[[1.0, 2.0], [1.0, 2.0]], [[3e38, 3e38], [-3e38, -3e38]]]}]},
+        {},
+        "values[1]: non_finite: the forecast overflows for these readings",
+    ),
     ("shm", {"inputs": [values_input(GOOD, parameters={"shared_memory_region": "r"})]}, {}, "shared-memory"),
     ("header length", b'{"inputs": []}', {oip.HEADER_LENGTH: "999"}, "Inference-Header-Content-Length"),
     ("header length text", b'{"inputs": []}', {oip.HEADER_LENGTH: "-1"}, "Inference-Header-Content-Length"),
@@ -410,6 +428,84 @@ def test_binary_and_json_data_mix_and_nested_json_data(api: TestClient) -> None:
     )
 
 
+def test_schema_refusals_name_each_problem_in_pydantic_words_five_at_most(api: TestClient) -> None:
+    cases = (
+        (
+            {"inputs": [{**values_input(GOOD), "shape": ["2", 3, 2]}]},
+            "inputs.0.shape.0: Input should be a valid integer",
+        ),
+        ({"inputs": 5}, "inputs: Input should be a valid list"),
+        (
+            {"inputs": [{}, {}, {}]},  # nine problems: the first five, in pydantic's order
+            "inputs.0.name: Field required; inputs.0.shape: Field required; inputs.0.datatype: Field required; "
+            "inputs.1.name: Field required; inputs.1.shape: Field required",
+        ),
+    )
+    for body, message in cases:
+        response = api.post("/v2/models/streamtrain/infer", json=body)
+        assert response.status_code == 400 and response.json() == {"error": message}, response.text
+
+
+def test_a_header_length_of_the_whole_body_leaves_no_binary_part(api: TestClient) -> None:
+    content = json.dumps({"inputs": [values_input(GOOD)]}).encode()
+    response = api.post("/v2/models/streamtrain/infer", content=content, headers={oip.HEADER_LENGTH: str(len(content))})
+    assert response.status_code == 200, response.text
+    assert [o["name"] for o in response.json()["outputs"]] == ["next", "anomaly_score", "probs"]
+
+
+def test_readiness_refusals_name_the_model_and_the_problem(api: TestClient) -> None:
+    assert api.get("/v2/models/streamtrain/versions/2/ready").json() == {"name": "streamtrain", "ready": True}
+    response = api.get("/v2/models/streamtrain/versions/7/ready")
+    assert response.status_code == 400
+    assert response.json() == {
+        "name": "streamtrain", "ready": False, "error": "model 'streamtrain' has no kept version '7' (kept: 1, 2)"
+    }  # fmt: skip
+    response = api.get("/v2/models/other/ready")
+    assert response.status_code == 400
+    assert response.json() == {
+        "name": "other", "ready": False, "error": "unknown model 'other'; this server serves 'streamtrain'"
+    }  # fmt: skip
+
+
+def test_the_openapi_infer_request_schema_has_its_definitions_inlined(api: TestClient) -> None:
+    """An OpenAPI request body cannot point into the model's ``$defs``: they are copied in."""
+    nested = oip.OIPInferRequest.model_json_schema()
+    assert "$defs" in nested  # the tensors are definitions of their own, so there is something to inline
+    body = api.get("/openapi.json").json()["paths"]["/v2/models/{model_name}/infer"]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert "$ref" not in json.dumps(schema) and "$defs" not in schema
+    for items, name in ((schema["properties"]["inputs"]["items"], "OIPTensorIn"),
+                        (schema["properties"]["outputs"]["anyOf"][0]["items"], "OIPRequestedOutput")):  # fmt: skip
+        definition = nested["$defs"][name]  # the document drops its null defaults, nothing else
+        assert items == {**definition, "properties": {
+            field: {k: v for k, v in spec.items() if not (k == "default" and v is None)}
+            for field, spec in definition["properties"].items()
+        }}  # fmt: skip
+
+
+def test_integers_past_float64_precision_read_as_the_event_rules_read_them() -> None:
+    """All-integer data goes through float64 to float32, as ``parse_values`` reads a Kafka event: an
+    integer past 2**53 rounds twice, and a direct int64 cast would round it to another float32."""
+    integers = [2**60 + 2**36 + 1, -(2**60 + 2**36 + 1), 3, 2**62 + 2**38 + 7]
+    request = oip.OIPInferRequest.model_validate(
+        {"inputs": [{"name": "values", "datatype": "FP32", "shape": [1, 4, 1], "data": integers}]}
+    )
+    (row,) = oip.split_instances(oip.read_inputs(request, b""), 1, 8, max_batch=4)
+    expected = parse_values(integers, 1, 8)
+    np.testing.assert_array_equal(row, expected)
+    assert not np.array_equal(np.array(integers).astype(np.float32).reshape(4, 1), expected)  # the case is real
+
+
+def test_a_one_class_head_still_answers_probs(tmp_path: Path) -> None:
+    service = make_service(tmp_path, n_classes=1)
+    with TestClient(create_app(service), raise_server_exceptions=False) as one_class:
+        metadata = one_class.get("/v2/models/streamtrain").json()
+        assert [(o["name"], o["shape"]) for o in metadata["outputs"]][-1] == ("probs", [-1, 1])
+        answer = one_class.post("/v2/models/streamtrain/infer", json={"inputs": [values_input(GOOD)]}).json()
+        assert [o["name"] for o in answer["outputs"]] == ["next", "anomaly_score", "probs"], answer
+        assert answer["outputs"][2]["shape"] == [2, 1] and answer["outputs"][2]["data"] == [1.0, 1.0]
+
+
 def test_unknown_model_version_and_size_limits(api: TestClient) -> None:
     body = {"inputs": [values_input(GOOD)]}
     for path, message in (("/v2/models/other/infer", "unknown model 'other'"),
@@ -440,8 +536,19 @@ def test_overloaded_and_unpublished_are_503_with_an_error(tmp_path: Path, monkey
         ready = api.get("/v2/models/streamtrain/ready")
         assert ready.status_code == 400 and ready.json()["ready"] is False
         assert api.get("/v2/models/streamtrain").json()["versions"] == []
+        response = api.post("/v2/models/streamtrain/versions/1/infer", json=body)
+        assert response.status_code == 400
+        assert response.json() == {"error": "model 'streamtrain' has no kept version '1' (kept: none yet)"}
         service.trainer.publish()
         assert api.get("/v2/models/streamtrain/ready").json() == {"name": "streamtrain", "ready": True}
+        # no classification head: no probs, neither in the metadata nor in an answer
+        assert [o["name"] for o in api.get("/v2/models/streamtrain").json()["outputs"]] == ["next", "anomaly_score"]
+        answer = api.post("/v2/models/streamtrain/infer", json=body).json()
+        assert [o["name"] for o in answer["outputs"]] == ["next", "anomaly_score"], answer
+        response = api.post("/v2/models/streamtrain/infer", json={**body, "outputs": [{"name": "probs"}]})
+        assert response.status_code == 400
+        refusal = "outputs[0] (probs): unknown output; this model answers next, anomaly_score"
+        assert response.json() == {"error": refusal}
 
         async def full(*_: Any) -> Any:
             raise Overloaded("too many predictions in flight (34)")
