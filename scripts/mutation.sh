@@ -96,6 +96,7 @@ MODULES=(
   "collective|src/streamtrain/checkpoint/collective.py|tests/unit/checkpoint/test_checkpoint_collective.py tests/unit/checkpoint/test_checkpoint_rescale.py tests/unit/checkpoint/test_checkpoint_sharded_deltas.py --deselect=tests/unit/checkpoint/test_checkpoint_sharded_deltas.py::test_sigkill_in_the_middle_of_a_shard_write_restores_the_last_cut_nothing_lost_nothing_twice"
   "lockstep|src/streamtrain/distributed/lockstep.py|tests/unit/distributed/test_lockstep.py tests/unit/test_device.py --deselect=tests/unit/distributed/test_lockstep.py::test_a_launch_that_cannot_work_stops_in_one_line"
   "trainer|src/streamtrain/training/trainer.py|tests/unit/training/test_training_trainer.py tests/unit/training/test_training_publishing.py tests/unit/training/test_training_faults.py tests/unit/training/test_training_resume.py tests/unit/training/test_training_replays.py tests/unit/quality/test_quality_gate_and_rollback.py tests/unit/runtime/test_service_restore.py tests/unit/distributed/test_lockstep.py tests/unit/test_device.py --deselect=tests/unit/distributed/test_lockstep.py::test_a_launch_that_cannot_work_stops_in_one_line"
+  "oip|src/streamtrain/serve/oip.py|tests/unit/serve/test_serve_oip.py"
 )
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -153,8 +154,10 @@ EOF
     echo "    -p"
     echo "    no:cacheprovider"
     echo "use_git_change_detection = false"
-    echo "# a mutant gets 4x its tests' CPU time (plus 4 s) before it counts as a timeout"
+    echo "# a mutant counts as a timeout past 2 x (its tests' time + 10 s) of wall time, or 4 x that of CPU"
+    echo "# time: the 10 s covers what no test's duration holds (the tests' collection, a module fixture)"
     echo "timeout_multiplier = 2.0"
+    echo "timeout_constant = 10.0"
   } >"$work/setup.cfg"
 
   echo "== $name: mutating $src, tests: ${selected[*]}"
