@@ -102,6 +102,21 @@ def ar_bases(z: np.ndarray, coefficients: Sequence[np.ndarray]) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def held_out_choice(
+    held: dict[str, dict[int, float]], test: dict[str, dict[int, float]]
+) -> tuple[dict[int, float], float]:
+    """The test score of the family (``held``'s keys: family -> replay count -> held-out MSE) that
+    forecast the held-out block best, at each replay count; and of the best (family, replay count)
+    over all of them (early stopping across families). A tie goes to the family listed first."""
+    families = list(held)
+    at_each = {}
+    for r in next(iter(held.values())):
+        best = min(families, key=lambda f: held[f][r])
+        at_each[r] = test[best][r]
+    family, r = min(((f, r) for f in families for r in held[f]), key=lambda fr: held[fr[0]][fr[1]])
+    return at_each, test[family][r]
+
+
 def run_series(
     make: Callable[[], Series],
     seeds: list[int],
@@ -184,12 +199,11 @@ def run_series(
                 stopped.append(test[pick][-1])
                 picks.append(pick)
         if choose_level:  # the held-out block's choice between the two networks, this seed's
-            plain_held, aware_held = held_by_arm["network"], held_by_arm["level"]
+            seed_test = {"network": {r: test[r][-1] for r in REPLAYS}, "level": {r: level_test[r][-1] for r in REPLAYS}}
+            at_each, early = held_out_choice(held_by_arm, seed_test)
             for r in REPLAYS:
-                chosen[r].append(test[r][-1] if plain_held[r] <= aware_held[r] else level_test[r][-1])
-            candidates = [(plain_held[r], test[r][-1]) for r in REPLAYS]
-            candidates += [(aware_held[r], level_test[r][-1]) for r in REPLAYS]
-            chosen_early.append(min(candidates)[1])
+                chosen[r].append(at_each[r])
+            chosen_early.append(early)
     out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
     if choose_level:
         out.update({f"level_{r}": float(np.mean(v)) for r, v in level_test.items()})

@@ -139,3 +139,15 @@ def test_the_network_holdout_ratio_is_the_reference_over_the_linear_forecaster()
     assert rs.holdout_network_linear({"forecaster": {"last_publication": publication}}) == (1.5, 96)
     assert rs.holdout_network_linear({"forecaster": {"last_publication": None}}) == (None, None)
     assert rs.holdout_network_linear({}) == (None, None)
+
+
+def test_the_held_out_block_chooses_the_family_at_each_replay_count_and_across_them() -> None:
+    import replay_budget  # noqa: PLC0415 (torch: imported only by the test that needs it)
+
+    held = {"network": {4: 1.0, 8: 0.5, 16: 0.7}, "level": {4: 0.9, 8: 0.6, 16: 0.4}}
+    test = {"network": {4: 10.0, 8: 20.0, 16: 30.0}, "level": {4: 11.0, 8: 21.0, 16: 31.0}}
+    at_each, early = replay_budget.held_out_choice(held, test)
+    assert at_each == {4: 11.0, 8: 20.0, 16: 31.0}  # the lower held-out error's test score, not the lower test score
+    assert early == 31.0  # level at 16: the lowest held-out error of all six
+    tie = {"network": {4: 0.5}, "level": {4: 0.5}}
+    assert replay_budget.held_out_choice(tie, test) == ({4: 10.0}, 10.0)  # a tie keeps the service's network
