@@ -338,6 +338,12 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
         "only integers",
     ),
     (
+        "lengths past int32",
+        {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT32", "shape": [2], "data": [2**31, 1]}]},
+        {},
+        "inputs[1] (lengths).data: a value is out of INT32 range",
+    ),
+    (
         "lengths shape",
         {"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "INT64", "shape": [1], "data": [1]}]},
         {},
@@ -474,6 +480,9 @@ def test_the_openapi_infer_request_schema_has_its_definitions_inlined(api: TestC
     body = api.get("/openapi.json").json()["paths"]["/v2/models/{model_name}/infer"]["post"]["requestBody"]
     schema = body["content"]["application/json"]["schema"]
     assert "$ref" not in json.dumps(schema) and "$defs" not in schema
+    inlined = oip._inline_schema(oip.OIPInferRequest)  # the document's schema is built once, at import
+    assert inlined["properties"]["inputs"]["items"] == nested["$defs"]["OIPTensorIn"]
+    assert "$ref" not in json.dumps(inlined) and inlined["required"] == ["inputs"]
     for items, name in ((schema["properties"]["inputs"]["items"], "OIPTensorIn"),
                         (schema["properties"]["outputs"]["anyOf"][0]["items"], "OIPRequestedOutput")):  # fmt: skip
         definition = nested["$defs"][name]  # the document drops its null defaults, nothing else
