@@ -158,6 +158,9 @@ EOF
     echo "# time: the 10 s covers what no test's duration holds (the tests' collection, a module fixture)"
     echo "timeout_multiplier = 2.0"
     echo "timeout_constant = 10.0"
+    echo "# each mutant's tests run in a child of a fork server that never ran a test: forked straight from"
+    echo "# mutmut's process, which did (threads of torch, uvicorn), a child can deadlock and count as a timeout"
+    echo "process_isolation = forkserver"
   } >"$work/setup.cfg"
 
   echo "== $name: mutating $src, tests: ${selected[*]}"

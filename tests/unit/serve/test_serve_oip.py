@@ -543,7 +543,10 @@ def test_overloaded_and_unpublished_are_503_with_an_error(tmp_path: Path, monkey
         response = api.post("/v2/models/streamtrain/infer", json=body)
         assert response.status_code == 503 and "no model published yet" in response.json()["error"]
         ready = api.get("/v2/models/streamtrain/ready")
-        assert ready.status_code == 400 and ready.json()["ready"] is False
+        assert ready.status_code == 400
+        assert ready.json() == {
+            "name": "streamtrain", "ready": False, "error": "no model published yet: the window is still filling"
+        }  # fmt: skip
         assert api.get("/v2/models/streamtrain").json()["versions"] == []
         response = api.post("/v2/models/streamtrain/versions/1/infer", json=body)
         assert response.status_code == 400
