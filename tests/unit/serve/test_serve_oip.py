@@ -173,9 +173,11 @@ def test_health_metadata_and_readiness_through_tritonclient(client: triton.Infer
         {"name": "values", "datatype": "FP32", "shape": [-1, -1, CHANNELS]},
         {"name": "lengths", "datatype": "INT64", "shape": [-1]},
     ]
-    assert [(o["name"], o["shape"]) for o in metadata["outputs"]] == [
-        ("next", [-1, CHANNELS]), ("anomaly_score", [-1]), ("probs", [-1, CLASSES])
-    ]  # fmt: skip
+    assert metadata["outputs"] == [
+        {"name": "next", "datatype": "FP32", "shape": [-1, CHANNELS]},
+        {"name": "anomaly_score", "datatype": "FP32", "shape": [-1]},
+        {"name": "probs", "datatype": "FP32", "shape": [-1, CLASSES]},
+    ]
     assert client.get_model_metadata("streamtrain", "1")["versions"] == ["1"]
     with pytest.raises(InferenceServerException, match="no kept version '9'"):
         client.get_model_metadata("streamtrain", "9")
@@ -196,6 +198,7 @@ def test_infer_equals_v1_predict_with_padding(client: triton.InferenceServerClie
     assert_same(result, reference)
     answer = result.get_response()
     assert answer["model_version"] == str(reference["version"]) and answer["id"] == "req-7"
+    assert answer["model_name"] == "streamtrain"
     # the age of the version that answered, taken while the request was served
     published_at = server.service.trainer.registry.get(reference["version"]).published_at
     assert asked - published_at - 1e-3 <= answer["parameters"]["model_age_s"] <= answered - published_at + 1e-3
