@@ -362,7 +362,24 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
         {},
         "classification extension",
     ),
-    ("binary flag", {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}, {}, "true or false"),
+    (
+        "binary flag",
+        {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}},
+        {},
+        "parameters.binary_data_output must be true or false",
+    ),
+    (
+        "output twice",
+        {"inputs": [values_input(GOOD)], "outputs": [{"name": "next"}, {"name": "next"}]},
+        {},
+        "outputs[1] (next): output asked for twice",
+    ),
+    (
+        "output shm",
+        {"inputs": [values_input(GOOD)], "outputs": [{"name": "next", "parameters": {"shared_memory_region": "r"}}]},
+        {},
+        "outputs[0] (next): the shared-memory extension is not supported",
+    ),
     (
         "output binary flag",
         {"inputs": [values_input(GOOD)], "outputs": [{"name": "next", "parameters": {"binary_data": 1}}]},
@@ -455,10 +472,18 @@ def test_schema_refusals_name_each_problem_in_pydantic_words_five_at_most(api: T
         assert response.status_code == 400 and response.json() == {"error": message}, response.text
 
 
+def test_a_request_wide_binary_flag_that_is_not_a_boolean_is_refused_in_these_words(api: TestClient) -> None:
+    body = {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}
+    response = api.post("/v2/models/streamtrain/infer", json=body)
+    assert response.status_code == 400
+    assert response.json() == {"error": "parameters.binary_data_output must be true or false"}
+
+
 def test_a_header_length_of_the_whole_body_leaves_no_binary_part(api: TestClient) -> None:
     content = json.dumps({"inputs": [values_input(GOOD)]}).encode()
     response = api.post("/v2/models/streamtrain/infer", content=content, headers={oip.HEADER_LENGTH: str(len(content))})
     assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"  # no output asked for as binary
     assert [o["name"] for o in response.json()["outputs"]] == ["next", "anomaly_score", "probs"]
 
 
