@@ -397,6 +397,7 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
     ("header length text", b'{"inputs": []}', {oip.HEADER_LENGTH: "-1"}, "Inference-Header-Content-Length"),
     ("encoding", b'{"inputs": []}', {"content-encoding": "br"}, "Content-Encoding 'br'"),
     ("bad gzip", b"not gzip at all", {"content-encoding": "gzip"}, "not valid gzip"),
+    ("deflate sent as gzip", zlib.compress(b'{"inputs": []}'), {"content-encoding": "gzip"}, "not valid gzip"),
     ("truncated gzip", gzip.compress(b'{"inputs": []}')[:-12], {"content-encoding": "gzip"}, "truncated"),
 ]
 
@@ -472,11 +473,45 @@ def test_schema_refusals_name_each_problem_in_pydantic_words_five_at_most(api: T
         assert response.status_code == 400 and response.json() == {"error": message}, response.text
 
 
-def test_a_request_wide_binary_flag_that_is_not_a_boolean_is_refused_in_these_words(api: TestClient) -> None:
-    body = {"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}
-    response = api.post("/v2/models/streamtrain/infer", json=body)
-    assert response.status_code == 400
-    assert response.json() == {"error": "parameters.binary_data_output must be true or false"}
+def test_refusals_in_these_words(api: TestClient) -> None:
+    overflow = {"inputs": [{**values_input(GOOD[:, :2]), "data": [[[1.0, 2.0]] * 2, [[3e38, 3e38], [-3e38, -3e38]]]}]}
+    cases: list[tuple[bytes, str]] = [
+        (json.dumps({"inputs": [values_input(GOOD)], "parameters": {"binary_data_output": "yes"}}).encode(),
+         "parameters.binary_data_output must be true or false"),
+        (b"\xff\x00garbage", "body: the inference request is not UTF-8 JSON"),
+        (b"[1, 2]", "body: expected a JSON object (the inference request), got list"),
+        (json.dumps(overflow).encode(), "values[1]: non_finite: the forecast overflows for these readings; "
+         "they lie far outside the range the model works in"),
+    ]  # fmt: skip
+    for content, message in cases:
+        response = api.post("/v2/models/streamtrain/infer", content=content)
+        assert response.status_code == 400 and response.json() == {"error": message}, response.text
+
+
+def test_inflating_stops_one_byte_past_the_limit_and_the_limit_itself_is_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    limit = 1000
+    assert oip.decode_body(gzip.compress(b"x" * limit), "gzip", limit) == b"x" * limit
+    asked: list[int] = []
+    real = zlib.decompressobj
+
+    class Recording:
+        def __init__(self, wbits: int) -> None:
+            self.inner = real(wbits)
+
+        def decompress(self, data: bytes, max_length: int = 0) -> bytes:
+            asked.append(max_length)
+            return self.inner.decompress(data, max_length)
+
+        @property
+        def eof(self) -> bool:
+            return self.inner.eof
+
+    monkeypatch.setattr(oip.zlib, "decompressobj", Recording)
+    with pytest.raises(oip.OIPProblem, match="over 1000 bytes once inflated") as caught:
+        oip.decode_body(gzip.compress(b"x" * 10**6), "gzip", limit)  # a bomb: a megabyte from a kilobyte
+    assert caught.value.status == 413 and asked == [limit + 1]  # never more than one byte past the limit
 
 
 def test_a_header_length_of_the_whole_body_leaves_no_binary_part(api: TestClient) -> None:
@@ -569,7 +604,8 @@ def test_overloaded_and_unpublished_are_503_with_an_error(tmp_path: Path, monkey
     body = {"inputs": [{"name": "values", "datatype": "FP32", "shape": [1, 2, 1], "data": [0.5, 0.25]}]}
     with TestClient(create_app(service), raise_server_exceptions=False) as api:
         response = api.post("/v2/models/streamtrain/infer", json=body)
-        assert response.status_code == 503 and "no model published yet" in response.json()["error"]
+        assert response.status_code == 503
+        assert response.json() == {"error": "no model published yet: the window is still filling"}
         ready = api.get("/v2/models/streamtrain/ready")
         assert ready.status_code == 400
         assert ready.json() == {
