@@ -386,12 +386,6 @@ REFUSALS: list[tuple[str, dict[str, Any] | bytes, dict[str, str], str]] = [
         {},
         "outputs[0] (next): parameters.binary_data must be true or false",
     ),
-    (
-        "forecast overflow",  # finite readings whose forecast is not: the row that overflows is named
-        {"inputs": [{**values_input(GOOD[:, :2]), "data": [[[1.0, 2.0], [1.0, 2.0]], [[3e38, 3e38], [-3e38, -3e38]]]}]},
-        {},
-        "values[1]: non_finite: the forecast overflows for these readings",
-    ),
     ("shm", {"inputs": [values_input(GOOD, parameters={"shared_memory_region": "r"})]}, {}, "shared-memory"),
     ("header length", b'{"inputs": []}', {oip.HEADER_LENGTH: "999"}, "Inference-Header-Content-Length"),
     ("header length text", b'{"inputs": []}', {oip.HEADER_LENGTH: "-1"}, "Inference-Header-Content-Length"),
