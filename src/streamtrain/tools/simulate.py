@@ -40,6 +40,16 @@ from streamtrain.tools.simulation_config import (
 logger = logging.getLogger(__name__)
 
 
+def one_line_socket_errors(record: logging.LogRecord) -> bool:
+    """kafka-python logs a broker that drops or refuses a connection with the traceback of the socket's
+    ``OSError`` (``log.exception``); the error's class and words say all of it, on the same line."""
+    error = record.exc_info[1] if record.exc_info else None
+    if isinstance(error, OSError):
+        record.msg, record.args = f"{record.getMessage()} ({type(error).__name__}: {error})", None
+        record.exc_info = record.exc_text = None
+    return True
+
+
 class TokenBucket:
     """Paces a sender at ``rate`` tokens/s with bursts of at most ``burst`` tokens.
 
@@ -357,6 +367,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka.net.transport").addFilter(one_line_socket_errors)
     stop, abandon = threading.Event(), threading.Event()
     previous = _install_stop_handlers(stop, abandon)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 import threading
 
 import numpy as np
@@ -12,7 +13,14 @@ import pytest
 from kafka.errors import KafkaTimeoutError
 from simulation_fixtures import NOW, config
 
-from streamtrain.tools.simulate import TokenBucket, add_cli, chunk_size, run_cli, run_simulation
+from streamtrain.tools.simulate import (
+    TokenBucket,
+    add_cli,
+    chunk_size,
+    one_line_socket_errors,
+    run_cli,
+    run_simulation,
+)
 from streamtrain.tools.simulation_config import SimulationConfig, load_simulation_config
 
 # --- pacing ----------------------------------------------------------------------------------
@@ -239,3 +247,26 @@ def test_run_cli_rejects_bad_settings_with_one_line(capsys):
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "malformed_share" in err and "--malformed-share" in err
+
+
+def test_a_dropped_broker_connection_is_logged_in_one_line_without_its_traceback() -> None:
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        record = logging.getLogger("kafka.net.transport").makeRecord(
+            "kafka.net.transport", logging.ERROR, __file__, 1, "%s: Error receiving network data closing socket",
+            ("<transport>",), sys.exc_info(),
+        )  # fmt: skip
+    assert one_line_socket_errors(record)
+    assert formatter.format(record) == (
+        "ERROR kafka.net.transport: <transport>: Error receiving network data closing socket "
+        "(ConnectionResetError: [Errno 104] Connection reset by peer)"
+    )
+    try:
+        raise ValueError("a bug, not the network")
+    except ValueError:
+        other = logging.getLogger("kafka.net.transport").makeRecord(
+            "kafka.net.transport", logging.ERROR, __file__, 1, "boom", (), sys.exc_info()
+        )
+    assert one_line_socket_errors(other) and "Traceback" in formatter.format(other)  # kept for anything else
