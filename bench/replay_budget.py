@@ -27,6 +27,7 @@ it cannot learn alone? Then the geometric means.
     python bench/replay_budget.py --weight-decay 0.1  # stronger AdamW weight decay (the service's: 0.01)
     python bench/replay_budget.py --level-inputs  # the level and step scale as inputs too
     python bench/replay_budget.py --choose-level  # both networks, the held-out block choosing (~2x the time)
+    python bench/replay_budget.py --choose-range  # the same with the level clipped to the range seen
 
 Needs the bench extra (statsmodels, matplotlib: the series' files); no broker.
 """
@@ -80,6 +81,45 @@ class LevelAwareModel(SensorModel):
         return ModelOutput(forecast=(x + scale * change) * real, logits=None)
 
 
+class RangeAwareModel(SensorModel):
+    """:class:`LevelAwareModel` whose level cannot leave the range it was trained on: per channel,
+    the reading clipped to the range of the readings seen before its instance's last, and a flag
+    that says only whether it lies above (1), below (-1) or inside (0) that range. Its input is
+    ``[readings, range low, range high]`` along the channels (the range constant along the
+    instance); its output the service's, so untrained it is still the last value."""
+
+    def __init__(self, channels: int, **network: Any) -> None:
+        super().__init__(channels, **network)
+        self.channels = channels
+        self.input = torch.nn.Linear(5 * channels, self.input.out_features)
+
+    def forward(self, x_norm: torch.Tensor, mask: torch.Tensor, row_multiple: int = 1) -> ModelOutput:
+        batch, length, _ = x_norm.shape
+        readings, low, high = x_norm.split(self.channels, dim=-1)
+        real = mask.bool()[..., None]
+        x = readings.masked_fill(~real, 0.0)
+        features, scale = level_free_features(x, real)
+        clipped = torch.minimum(torch.maximum(x, low), high)
+        outside = (x > high).float() - (x < low).float()
+        inputs = torch.cat([features, clipped * real, torch.log(scale) * real, outside * real], dim=-1)
+        hidden = self.input(inputs.reshape(batch * length, -1)) + self.positions[:length].repeat(batch, 1)
+        for block in self.blocks:
+            hidden = block(hidden, batch, length)
+        change = self.forecast_head(self.final_norm(hidden)).view(batch, length, self.channels)
+        return ModelOutput(forecast=(x + scale * change) * real, logits=None)
+
+
+def with_range_seen(z: np.ndarray, starts: np.ndarray, normalized: np.ndarray) -> np.ndarray:
+    """``z`` [N, L, C] (instances starting at ``starts`` in the series ``normalized`` [T, C]) with
+    the range of the readings before each instance's last appended along the channels, as
+    :class:`RangeAwareModel` reads it: in a stream of sliding windows, every earlier instance has
+    been seen, so only an instance's newest reading can lie outside the range."""
+    low, high = np.minimum.accumulate(normalized), np.maximum.accumulate(normalized)
+    seen = starts + z.shape[1] - 2  # the last reading of the instance before
+    along = [np.repeat(bound[seen][:, None, :], z.shape[1], axis=1) for bound in (low, high)]
+    return np.concatenate([z, *along], axis=-1).astype(np.float32)
+
+
 def forecast_last(model: SensorModel, z: np.ndarray) -> np.ndarray:
     """The model's forecast after each context of ``z`` [N, L, C] (normalized units)."""
     model.eval()
@@ -124,16 +164,17 @@ def run_series(
     hybrid: bool = False,
     weight_decay: float = 0.01,
     level_inputs: bool = False,
-    choose_level: bool = False,
+    choose: str | None = None,
 ) -> dict[str, float]:
     """Test MSE / AR(p)'s per replay count and for early stopping (averaged over seeds), the seeds'
     networks averaged, and the mean pick; with ``hybrid``, also the network trained as a correction
     on AR(p)'s forecast (``hybrid_R``). ``network``: ``SensorModel``'s size and dropout (its defaults,
     the service's, where absent); ``weight_decay``: AdamW's; ``level_inputs``: train
-    :class:`LevelAwareModel` instead of the service's network; ``choose_level``: train both and
-    let the held-out block choose, per seed, which one forecasts (``chosen_R``; with early
-    stopping, ``chosen_early``: the best of both networks at every replay count), as a service
-    holding both families would."""
+    :class:`LevelAwareModel` instead of the service's network; ``choose``: train the service's
+    network and a second family, ``level`` (:class:`LevelAwareModel`, its scores ``level_R``) or
+    ``range`` (:class:`RangeAwareModel`, ``range_R``), and let the held-out block choose, per seed,
+    which one forecasts (``chosen_R``; with early stopping, ``chosen_early``: the best of both
+    networks at every replay count), as a service holding both families would."""
     values = make().values.astype(np.float64)
     base = baselines(values)
     mean, std = base.mean, base.std
@@ -142,6 +183,13 @@ def run_series(
     held = max(8, len(z) // int(1 / HELD_OUT_SHARE))
     train, holdout = z[: len(z) - held - (CONTEXT - 1)], z[len(z) - held :]
     contexts = (base.contexts - mean) / std
+    channels = values.shape[1]
+    data = {"train": train, "holdout": holdout, "contexts": contexts}
+    if choose == "range":  # the same instances with the range seen before each one's last reading
+        series = (values - mean) / std
+        starts = {"train": np.arange(len(train)), "holdout": np.arange(len(z) - held, len(z))}
+        starts["contexts"] = np.arange(base.cut, len(values)) - CONTEXT
+        ranged = {k: with_range_seen(v.astype(np.float32), starts[k], series) for k, v in data.items()}
     mse_ar = base.mse(base.ar)
     # AR(p) in normalized units (the same fit as base.ar's: least squares with an intercept is
     # unchanged by the scaling); the hybrid learns only where every channel has its AR forecast
@@ -154,17 +202,19 @@ def run_series(
     forecasts: dict[int, list[np.ndarray]] = {r: [] for r in REPLAYS}  # per seed, in data units
     corrected: dict[int, list[float]] = {r: [] for r in REPLAYS}
     stopped, picks = [], []
-    level_test: dict[int, list[float]] = {r: [] for r in REPLAYS}  # the level-aware network's, with choose_level
+    second_test: dict[int, list[float]] = {r: [] for r in REPLAYS}  # the second family's, with choose
     chosen: dict[int, list[float]] = {r: [] for r in REPLAYS}
     chosen_early: list[float] = []
-    arms = ("network",) + (("level",) if choose_level else ()) + (("hybrid",) if hybrid else ())
+    arms = ("network",) + ((choose,) if choose else ()) + (("hybrid",) if hybrid else ())
     for seed in seeds:
         held_by_arm: dict[str, dict[int, float]] = {}
         for arm in arms:
             rng = np.random.default_rng(seed)
             torch.manual_seed(seed)
             aware = arm == "level" or (arm == "network" and level_inputs)
-            model = (LevelAwareModel if aware else SensorModel)(values.shape[1], **(network or {}))
+            family = RangeAwareModel if arm == "range" else LevelAwareModel if aware else SensorModel
+            model = family(channels, **(network or {}))
+            train, holdout, contexts = (ranged if arm == "range" else data).values()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=weight_decay)
             done, held_mse = 0, {}
             for replays in REPLAYS:
@@ -177,7 +227,7 @@ def run_series(
                         out = torch.tensor(train_bases[rows]) + (out - x)
                         loss = ((out[:, first:-1] - x[:, first + 1 :]) ** 2).mean()
                     else:
-                        loss = ((out[:, :-1] - x[:, 1:]) ** 2).mean()
+                        loss = ((out[:, :-1] - x[:, 1:, :channels]) ** 2).mean()
                     optimizer.zero_grad()
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -187,9 +237,11 @@ def run_series(
                     forecast = ar_test + forecast_last(model, contexts) - contexts[:, -1]
                     corrected[replays].append(base.mse(forecast * std + mean) / mse_ar)
                     continue
-                held_mse[replays] = float(((forecast_last(model, holdout[:, :-1]) - holdout[:, -1]) ** 2).mean())
-                if arm == "level":
-                    level_test[replays].append(base.mse(forecast_last(model, contexts) * std + mean) / mse_ar)
+                held_mse[replays] = float(
+                    ((forecast_last(model, holdout[:, :-1]) - holdout[:, -1, :channels]) ** 2).mean()
+                )
+                if arm == choose:
+                    second_test[replays].append(base.mse(forecast_last(model, contexts) * std + mean) / mse_ar)
                     continue
                 forecasts[replays].append(forecast_last(model, contexts) * std + mean)
                 test[replays].append(base.mse(forecasts[replays][-1]) / mse_ar)
@@ -198,15 +250,15 @@ def run_series(
                 pick = min(held_mse, key=held_mse.__getitem__)
                 stopped.append(test[pick][-1])
                 picks.append(pick)
-        if choose_level:  # the held-out block's choice between the two networks, this seed's
-            seed_test = {"network": {r: test[r][-1] for r in REPLAYS}, "level": {r: level_test[r][-1] for r in REPLAYS}}
+        if choose:  # the held-out block's choice between the two networks, this seed's
+            seed_test = {"network": {r: test[r][-1] for r in REPLAYS}, choose: {r: second_test[r][-1] for r in REPLAYS}}
             at_each, early = held_out_choice(held_by_arm, seed_test)
             for r in REPLAYS:
                 chosen[r].append(at_each[r])
             chosen_early.append(early)
     out = {f"replays_{r}": float(np.mean(v)) for r, v in test.items()}
-    if choose_level:
-        out.update({f"level_{r}": float(np.mean(v)) for r, v in level_test.items()})
+    if choose:
+        out.update({f"{choose}_{r}": float(np.mean(v)) for r, v in second_test.items()})
         out.update({f"chosen_{r}": float(np.mean(v)) for r, v in chosen.items()})
         out["chosen_early"] = float(np.mean(chosen_early))
     out["early_stopping"] = float(np.mean(stopped))
@@ -241,17 +293,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="train both networks (level-free and level-aware) and let the held-out block choose, ~2x the time",
     )
+    parser.add_argument(
+        "--choose-range",
+        action="store_true",
+        help="as --choose-level, the level clipped to the range seen before and a flag outside it",
+    )
     args = parser.parse_args(argv)
     makers = {name: make for group in series_groups(args.series).values() for name, make in group.items()}
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     torch.set_num_threads(1)
+    choose = "range" if args.choose_range else "level" if args.choose_level else None
     rows: dict[str, dict[str, float]] = {}
     for name, make in makers.items():
         started = time.monotonic()
         network = {"d_model": args.d_model, "n_heads": args.n_heads, "n_layers": args.n_layers, "dropout": args.dropout}
-        rows[name] = run_series(
-            make, seeds, network, args.hybrid, args.weight_decay, args.level_inputs, args.choose_level
-        )
+        rows[name] = run_series(make, seeds, network, args.hybrid, args.weight_decay, args.level_inputs, choose)
         print(f"[replay_budget] {name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     arms = [k for k in next(iter(rows.values())) if k != "early_stopping_pick"]
     geomean = {k: math.exp(float(np.mean([math.log(r[k]) for r in rows.values()]))) for k in arms}
