@@ -18,6 +18,7 @@ import json
 import socket
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -426,6 +427,52 @@ def test_binary_refusals(api: TestClient, size: Any, payload: bytes, message: st
     assert response.status_code == 400 and message in response.json()["error"], response.text
 
 
+def test_binary_refusals_in_these_words(api: TestClient) -> None:
+    def refusal(parameters: dict[str, Any], payload: bytes, data: Any = None, shape: list[int] | None = None) -> Any:
+        values = {"name": "values", "datatype": "FP32", "shape": shape or [2, 3, 2], "parameters": parameters}
+        content, headers = binary_body({"inputs": [values if data is None else {**values, "data": data}]}, payload)
+        response = api.post("/v2/models/streamtrain/infer", content=content, headers=headers)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    assert refusal({"binary_data_size": 8}, GOOD.tobytes()) == (
+        "inputs[0] (values): binary_data_size 8 does not fit shape [2, 3, 2] of FP32 (48 bytes)"
+    )
+    assert refusal({"binary_data_size": 48}, GOOD.tobytes(), data=GOOD.ravel().tolist()) == (
+        "inputs[0] (values): give either data or binary_data_size, not both"
+    )
+    # an empty tensor's binary part is 0 bytes, which is a size: the batch is what is refused
+    assert refusal({"binary_data_size": 0}, b"", shape=[0, 3, 2]) == (
+        "values: expected 1..16 instances (the batch dimension), got 0"
+    )
+
+
+def test_a_full_batch_is_answered(api: TestClient) -> None:
+    full = np.arange(16 * 2 * 2, dtype=np.float32).reshape(16, 2, 2)  # max_predict_batch instances
+    response = api.post("/v2/models/streamtrain/infer", json={"inputs": [values_input(full)]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["shape"][0] == 16
+
+
+def test_readings_past_float32_range_are_refused_before_a_later_row_s_words_and_warn_nothing() -> None:
+    """With a non-number anywhere, the data is read one element at a time; a reading beyond float32
+    is still inf there (its row refused as non_finite, before a later row's schema problem), and the
+    overflow is expected, so numpy warns nothing."""
+    data = [1e39] + [0.0] * 5 + [None] + [0.0] * 5
+    request = oip.OIPInferRequest.model_validate({"inputs": [{**values_input(GOOD), "data": data}]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inputs = oip.read_inputs(request, b"")
+        fast = oip.read_inputs(
+            oip.OIPInferRequest.model_validate({"inputs": [values_input(GOOD.astype(np.float64) * 1e38)]}), b""
+        )
+    assert inputs.values.dtype == np.float32 and np.isinf(inputs.values[0, 0, 0])
+    assert np.isinf(fast.values).sum() == 8  # 4e38 and up
+    with pytest.raises(oip.OIPProblem) as refused:
+        oip.split_instances(inputs, 2, MAX_LEN, max_batch=16)
+    assert refused.value.message.startswith("values[0]: non_finite")
+
+
 def test_binary_and_json_data_mix_and_nested_json_data(api: TestClient) -> None:
     lengths = np.array([3, 1], dtype=np.int32)
     header = {"inputs": [{"name": "values", "datatype": "FP32", "shape": [2, 3, 2], "data": GOOD.tolist()},  # nested
@@ -465,6 +512,15 @@ def test_refusals_in_these_words(api: TestClient) -> None:
         (b"[1, 2]", "body: expected a JSON object (the inference request), got list"),
         (json.dumps(overflow).encode(), "values[1]: non_finite: the forecast overflows for these readings; "
          "they lie far outside the range the model works in"),
+        (json.dumps({"inputs": [values_input(GOOD), {"name": "lengths", "datatype": "FP32", "shape": [2],
+                                                     "data": [1.0, 1.0]}]}).encode(),
+         "inputs[1] (lengths): datatype 'FP32'; expected INT32 or INT64"),
+        (json.dumps({"inputs": [{"name": "lengths", "datatype": "INT64", "shape": [2], "data": [1, 2]}]}).encode(),
+         "inputs: the input 'values' (FP32 [batch, length, channels]) is required"),
+        (json.dumps({"inputs": [{**values_input(GOOD), "data": [[0.0, 1.0], 2.0] + [0.0] * 10}]}).encode(),
+         "inputs[0] (values).data: schema: mixes arrays and numbers at one nesting level"),
+        (json.dumps({"inputs": [{**values_input(GOOD), "data": None}]}).encode(),
+         "inputs[0] (values): no data (give data, or binary_data_size with the binary extension)"),
     ]  # fmt: skip
     for content, message in cases:
         response = api.post("/v2/models/streamtrain/infer", content=content)
