@@ -82,9 +82,9 @@ class LevelAwareModel(SensorModel):
 
 
 class RangeAwareModel(SensorModel):
-    """:class:`LevelAwareModel` whose level cannot leave the range it was trained on: per channel,
-    the reading clipped to the range of the readings seen before its instance's last, and a flag
-    that says only whether it lies above (1), below (-1) or inside (0) that range. Its input is
+    """:class:`LevelAwareModel` whose level cannot leave the range seen: per channel, the reading
+    clipped to the range of the readings before its instance, and a flag that says only whether it
+    lies above (1), below (-1) or inside (0) that range. Its input is
     ``[readings, range low, range high]`` along the channels (the range constant along the
     instance); its output the service's, so untrained it is still the last value."""
 
@@ -111,11 +111,13 @@ class RangeAwareModel(SensorModel):
 
 def with_range_seen(z: np.ndarray, starts: np.ndarray, normalized: np.ndarray) -> np.ndarray:
     """``z`` [N, L, C] (instances starting at ``starts`` in the series ``normalized`` [T, C]) with
-    the range of the readings before each instance's last appended along the channels, as
-    :class:`RangeAwareModel` reads it: in a stream of sliding windows, every earlier instance has
-    been seen, so only an instance's newest reading can lie outside the range."""
+    the range of the readings before each instance (its first reading's own, for the first)
+    appended along the channels, as :class:`RangeAwareModel` reads it. The range ends where the
+    instance begins, so that training sees readings outside it wherever the series set a record,
+    as it will when it forecasts (a range that ended one reading short of an instance's newest
+    one would leave only that newest reading outside it, whose forecast no loss reads)."""
     low, high = np.minimum.accumulate(normalized), np.maximum.accumulate(normalized)
-    seen = starts + z.shape[1] - 2  # the last reading of the instance before
+    seen = np.maximum(starts - 1, 0)  # the reading before the instance's first
     along = [np.repeat(bound[seen][:, None, :], z.shape[1], axis=1) for bound in (low, high)]
     return np.concatenate([z, *along], axis=-1).astype(np.float32)
 
@@ -185,7 +187,7 @@ def run_series(
     contexts = (base.contexts - mean) / std
     channels = values.shape[1]
     data = {"train": train, "holdout": holdout, "contexts": contexts}
-    if choose == "range":  # the same instances with the range seen before each one's last reading
+    if choose == "range":  # the same instances with the range of the readings before each one
         series = (values - mean) / std
         starts = {"train": np.arange(len(train)), "holdout": np.arange(len(z) - held, len(z))}
         starts["contexts"] = np.arange(base.cut, len(values)) - CONTEXT

@@ -153,7 +153,7 @@ def test_the_held_out_block_chooses_the_family_at_each_replay_count_and_across_t
     assert replay_budget.held_out_choice(tie, test) == ({4: 10.0}, 10.0)  # a tie keeps the service's network
 
 
-def test_the_range_seen_is_every_reading_before_an_instance_s_last_and_clips_the_level() -> None:
+def test_the_range_seen_is_that_of_the_readings_before_an_instance_and_clips_the_level() -> None:
     import replay_budget  # noqa: PLC0415 (torch: imported only by the tests that need it)
     import torch  # noqa: PLC0415
 
@@ -161,10 +161,10 @@ def test_the_range_seen_is_every_reading_before_an_instance_s_last_and_clips_the
     z = np.stack([series[i : i + 3] for i in range(3)])
     ranged = replay_budget.with_range_seen(z, np.arange(3), series)
     assert ranged.shape == (3, 3, 6) and np.array_equal(ranged[..., :2], z)
-    # the instance starting at 1 ends at 3: the readings before its last are rows 0-2
-    assert np.array_equal(ranged[1, :, 2:4], np.tile([0.0, 4.0], (3, 1)))  # low, per channel
-    assert np.array_equal(ranged[1, :, 4:], np.tile([2.0, 6.0], (3, 1)))  # high
-    assert np.array_equal(ranged[2, 0, 2:], [0.0, 3.0, 3.0, 6.0])  # rows 0-3 for the instance ending at 4
+    assert np.array_equal(ranged[0, :, 2:], np.tile([0.0, 5.0, 0.0, 5.0], (3, 1)))  # the first reading's own
+    # the instance starting at 2 comes after rows 0-1: low, high per channel, along the instance
+    assert np.array_equal(ranged[2, :, 2:4], np.tile([0.0, 4.0], (3, 1)))
+    assert np.array_equal(ranged[2, :, 4:], np.tile([2.0, 5.0], (3, 1)))
 
     torch.manual_seed(0)
     model = replay_budget.RangeAwareModel(2, d_model=16, n_heads=2, n_layers=1)
@@ -175,7 +175,6 @@ def test_the_range_seen_is_every_reading_before_an_instance_s_last_and_clips_the
     forecast = model(x, mask).forecast
     assert torch.equal(forecast, x[..., :2])  # untrained: the last value, as the service's network
     clipped, outside = inputs[0].view(1, 3, 10)[..., 4:6], inputs[0].view(1, 3, 10)[..., 8:]
-    # the last instance's newest reading (-1, 7) lies below the first channel's range seen (0..3) and
-    # above the second's (3..6): clipped to their edges and flagged; its earlier readings are inside
-    assert np.array_equal(clipped[0].numpy(), [[1.0, 6.0], [3.0, 3.0], [0.0, 6.0]])
-    assert np.array_equal(outside[0].numpy(), [[0.0, 0.0], [0.0, 0.0], [-1.0, 1.0]])
+    # readings (1, 6), (3, 3), (-1, 7) against the range 0..2 and 4..5: each clipped to it and flagged
+    assert np.array_equal(clipped[0].numpy(), [[1.0, 5.0], [2.0, 4.0], [0.0, 5.0]])
+    assert np.array_equal(outside[0].numpy(), [[0.0, 1.0], [1.0, -1.0], [-1.0, 1.0]])
