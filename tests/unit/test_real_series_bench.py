@@ -178,3 +178,6 @@ def test_the_range_seen_is_that_of_the_readings_before_an_instance_and_clips_the
     # readings (1, 6), (3, 3), (-1, 7) against the range 0..2 and 4..5: each clipped to it and flagged
     assert np.array_equal(clipped[0].numpy(), [[1.0, 5.0], [2.0, 4.0], [0.0, 5.0]])
     assert np.array_equal(outside[0].numpy(), [[0.0, 1.0], [1.0, -1.0], [-1.0, 1.0]])
+    inputs.clear()
+    model(torch.tensor([[[0.0, 5.0, 0.0, 4.0, 2.0, 5.0]]]), torch.ones(1, 1, dtype=torch.bool))  # on the edges
+    assert not inputs[0].view(1, 1, 10)[..., 8:].any()  # inside: an edge is part of the range
